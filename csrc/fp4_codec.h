@@ -1,0 +1,209 @@
+// fp4_codec.h: the scalar rules of DESIGN.md section 3, the one source of the math.
+//
+// Every function is inline and usable from host and device code. The CPU kernels (csrc/cpu) and the
+// CUDA kernels (csrc/cuda) are loops around these; fp4offload/formats/bits.py and reference.py
+// implement the same rules with torch ops and serve as the oracle in tests.
+//
+// Build without fast math and without FMA contraction (-ffp-contract=off, nvcc --fmad=false): every
+// multiply and divide below must round on its own, exactly as the reference does.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__CUDACC__)
+#define FP4_HD __host__ __device__ __forceinline__
+#else
+#define FP4_HD static inline
+#endif
+
+namespace fp4 {
+
+constexpr float kE2M1Max = 6.0f;
+constexpr float kE4M3Max = 448.0f;
+constexpr float kUfp4Max = 1.5f;
+constexpr float kUfp4Min = 0.0078125f;  // 2^-7
+constexpr float kF32Max = 3.40282346638528859812e+38f;
+constexpr uint8_t kE4M3NaN = 0x7F;
+constexpr uint8_t kE8M0NaN = 0xFF;
+constexpr int kNvBlock = 16;
+constexpr int kMxBlock = 32;
+
+FP4_HD uint32_t f2u(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+FP4_HD float u2f(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+FP4_HD bool is_finite(float x) { return (f2u(x) & 0x7F800000u) != 0x7F800000u; }
+FP4_HD float fabs_(float x) { return u2f(f2u(x) & 0x7FFFFFFFu); }
+FP4_HD float fmin_(float a, float b) { return b < a ? b : a; }  // a is never NaN here
+FP4_HD float fmax_(float a, float b) { return b > a ? b : a; }
+
+// Round-half-to-even of a >= 0 to an integer, for a < 2^22 (the subnormal grids below).
+FP4_HD int32_t rint_pos(float a) {
+#if defined(__CUDA_ARCH__)
+  return __float2int_rn(a);
+#else
+  return (int32_t)__builtin_rintf(a);  // default rounding mode: nearest, ties to even
+#endif
+}
+
+// Round the fp32 pattern of a >= 0 to `mbits` mantissa bits, ties to even; returns (exp << mbits) | mant.
+FP4_HD int32_t rne_mantissa(float a, int mbits) {
+  const int shift = 23 - mbits;
+  const uint32_t b = f2u(a);
+  const uint32_t lsb = (b >> shift) & 1u;
+  return (int32_t)((b + ((1u << (shift - 1)) - 1u) + lsb) >> shift);
+}
+
+// ---- E2M1 (3.1) ------------------------------------------------------------------------------------
+
+FP4_HD float e2m1_value(uint8_t code) {
+  const float mags[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float m = mags[code & 7];
+  return (code & 8) ? -m : m;
+}
+
+// Magnitude code of a in [0, 6], nearest, ties to even code.
+FP4_HD uint8_t e2m1_encode_mag(float a) {
+  int32_t c = a < 1.0f ? rint_pos(a * 2.0f) : rne_mantissa(a, 1) - (126 << 1);
+  return (uint8_t)(c > 7 ? 7 : c);
+}
+
+// Largest magnitude code whose value is <= a.
+FP4_HD uint8_t e2m1_floor_code(float a) {
+  int32_t c = a < 1.0f ? (int32_t)(a * 2.0f) : (int32_t)(f2u(a) >> 22) - (126 << 1);
+  return (uint8_t)(c > 7 ? 7 : c);
+}
+
+// Stochastic rounding (3.9): up when the fraction, scaled to 2^24, exceeds the top 24 random bits.
+FP4_HD uint8_t e2m1_encode_mag_sr(float a, uint32_t rnd) {
+  const uint8_t lo = e2m1_floor_code(a);
+  if (lo >= 7) return 7;
+  const float step_inv24 = lo < 4 ? 33554432.0f : (lo < 6 ? 16777216.0f : 8388608.0f);  // 2^24 / step
+  const float frac24 = (a - fabs_(e2m1_value(lo))) * step_inv24;
+  return (uint8_t)(lo + (frac24 > (float)(rnd >> 8) ? 1 : 0));
+}
+
+// Signed code of y (already scaled): clamp to +-6, sign from the sign bit (so -0 -> 8).
+FP4_HD uint8_t e2m1_encode(float y, bool stochastic, uint32_t rnd) {
+  const float a = fmin_(fabs_(y), kE2M1Max);
+  const uint8_t mag = stochastic ? e2m1_encode_mag_sr(a, rnd) : e2m1_encode_mag(a);
+  return (uint8_t)(mag | ((f2u(y) >> 28) & 8u));
+}
+
+// ---- E4M3 "fn" (bias 7, max 448, subnormals to 2^-9, 0x7F/0xFF NaN) --------------------------------
+
+FP4_HD uint8_t e4m3_encode(float x) {  // nearest even, saturating, sign kept; x is not NaN
+  const float a = fmin_(fabs_(x), kE4M3Max);
+  int32_t c = a < 0.015625f ? rint_pos(a * 512.0f) : rne_mantissa(a, 3) - (120 << 3);
+  if (c > 0x7E) c = 0x7E;
+  return (uint8_t)(c | ((f2u(x) >> 24) & 0x80u));
+}
+
+FP4_HD float e4m3_value(uint8_t code) {
+  const uint32_t e = (code >> 3) & 0xF, m = code & 7;
+  float mag;
+  if ((code & 0x7F) == 0x7F) {
+    mag = u2f(0x7FC00000u);
+  } else if (e == 0) {
+    mag = (float)m * 0.001953125f;  // m * 2^-9, exact
+  } else {
+    mag = u2f(((e + 120u) << 23) | (m << 20));
+  }
+  return (code & 0x80) ? -mag : mag;
+}
+
+// ---- E8M0 -------------------------------------------------------------------------------------------
+
+// Exact 2^k in fp32 for integer k in [-127, 127].
+FP4_HD float pow2(int32_t k) { return k >= -126 ? u2f((uint32_t)(k + 127) << 23) : u2f(0x00400000u); }
+
+FP4_HD float e8m0_value(uint8_t code) { return code == kE8M0NaN ? u2f(0x7FC00000u) : pow2((int32_t)code - 127); }
+
+// Shared exponent for an MX block from the bits of amax (finite, >= 0). rceil: smallest e with
+// amax <= elem_max * 2^e, elem_max = (1 + max_mant / 2^23) * 2^emax. floor: floor(log2 amax) - emax.
+FP4_HD int32_t mx_exponent(float amax, uint32_t max_mant, int32_t emax, bool floor_mode) {
+  const uint32_t b = f2u(amax);
+  const int32_t exp = (int32_t)((b >> 23) & 0xFF);
+  if (exp == 0) return -127;
+  int32_t e = exp - 127 - emax;
+  if (!floor_mode && (b & 0x7FFFFF) > max_mant) e += 1;
+  return e < -127 ? -127 : (e > 127 ? 127 : e);
+}
+
+// ---- ufp4 (3.7): code c = 2e + m -> 2^(e-7) * (1 + m/2), no zero ---------------------------------
+
+FP4_HD float ufp4_value(uint8_t code) {
+  return u2f(((uint32_t)((code >> 1) + 120) << 23) | ((uint32_t)(code & 1) << 22));
+}
+
+FP4_HD uint8_t ufp4_encode(float y) {  // y >= 0, already scaled
+  const float a = fmin_(y, kUfp4Max);
+  if (a < kUfp4Min) return 0;
+  int32_t c = rne_mantissa(a, 1) - (120 << 1);
+  return (uint8_t)(c > 15 ? 15 : c);
+}
+
+// ---- NVFP4 / ufp4 scales (3.3) ----------------------------------------------------------------------
+
+struct TensorScale {
+  float enc, dec;
+};
+
+// elem_max is 6 (nvfp4) or 1.5 (ufp4); s_enc = elem_max * 448 / amax, s_dec = 1 / s_enc; amax 0 -> s_dec 0.
+FP4_HD TensorScale tensor_scale(float amax, float elem_max) {
+  TensorScale s;
+  if (amax > 0.0f) {
+    s.enc = fmin_((elem_max * kE4M3Max) / amax, kF32Max);
+    s.dec = 1.0f / s.enc;
+  } else {
+    s.enc = 1.0f;
+    s.dec = 0.0f;
+  }
+  return s;
+}
+
+FP4_HD uint8_t block_scale_code(float amax_b, float elem_max, float s_enc) {
+  return e4m3_encode(fmin_((amax_b / elem_max) * s_enc, kE4M3Max));
+}
+
+// Multiplier that maps a block's elements onto the element grid; 0 when the block scale is 0.
+FP4_HD float block_encode_scale(uint8_t scale_code, float s_dec) {
+  if (scale_code == 0) return 0.0f;
+  return 1.0f / (e4m3_value(scale_code) * s_dec);
+}
+
+// ---- counter-based random bits (3.9) ----------------------------------------------------------------
+
+FP4_HD uint32_t fmix32(uint32_t h) {
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return h;
+}
+
+FP4_HD uint32_t sr_key(uint32_t seed, uint32_t stream, uint32_t index_hi) {
+  return fmix32((seed * 0x9E3779B9u) ^ fmix32(stream ^ (index_hi * 0x7FEB352Du)));
+}
+
+FP4_HD uint32_t sr_bits(uint32_t key, uint64_t index) { return fmix32((uint32_t)index * 0x9E3779B1u + key); }
+
+}  // namespace fp4

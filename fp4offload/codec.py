@@ -1,0 +1,114 @@
+"""`quantize` and `dequantize`: the public face of the codecs, with argument checking and dispatch."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ConfigError, NonFiniteError
+from .formats.packed import FORMATS, PackedTensor
+from .ops import backend_for
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_ROUNDINGS = ("nearest", "stochastic")
+_NONFINITE = ("raise", "propagate")
+_SCALE_MODES = ("rceil", "floor")
+
+
+def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
+    if not isinstance(x, torch.Tensor):
+        raise ConfigError("x", type(x).__name__, "a torch.Tensor")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ConfigError("x.dtype", x.dtype, "torch.float32, torch.bfloat16 or torch.float16",
+                          "cast the tensor first, e.g. x.float()")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ConfigError("x.device", str(x.device), "a cpu or cuda tensor")
+    if fmt not in FORMATS:
+        raise ConfigError("fmt", fmt, " | ".join(repr(f) for f in FORMATS))
+    allowed, default = FORMATS[fmt]
+    block = default if block is None else block
+    if block not in allowed:
+        raise ConfigError("block", block, f"{' | '.join(repr(b) for b in allowed)} for fmt={fmt!r}")
+    if rounding not in _ROUNDINGS:
+        raise ConfigError("rounding", rounding, "'nearest' | 'stochastic'")
+    if rounding == "stochastic" and fmt not in ("nvfp4", "mxfp4"):
+        raise ConfigError("rounding", rounding, f"'nearest' for fmt={fmt!r} (stochastic rounding is for nvfp4, mxfp4)")
+    if nonfinite not in _NONFINITE:
+        raise ConfigError("nonfinite", nonfinite, "'raise' | 'propagate'")
+    if scale_mode not in _SCALE_MODES:
+        raise ConfigError("scale_mode", scale_mode, "'rceil' | 'floor'")
+    if scale_scope is not None:
+        if fmt not in ("nvfp4", "ufp4") or block != "1x16":
+            raise ConfigError("scale_scope", scale_scope, "None for this format and block",
+                              "per-chunk tensor scales exist for nvfp4/ufp4 with block='1x16'")
+        if isinstance(scale_scope, bool) or not isinstance(scale_scope, int) or scale_scope <= 0 or scale_scope % 16:
+            raise ConfigError("scale_scope", scale_scope, "None or a positive multiple of 16 (elements per tensor scale)")
+    return block
+
+
+def _rows_cols(shape: torch.Size) -> tuple[int, int]:
+    if len(shape) == 0:
+        return 1, 1
+    n = 1
+    for s in shape:
+        n *= int(s)
+    cols = int(shape[-1])
+    return (n // cols if cols else 0), cols
+
+
+def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, rounding: str = "nearest",
+             seed: int = 0, scale_scope: int | None = None, nonfinite: str = "raise", scale_mode: str = "rceil",
+             stream: int = 0, name: str | None = None) -> PackedTensor:
+    """Quantize a floating tensor to a 4-bit (or MXFP8) format.
+
+    Args:
+        x: fp32, bf16 or fp16 tensor on CPU or CUDA; any shape, contiguous or not.
+        fmt: ``"nvfp4"`` (E2M1, E4M3 scale per 16, fp32 tensor scale), ``"mxfp4"`` (E2M1, E8M0 scale per 32),
+            ``"mxfp8"`` (E4M3, E8M0 per 32) or ``"ufp4"`` (unsigned, no zero; for sqrt of Adam's v).
+        block: ``"1x16"`` or ``"16x16"`` for nvfp4 (default ``"1x16"``), ``"1x32"`` for the MX formats;
+            ``None`` takes the format's default.
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (nvfp4 and mxfp4).
+        seed, stream: select the counter-based random bits of stochastic rounding (DESIGN.md 3.9).
+        scale_scope: elements per fp32 tensor scale for 1x16 nvfp4/ufp4 (a multiple of 16); ``None``: whole tensor.
+        nonfinite: ``"raise"`` (NonFiniteError naming the tensor and the count) or ``"propagate"`` (the block
+            decodes to NaN).
+        scale_mode: MX only, ``"rceil"`` (nothing clips) or ``"floor"`` (OCP v1.0).
+        name: how errors refer to the tensor.
+    """
+    block = _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode)
+    if fmt == "ufp4" and x.numel() and bool((x < 0).any()):
+        raise ConfigError(name or "x", "a tensor with negative values", "non-negative values for fmt='ufp4'",
+                          "ufp4 is unsigned; it stores sqrt(v) of Adam's second moment")
+    kern = backend_for(x.device)
+    rows, cols = _rows_cols(x.shape)
+    src = x.detach().contiguous()
+    stochastic = rounding == "stochastic"
+    propagate = nonfinite == "propagate"
+    if fmt in ("nvfp4", "ufp4"):
+        tile = 16 if block == "16x16" else 1
+        data, scales, ts, count = kern.nvfp4_encode(src, rows, cols, tile, scale_scope or 0, fmt == "ufp4",
+                                                    stochastic, seed, stream, propagate)
+    else:
+        data, scales, count = kern.mx_encode(src, fmt == "mxfp8", scale_mode == "floor", stochastic, seed, stream,
+                                             propagate)
+        ts = None
+    if count and not propagate:
+        raise NonFiniteError(name or "x", count, x.numel())
+    return PackedTensor(data, scales, ts, x.shape, x.dtype, fmt, block, scale_scope or 0)
+
+
+def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode a PackedTensor to `dtype` (default: the source dtype), in its original shape, on its device."""
+    if not isinstance(packed, PackedTensor):
+        raise ConfigError("packed", type(packed).__name__, "a PackedTensor from fp4offload.quantize")
+    dtype = packed.dtype if dtype is None else dtype
+    if dtype not in _FLOAT_DTYPES:
+        raise ConfigError("dtype", dtype, "torch.float32, torch.bfloat16 or torch.float16")
+    kern = backend_for(packed.device)
+    if packed.format in ("nvfp4", "ufp4"):
+        rows, cols = packed.rows_cols
+        tile = 16 if packed.block == "16x16" else 1
+        out = kern.nvfp4_decode(packed.data, packed.scales, packed.tensor_scale, rows, cols, tile,
+                                packed.scale_scope, packed.format == "ufp4", dtype)
+    else:
+        out = kern.mx_decode(packed.data, packed.scales, packed.numel, packed.format == "mxfp8", dtype)
+    return out.reshape(packed.shape)

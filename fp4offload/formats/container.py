@@ -1,0 +1,92 @@
+"""fp4offload's file container: a JSON header, then raw tensor bytes, each with a CRC32.
+
+Layout: ``MAGIC`` (8 bytes) | header length (uint64 little endian) | header (UTF-8 JSON) | payload.
+The header holds ``version``, the caller's metadata and, per tensor, dtype, shape, offset, nbytes and
+crc32. Files are written to a temporary name in the same folder, fsynced and renamed, so a crash
+leaves either the old file or the new one; they are created readable by their owner only. Nothing is
+pickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+from ..errors import CorruptionError
+
+MAGIC = b"FP4OFFL\x01"
+VERSION = 1
+_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
+           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().contiguous().cpu()
+    return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def write_container(path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """Write `tensors` and `meta` to `path` atomically; returns the bytes written."""
+    path = Path(path)
+    entries, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        raw = _tensor_bytes(t)
+        entries[name] = {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "offset": offset,
+                         "nbytes": len(raw), "crc32": zlib.crc32(raw)}
+        blobs.append(raw)
+        offset += len(raw)
+    header = json.dumps({"version": VERSION, "meta": meta, "tensors": entries}).encode()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            for raw in blobs:
+                f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return 16 + len(header) + offset
+
+
+def read_container(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a container; any mismatch of magic, version, size or checksum raises CorruptionError."""
+    path = Path(path)
+    if not path.exists():
+        raise CorruptionError(path, "file is missing")
+    raw = path.read_bytes()
+    if len(raw) < 16 or raw[:8] != MAGIC:
+        raise CorruptionError(path, "not an fp4offload file (bad magic)", offset=0, expected=MAGIC, found=raw[:8])
+    (hlen,) = struct.unpack("<Q", raw[8:16])
+    if 16 + hlen > len(raw):
+        raise CorruptionError(path, "truncated header", offset=16, expected=hlen, found=len(raw) - 16)
+    try:
+        header = json.loads(raw[16:16 + hlen])
+    except ValueError as e:
+        raise CorruptionError(path, f"unreadable header ({e})", offset=16) from None
+    if header.get("version") != VERSION:
+        raise CorruptionError(path, "unsupported format version", expected=VERSION, found=header.get("version"))
+    base = 16 + hlen
+    out = {}
+    for name, e in header["tensors"].items():
+        start, n = base + e["offset"], e["nbytes"]
+        if start + n > len(raw):
+            raise CorruptionError(path, f"tensor {name!r} truncated", offset=start, expected=n,
+                                  found=max(len(raw) - start, 0))
+        blob = raw[start:start + n]
+        crc = zlib.crc32(blob)
+        if crc != e["crc32"]:
+            raise CorruptionError(path, f"checksum mismatch in tensor {name!r}", offset=start,
+                                  expected=f"{e['crc32']:#010x}", found=f"{crc:#010x}")
+        dtype = _DTYPES[e["dtype"]]
+        t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+        out[name] = t.view(dtype).reshape(e["shape"])
+    return header["meta"], out

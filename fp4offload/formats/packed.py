@@ -1,0 +1,123 @@
+"""PackedTensor: the bytes of a quantized tensor and what it takes to decode them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+#: format name -> (allowed blocks, default block)
+FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
+    "nvfp4": (("1x16", "16x16"), "1x16"),
+    "ufp4": (("1x16",), "1x16"),
+    "mxfp4": (("1x32",), "1x32"),
+    "mxfp8": (("1x32",), "1x32"),
+}
+
+
+@dataclass
+class PackedTensor:
+    """A tensor quantized to NVFP4, ufp4, MXFP4 or MXFP8 (see DESIGN.md section 3).
+
+    Attributes:
+        data: uint8 codes. 4-bit formats hold two elements a byte, element 2i in the low nibble;
+            MXFP8 one E4M3 byte an element. Padded to whole blocks (and to whole 16x16 tiles).
+        scales: uint8 block scales: E4M3 bits (nvfp4, ufp4) or E8M0 bits (mxfp4, mxfp8).
+        tensor_scale: fp32 decode scale per scope (nvfp4, ufp4), ``None`` for the MX formats.
+        shape: shape of the source tensor.
+        dtype: dtype of the source tensor (what ``dequantize()`` returns by default).
+        format: ``"nvfp4" | "ufp4" | "mxfp4" | "mxfp8"``.
+        block: ``"1x16" | "16x16" | "1x32"``.
+        scale_scope: elements that share one tensor scale (0: the whole tensor).
+    """
+
+    data: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor | None
+    shape: torch.Size
+    dtype: torch.dtype
+    format: str
+    block: str
+    scale_scope: int = 0
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes + block scales + tensor scales."""
+        n = self.data.numel() * self.data.element_size() + self.scales.numel()
+        if self.tensor_scale is not None:
+            n += self.tensor_scale.numel() * 4
+        return n
+
+    @property
+    def rows_cols(self) -> tuple[int, int]:
+        """The 2-D view tiles are taken over: (prod(shape[:-1]), shape[-1])."""
+        if len(self.shape) == 0:
+            return 1, 1
+        cols = int(self.shape[-1])
+        return (self.numel // cols if cols else 0), cols
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        from ..codec import dequantize
+
+        return dequantize(self, dtype)
+
+    def to(self, device, non_blocking: bool = False) -> "PackedTensor":
+        ts = None if self.tensor_scale is None else self.tensor_scale.to(device, non_blocking=non_blocking)
+        return PackedTensor(self.data.to(device, non_blocking=non_blocking),
+                            self.scales.to(device, non_blocking=non_blocking), ts, self.shape, self.dtype,
+                            self.format, self.block, self.scale_scope, dict(self.meta))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors that make up this PackedTensor (for state dicts and files)."""
+        out = {"data": self.data, "scales": self.scales}
+        if self.tensor_scale is not None:
+            out["tensor_scale"] = self.tensor_scale
+        return out
+
+    def header(self) -> dict:
+        """JSON-able description (everything but the tensors)."""
+        return {"format": self.format, "block": self.block, "shape": [int(s) for s in self.shape],
+                "dtype": str(self.dtype).replace("torch.", ""), "scale_scope": int(self.scale_scope)}
+
+    @classmethod
+    def from_parts(cls, header: dict, tensors: dict[str, torch.Tensor]) -> "PackedTensor":
+        from ..errors import ConfigError
+
+        dtype = getattr(torch, header["dtype"], None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError("dtype", header["dtype"], "float32, bfloat16 or float16")
+        if header["format"] not in FORMATS:
+            raise ConfigError("format", header["format"], " | ".join(FORMATS))
+        return cls(tensors["data"], tensors["scales"], tensors.get("tensor_scale"), torch.Size(header["shape"]),
+                   dtype, header["format"], header["block"], int(header.get("scale_scope", 0)))
+
+    def save(self, path) -> None:
+        """Write to `path` (temporary name, then rename) in fp4offload's checksummed container; no pickle."""
+        from .container import write_container
+
+        write_container(path, self.header(), self.tensors())
+
+    @classmethod
+    def load(cls, path, device="cpu") -> "PackedTensor":
+        """Read a file written by `save`; a damaged file raises CorruptionError."""
+        from .container import read_container
+
+        header, tensors = read_container(path)
+        pt = cls.from_parts(header, tensors)
+        return pt if str(device) == "cpu" else pt.to(device)
+
+    def __repr__(self) -> str:
+        return (f"PackedTensor(format={self.format}, block={self.block}, shape={tuple(self.shape)}, "
+                f"dtype={self.dtype}, nbytes={self.nbytes}, device={self.device})")

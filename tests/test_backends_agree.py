@@ -1,0 +1,115 @@
+"""The CPU extension produces exactly the bytes of the torch reference (DESIGN.md section 3)."""
+
+import pytest
+import torch
+
+from fp4offload.formats import reference
+from fp4offload.ops import cpu
+
+SHAPES = [(0,), (1,), (7,), (16,), (17,), (33,), (1000,), (4097,), (3, 5), (16, 16), (17, 31), (2, 3, 50),
+          (64, 48), (130, 257)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _data(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
+    if x.numel() > 3:  # exact zeros, a -0 and a wide range
+        x.view(-1)[0] = 0.0
+        x.view(-1)[1] = -0.0
+        x.view(-1)[2] *= 1e-6
+    return x.to(dtype)
+
+
+def _rows_cols(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return (n // shape[-1] if shape[-1] else 0), shape[-1]
+
+
+@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
+def simd(request, cpu_ext):
+    before = cpu_ext.have_avx512()
+    on = cpu_ext.set_avx512(request.param)
+    if request.param and not on:
+        pytest.skip("AVX-512 paths not compiled for this CPU")
+    yield on
+    cpu_ext.set_avx512(before)
+
+
+def _eq(a, b):
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+        if a.is_floating_point():
+            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32) if b.dtype == torch.float32 else b)
+        else:
+            assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["nv-1x16", "nv-16x16", "nv-scope", "nv-sr", "nv-16x16-sr", "ufp4", "ufp4-scope"])
+def test_nvfp4_bytes_equal(shape, dtype, variant, simd):
+    x = _data(shape, dtype, hash((shape, variant)) % 1000)
+    if variant.startswith("ufp4"):
+        x = x.abs()
+    rows, cols = _rows_cols(shape)
+    tile = 16 if "16x16" in variant else 1
+    scope = 64 if "scope" in variant else 0
+    args = (x, rows, cols, tile, scope, variant.startswith("ufp4"), variant.endswith("sr"), 1234, 7, False)
+    ref = reference.nvfp4_encode(*args)
+    got = cpu.nvfp4_encode(*args)
+    for a, b in zip(ref, got):
+        _eq(a, b)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        dec_args = (ref[0], ref[1], ref[2], rows, cols, tile, scope, variant.startswith("ufp4"), out_dtype)
+        _eq(reference.nvfp4_decode(*dec_args), cpu.nvfp4_decode(*dec_args))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", ["mxfp4", "mxfp4-floor", "mxfp4-sr", "mxfp8", "mxfp8-floor"])
+def test_mx_bytes_equal(shape, dtype, variant, simd):
+    x = _data(shape, dtype, hash((shape, variant)) % 1000)
+    args = (x, variant.startswith("mxfp8"), "floor" in variant, variant.endswith("sr"), 99, 3, False)
+    ref = reference.mx_encode(*args)
+    got = cpu.mx_encode(*args)
+    for a, b in zip(ref, got):
+        _eq(a, b)
+    dec = (ref[0], ref[1], x.numel(), variant.startswith("mxfp8"), torch.float32)
+    _eq(reference.mx_decode(*dec), cpu.mx_decode(*dec))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "ufp4"])
+def test_nonfinite_propagate_bytes_equal(fmt, simd):
+    x = _data((300,), torch.float32, 5).abs()
+    x[20] = float("nan")
+    x[100] = float("inf")
+    x[101] = -float("inf")
+    if fmt in ("nvfp4", "ufp4"):
+        args = (x, 1, 300, 1, 0, fmt == "ufp4", False, 0, 0, True)
+        ref, got = reference.nvfp4_encode(*args), cpu.nvfp4_encode(*args)
+    else:
+        args = (x, fmt == "mxfp8", False, False, 0, 0, True)
+        ref, got = reference.mx_encode(*args), cpu.mx_encode(*args)
+    for a, b in zip(ref, got):
+        _eq(a, b)
+    assert ref[-1] == 3
+
+
+def test_extremes_bytes_equal(simd):
+    """Huge, tiny and subnormal values, and ties on every grid, take the same path in both backends."""
+    vals = [3.4e38, -3.4e38, 1e-40, -1e-45, 1.17e-38, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 1e30, 1e-30]
+    x = torch.tensor(vals * 3, dtype=torch.float32)
+    for scope in (0, 16):
+        args = (x, 1, x.numel(), 1, scope, False, False, 0, 0, False)
+        for a, b in zip(reference.nvfp4_encode(*args), cpu.nvfp4_encode(*args)):
+            _eq(a, b)
+    for fp8 in (False, True):
+        for floor in (False, True):
+            args = (x, fp8, floor, False, 0, 0, False)
+            for a, b in zip(reference.mx_encode(*args), cpu.mx_encode(*args)):
+                _eq(a, b)
