@@ -57,7 +57,7 @@ def _rows_cols(shape: torch.Size) -> tuple[int, int]:
 
 def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, rounding: str = "nearest",
              seed: int = 0, scale_scope: int | None = None, nonfinite: str = "raise", scale_mode: str = "rceil",
-             stream: int = 0, name: str | None = None) -> PackedTensor:
+             stream: int = 0, name: str | None = None, amax: torch.Tensor | float | None = None) -> PackedTensor:
     """Quantize a floating tensor to a 4-bit (or MXFP8) format.
 
     Args:
@@ -73,11 +73,20 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
             decodes to NaN).
         scale_mode: MX only, ``"rceil"`` (nothing clips) or ``"floor"`` (OCP v1.0).
         name: how errors refer to the tensor.
+        amax: nvfp4/ufp4 only: the amax (one value, or one per scope) the tensor scale is computed from,
+            instead of the measured one. Sharded weights pass the amax max-reduced across ranks so every
+            rank encodes with the same tensor scale. Values above it saturate at the format's maximum.
     """
     block = _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode)
     if fmt == "ufp4" and x.numel() and bool((x < 0).any()):
         raise ConfigError(name or "x", "a tensor with negative values", "non-negative values for fmt='ufp4'",
                           "ufp4 is unsigned; it stores sqrt(v) of Adam's second moment")
+    if amax is not None:
+        if fmt not in ("nvfp4", "ufp4"):
+            raise ConfigError("amax", amax, f"None for fmt={fmt!r} (an amax override exists for nvfp4 and ufp4)")
+        amax = torch.as_tensor(amax, dtype=torch.float32).reshape(-1)
+        if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
+            raise ConfigError("amax", amax.tolist(), "finite, non-negative values")
     kern = backend_for(x.device)
     rows, cols = _rows_cols(x.shape)
     src = x.detach().contiguous()
@@ -85,8 +94,15 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
     propagate = nonfinite == "propagate"
     if fmt in ("nvfp4", "ufp4"):
         tile = 16 if block == "16x16" else 1
+        nscopes = 1 if (tile == 16 or not scale_scope) else max(-(-x.numel() // scale_scope), 1)
+        if amax is not None:
+            if amax.numel() == 1:
+                amax = amax.expand(nscopes)
+            if amax.numel() != nscopes:
+                raise ConfigError("amax", f"{amax.numel()} values", f"1 or {nscopes} (one per scale scope)")
+            amax = amax.to(x.device).contiguous()
         data, scales, ts, count = kern.nvfp4_encode(src, rows, cols, tile, scale_scope or 0, fmt == "ufp4",
-                                                    stochastic, seed, stream, propagate)
+                                                    stochastic, seed, stream, propagate, amax)
     else:
         data, scales, count = kern.mx_encode(src, fmt == "mxfp8", scale_mode == "floor", stochastic, seed, stream,
                                              propagate)

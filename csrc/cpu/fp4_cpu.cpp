@@ -78,8 +78,8 @@ inline void encode_run(const float* v, int count, float s_enc_b, bool ufp4, bool
 
 template <typename T>
 void nvfp4_encode_impl(const T* x, int64_t rows, int64_t cols, int64_t tile, int64_t scope, bool ufp4,
-                       bool stochastic, uint32_t seed, uint32_t stream, bool propagate, uint8_t* data,
-                       uint8_t* scales, std::vector<float>& s_dec_out, int64_t& nonfinite) {
+                       bool stochastic, uint32_t seed, uint32_t stream, bool propagate, const float* amax_in,
+                       uint8_t* data, uint8_t* scales, std::vector<float>& s_dec_out, int64_t& nonfinite) {
   const int64_t n = rows * cols;
   const float elem_max = ufp4 ? fp4::kUfp4Max : fp4::kE2M1Max;
   const bool tiled = tile == 16;
@@ -105,6 +105,8 @@ void nvfp4_encode_impl(const T* x, int64_t rows, int64_t cols, int64_t tile, int
   }
   nonfinite = bad_total;
   if (bad_total && !propagate) return;  // the caller raises; nothing else to do
+  if (amax_in)
+    for (int64_t s = 0; s < nscopes; ++s) amax_s[s] = amax_in[s];
   std::vector<fp4::TensorScale> ts(nscopes);
   s_dec_out.resize(nscopes);
   for (int64_t s = 0; s < nscopes; ++s) {
@@ -157,7 +159,8 @@ void nvfp4_encode_impl(const T* x, int64_t rows, int64_t cols, int64_t tile, int
 }
 
 std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t cols, int64_t tile, int64_t scope,
-                                        bool ufp4, bool stochastic, int64_t seed, int64_t stream, bool propagate) {
+                                        bool ufp4, bool stochastic, int64_t seed, int64_t stream, bool propagate,
+                                        c10::optional<torch::Tensor> amax) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "nvfp4_encode: x must be a contiguous CPU tensor");
   const int64_t n = rows * cols;
   TORCH_CHECK(x.numel() == n, "nvfp4_encode: rows * cols != numel");
@@ -171,13 +174,21 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
   std::vector<float> s_dec;
   int64_t nonfinite = 0;
   const uint32_t sd = (uint32_t)seed, st = (uint32_t)stream;
-  if (x.scalar_type() == torch::kFloat32 && !tiled && !stochastic && !ufp4 && fp4cpu::have_avx512()) {
+  const int64_t nscopes = tiled ? 1 : std::max<int64_t>(ceil_div(nb, scope ? scope / kNvBlock : std::max<int64_t>(nb, 1)), 1);
+  const float* amax_in = nullptr;
+  if (amax.has_value()) {
+    TORCH_CHECK(amax->scalar_type() == torch::kFloat32 && amax->is_contiguous() && amax->numel() == nscopes,
+                "nvfp4_encode: amax must be a contiguous fp32 tensor with one value per scope (", nscopes, ")");
+    amax_in = amax->data_ptr<float>();
+  }
+  if (x.scalar_type() == torch::kFloat32 && !tiled && !stochastic && !ufp4 && !amax_in && fp4cpu::have_avx512()) {
     fp4cpu::nvfp4_encode_f32_avx512(x.data_ptr<float>(), n, scope, propagate, data.data_ptr<uint8_t>(),
                                     scales.data_ptr<uint8_t>(), s_dec, nonfinite);
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "nvfp4_encode", [&] {
       nvfp4_encode_impl<scalar_t>(x.data_ptr<scalar_t>(), rows, cols, tile, scope, ufp4, stochastic, sd, st,
-                                  propagate, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec, nonfinite);
+                                  propagate, amax_in, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec,
+                                  nonfinite);
     });
   }
   auto ts = torch::from_blob(s_dec.data(), {(int64_t)s_dec.size()}, torch::kFloat32).clone();

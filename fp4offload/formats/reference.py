@@ -80,8 +80,12 @@ def _finite_magnitudes(blocks: torch.Tensor):
 
 
 def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, ufp4: bool,
-                 stochastic: bool, seed: int, stream: int, propagate: bool):
-    """NVFP4 (or ufp4 when `ufp4`) encode. Returns (data u8, scales u8, tensor_scale f32[nscopes], nonfinite)."""
+                 stochastic: bool, seed: int, stream: int, propagate: bool, amax: torch.Tensor | None = None):
+    """NVFP4 (or ufp4 when `ufp4`) encode. Returns (data u8, scales u8, tensor_scale f32[nscopes], nonfinite).
+
+    `amax` (fp32, one per scope) replaces the measured scope amax: sharded weights use the amax
+    max-reduced across ranks so every rank encodes with the same tensor scale (DESIGN.md 3.8).
+    """
     elem_max = B.UFP4_MAX if ufp4 else B.E2M1_MAX
     if tile == 16:
         blocks, index, (R, C) = _tile_layout(x, rows, cols)
@@ -96,6 +100,8 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     amax_b = a.amax(dim=1) if blocks.shape[0] else a.new_zeros(0)
     amax_s = torch.zeros(nscopes, dtype=torch.float32, device=x.device)
     amax_s.scatter_reduce_(0, scope_of_block, amax_b, reduce="amax")
+    if amax is not None:
+        amax_s = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(nscopes).clone()
     nz = amax_s > 0
     s_enc = torch.where(nz, _div(elem_max * B.E4M3_MAX, torch.where(nz, amax_s, 1.0)), 1.0).clamp(max=B.F32_MAX)
     s_dec = torch.where(nz, _div(1.0, s_enc), 0.0)

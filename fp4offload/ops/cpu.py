@@ -16,9 +16,11 @@ def extension():
     return build("fp4offload_cpu", ["cpu/fp4_cpu.cpp"], extra_cflags=["-march=native", "-fopenmp"])
 
 
-def nvfp4_encode(x, rows, cols, tile, scope, ufp4, stochastic, seed, stream, propagate):
+def nvfp4_encode(x, rows, cols, tile, scope, ufp4, stochastic, seed, stream, propagate, amax=None):
+    if amax is not None:
+        amax = amax.detach().to(device="cpu", dtype=torch.float32).reshape(-1).contiguous()
     data, scales, ts, count = extension().nvfp4_encode(x.contiguous(), rows, cols, tile, scope, ufp4, stochastic,
-                                                       seed & 0xFFFFFFFF, stream & 0xFFFFFFFF, propagate)
+                                                       seed & 0xFFFFFFFF, stream & 0xFFFFFFFF, propagate, amax)
     return data, scales, ts, int(count)
 
 

@@ -1,0 +1,558 @@
+"""The schema of the ``"fp4offload"`` block of a DeepSpeed config and of the FSDP2 policy YAML.
+
+Both are described by frozen dataclasses. Every sub-block is optional: an absent sub-block means
+the feature is off. Construction validates, so an object that exists is a valid one; every
+violation raises :class:`fp4offload.errors.ConfigError` naming the key path, the value and what
+is allowed.
+
+DeepSpeed JSON::
+
+    "fp4offload": {
+      "optimizer_states": {"format": "nvfp4", "device": "cpu", "nvme_path": null,
+                           "rounding": "nearest", "min_numel": 4096},
+      "activations": {"format": "nvfp4", "device": "cpu", "nvme_path": null, "min_numel": 65536,
+                      "modules": ["*.mlp"], "exclude": []},
+      "weights": {"format": "nvfp4", "device": "cpu",
+                  "keep_bf16": ["embed", "lm_head", "norm", "bias", "first:1", "last:1"]},
+      "monitor": {"every": 10}
+    }
+
+FSDP2 policy YAML: the same sub-blocks plus ``cpu_offload``, ``reshard_after_forward`` and
+``block_classes`` at the top level.
+
+Entry points: :func:`parse_block`, :func:`validate_deepspeed_config`, :func:`parse_fsdp_policy`,
+:func:`load_fsdp_policy_yaml`. Nothing here imports deepspeed at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import re
+from contextvars import ContextVar
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from fp4offload.errors import ConfigError
+
+__all__ = [
+    "OptimizerStatesConfig", "ActivationsConfig", "WeightsConfig", "MonitorConfig", "Fp4OffloadConfig",
+    "FsdpPolicyConfig", "parse_block", "validate_deepspeed_config", "parse_fsdp_policy",
+    "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values",
+    "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "ACTIVATION_FORMATS", "ACTIVATION_DEVICES",
+    "WEIGHT_FORMATS", "WEIGHT_DEVICES",
+]
+
+OPTIMIZER_FORMATS = ("nvfp4", "fp32")
+OPTIMIZER_DEVICES = ("same", "cpu", "nvme")
+ROUNDINGS = ("nearest", "stochastic")
+ACTIVATION_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "none")
+ACTIVATION_DEVICES = ("cpu", "nvme", "same")
+WEIGHT_FORMATS = ("nvfp4", "bf16")
+WEIGHT_DEVICES = ("cpu", "nvme")
+
+_KEEP_RULE = re.compile(r"^(first|last):(\d+)$")
+
+# Key-path prefix of the document being parsed ("fp4offload." inside a DeepSpeed config).
+_prefix: ContextVar[str] = ContextVar("fp4offload_config_prefix", default="")
+
+
+@contextlib.contextmanager
+def _under(prefix: str) -> Iterator[None]:
+    token = _prefix.set(_prefix.get() + prefix)
+    try:
+        yield
+    finally:
+        _prefix.reset(token)
+
+
+def _error(key: str, value: Any, allowed: str, hint: str | None = None) -> ConfigError:
+    return ConfigError(_prefix.get() + key, value, allowed, hint)
+
+
+# ---------------------------------------------------------------------------------------------
+# Field checks shared by the dataclasses
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...], hint: str | None = None) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        close = difflib.get_close_matches(str(value), allowed, n=1) if isinstance(value, str) else []
+        hint = hint or (f"did you mean {close[0]!r}?" if close else None)
+        raise _error(key, value, "one of " + ", ".join(repr(a) for a in allowed), hint)
+
+
+def _check_int(key: str, value: Any, minimum: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _error(key, value, f"an integer >= {minimum}")
+    if value < minimum:
+        raise _error(key, value, f"an integer >= {minimum}")
+
+
+def _check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _error(key, value, "true or false")
+
+
+def _check_path(key: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise _error(key, value, "a directory path (string) or null")
+
+
+def _as_tuple(obj: Any, name: str) -> None:
+    """Store a list given for a tuple field as a tuple (the dataclasses are frozen and hashable)."""
+    v = getattr(obj, name)
+    if isinstance(v, list):
+        object.__setattr__(obj, name, tuple(v))
+
+
+def _check_names(key: str, value: Any, *, non_empty: bool = False) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+        raise _error(key, value, "a list of non-empty strings")
+    if non_empty and not value:
+        raise _error(key, value, "a non-empty list of strings")
+
+
+def _check_nvme(prefix: str, device: str, nvme_path: str | None) -> None:
+    if device == "nvme" and nvme_path is None:
+        raise _error(f"{prefix}.nvme_path", None, "a directory on an NVMe drive when device is 'nvme'",
+                     f"set {_prefix.get()}{prefix}.nvme_path, e.g. \"/local_nvme/fp4offload\"")
+
+
+# ---------------------------------------------------------------------------------------------
+# The sub-blocks
+
+
+@dataclass(frozen=True)
+class OptimizerStatesConfig:
+    """Adam's m and v in 4-bit (``optimizer_states``).
+
+    Attributes:
+        format: ``"nvfp4"`` (m in NVFP4 1x16, sqrt(v) in ufp4, see DESIGN 3.7) or ``"fp32"``
+            (unpacked; for ablations). Default ``"nvfp4"``.
+        device: where the states live between steps. ``"same"`` (default): with the parameter
+            partition the optimizer is handed (the GPU, or host RAM when DeepSpeed's
+            ``offload_optimizer.device`` is ``"cpu"``). ``"cpu"``: pinned host RAM. ``"nvme"``:
+            files under ``nvme_path``, staged through pinned host buffers.
+        nvme_path: directory for the state files; required when device is ``"nvme"``. Default None.
+        rounding: rounding of m, ``"nearest"`` (default) or ``"stochastic"``; v always rounds to nearest.
+        min_numel: tensors with fewer elements keep fp32 states. Elements; default 4096.
+    """
+
+    format: str = "nvfp4"
+    device: str = "same"
+    nvme_path: str | None = None
+    rounding: str = "nearest"
+    min_numel: int = 4096
+
+    def __post_init__(self) -> None:
+        _check_choice("optimizer_states.format", self.format, OPTIMIZER_FORMATS)
+        _check_choice("optimizer_states.device", self.device, OPTIMIZER_DEVICES)
+        _check_path("optimizer_states.nvme_path", self.nvme_path)
+        _check_choice("optimizer_states.rounding", self.rounding, ROUNDINGS)
+        _check_int("optimizer_states.min_numel", self.min_numel)
+        _check_nvme("optimizer_states", self.device, self.nvme_path)
+
+
+@dataclass(frozen=True)
+class ActivationsConfig:
+    """Tensors autograd saves for backward, packed and moved (``activations``).
+
+    Attributes:
+        format: ``"nvfp4"`` (default), ``"mxfp4"``, ``"mxfp8"`` (gentler, 8-bit) or ``"none"``
+            (moved unpacked, in their own dtype).
+        device: ``"cpu"`` (pinned host RAM, default), ``"nvme"`` (files under ``nvme_path``) or
+            ``"same"`` (stay on the GPU, compressed only).
+        nvme_path: directory for activation files; required when device is ``"nvme"``. Default None.
+        min_numel: saved tensors with fewer elements are left alone. Elements; default 65536.
+        modules: glob patterns (fnmatch) over module qualified names whose saved tensors are
+            handled, e.g. ``["*.mlp"]``. Default ``["*"]`` (every module).
+        exclude: glob patterns of modules to leave alone even if ``modules`` matches. Default [].
+    """
+
+    format: str = "nvfp4"
+    device: str = "cpu"
+    nvme_path: str | None = None
+    min_numel: int = 65536
+    modules: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "modules")
+        _as_tuple(self, "exclude")
+        _check_choice("activations.format", self.format, ACTIVATION_FORMATS)
+        _check_choice("activations.device", self.device, ACTIVATION_DEVICES)
+        _check_path("activations.nvme_path", self.nvme_path)
+        _check_int("activations.min_numel", self.min_numel)
+        _check_names("activations.modules", self.modules, non_empty=True)
+        _check_names("activations.exclude", self.exclude)
+        _check_nvme("activations", self.device, self.nvme_path)
+        if self.format == "none" and self.device == "same":
+            raise _error("activations.device", "same", "'cpu' or 'nvme' when format is 'none'",
+                         "format 'none' with device 'same' does nothing: pick a 4-bit format or move them")
+
+
+@dataclass(frozen=True)
+class WeightsConfig:
+    """The weight working copy that forward and backward compute with (``weights``).
+
+    Under DeepSpeed this needs ZeRO stage 3 with ``offload_param`` on the same device (the host
+    partition is stored packed and fetched per layer); under FSDP2 it needs ``cpu_offload: true``.
+
+    Attributes:
+        format: ``"nvfp4"`` (16x16 blocks, nearest; default) or ``"bf16"``.
+        device: ``"cpu"`` (default) or ``"nvme"`` (DeepSpeed only: the path is
+            ``zero_optimization.offload_param.nvme_path``).
+        keep_bf16: parameters that stay bf16: substrings of parameter names (``"embed"``,
+            ``"lm_head"``, ``"norm"``, ``"bias"``) and ``"first:N"`` / ``"last:N"`` for the first and
+            last N transformer blocks. Default: embeddings, head, norms, biases, first and last block.
+    """
+
+    format: str = "nvfp4"
+    device: str = "cpu"
+    keep_bf16: tuple[str, ...] = ("embed", "lm_head", "norm", "bias", "first:1", "last:1")
+
+    def __post_init__(self) -> None:
+        _as_tuple(self, "keep_bf16")
+        _check_choice("weights.format", self.format, WEIGHT_FORMATS)
+        _check_choice("weights.device", self.device, WEIGHT_DEVICES)
+        _check_names("weights.keep_bf16", self.keep_bf16)
+        for rule in self.keep_bf16:
+            if ":" in rule and not _KEEP_RULE.match(rule):
+                raise _error("weights.keep_bf16", rule, "a name substring, or 'first:N' / 'last:N' with N >= 0")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Metrics written through the engine's monitor (``monitor``).
+
+    Attributes:
+        every: write the counters every this many optimizer steps. Steps; default 10.
+    """
+
+    every: int = 10
+
+    def __post_init__(self) -> None:
+        _check_int("monitor.every", self.every, minimum=1)
+
+
+_SUBBLOCKS: dict[str, type] = {
+    "optimizer_states": OptimizerStatesConfig,
+    "activations": ActivationsConfig,
+    "weights": WeightsConfig,
+    "monitor": MonitorConfig,
+}
+
+
+def _to_plain(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        out[f.name] = list(v) if isinstance(v, tuple) else v
+    return out
+
+
+@dataclass(frozen=True)
+class Fp4OffloadConfig:
+    """The whole ``"fp4offload"`` block of a DeepSpeed config. A None sub-block is a feature that is off."""
+
+    optimizer_states: OptimizerStatesConfig | None = None
+    activations: ActivationsConfig | None = None
+    weights: WeightsConfig | None = None
+    monitor: MonitorConfig | None = None
+
+    def __post_init__(self) -> None:
+        for name, cls in _SUBBLOCKS.items():
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, cls):
+                raise _error(name, v, f"a {cls.__name__} or None")
+
+    @property
+    def enabled(self) -> bool:
+        """True when at least one feature is on."""
+        return any(getattr(self, n) is not None for n in _SUBBLOCKS)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (absent sub-blocks left out), as ``parse_block`` reads it back."""
+        return {n: _to_plain(getattr(self, n)) for n in _SUBBLOCKS if getattr(self, n) is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+
+
+def _unknown(key: str, value: Any, allowed: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(key, allowed, n=1)
+    hint = f"unknown key; did you mean {close[0]!r}?" if close else "unknown key; remove it"
+    return _error(key, value, "one of the keys " + ", ".join(allowed), hint)
+
+
+def _parse_sub(name: str, cls: type, raw: Any) -> Any:
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise _error(name, raw, "a mapping of settings, or null to turn the feature off")
+    names = [f.name for f in fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for k, v in raw.items():
+        if k not in names:
+            with _under(name + "."):
+                raise _unknown(str(k), v, names)
+        if isinstance(v, list):
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def parse_block(block: Mapping[str, Any] | None, *, prefix: str = "") -> Fp4OffloadConfig:
+    """Validate the ``"fp4offload"`` block (a dict from JSON) and return it as a dataclass.
+
+    ``None`` or ``{}`` give a config with every feature off. ``prefix`` is prepended to key paths
+    in error messages (``validate_deepspeed_config`` passes ``"fp4offload."``).
+    """
+    with _under(prefix):
+        if block is None:
+            return Fp4OffloadConfig()
+        if not isinstance(block, Mapping):
+            raise ConfigError(_prefix.get().rstrip(".") or "fp4offload", block, "a JSON object with optional keys " + ", ".join(_SUBBLOCKS))
+        for k in block:
+            if k not in _SUBBLOCKS:
+                raise _unknown(str(k), block[k], list(_SUBBLOCKS))
+        return Fp4OffloadConfig(**{n: _parse_sub(n, c, block.get(n)) for n, c in _SUBBLOCKS.items()})
+
+
+def find_auto_values(cfg: Any, path: str = "") -> list[str]:
+    """Key paths in ``cfg`` whose value is the string ``"auto"`` (DeepSpeed drops those silently)."""
+    found: list[str] = []
+    if isinstance(cfg, Mapping):
+        for k, v in cfg.items():
+            found += find_auto_values(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(cfg, (list, tuple)):
+        for i, v in enumerate(cfg):
+            found += find_auto_values(v, f"{path}[{i}]")
+    elif isinstance(cfg, str) and cfg.strip().lower() == "auto":
+        found.append(path)
+    return found
+
+
+def _get(d: Mapping[str, Any], dotted: str) -> Any:
+    cur: Any = d
+    for part in dotted.split("."):
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def _offload_device(ds: Mapping[str, Any], which: str) -> str | None:
+    dev = _get(ds, f"zero_optimization.{which}.device")
+    return None if dev in (None, "none") else dev
+
+
+def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None = None,
+                              check_with_deepspeed: bool = False) -> Fp4OffloadConfig:
+    """Check a whole DeepSpeed config dict that may carry an ``"fp4offload"`` block.
+
+    Checks: no DeepSpeed key holds ``"auto"``; the block itself (``parse_block``); weights need
+    ZeRO-3 with ``offload_param`` on the same device (and its ``nvme_path`` for NVMe); packed
+    optimizer states need DeepSpeed to accept a client optimizer (``zero_force_ds_cpu_optimizer``
+    false, ``zero_allow_untested_optimizer`` true) and must not sit behind DeepSpeed's own NVMe
+    optimizer swapper; bf16 and fp16 are not both on; the batch sizes agree when ``world_size`` is
+    given. With ``check_with_deepspeed`` the ``zero_optimization`` section is also validated by
+    DeepSpeed's own schema (imports deepspeed, slow). Returns the parsed block.
+    """
+    if not isinstance(ds, Mapping):
+        raise ConfigError("<deepspeed config>", type(ds).__name__, "a JSON object (dict)")
+    own = {k: v for k, v in ds.items() if k != "fp4offload"}
+    autos = find_auto_values(own)
+    if autos:
+        raise ConfigError(autos[0], "auto", "a concrete value",
+                          "DeepSpeed drops keys set to \"auto\" without a word (only the HF Trainer fills them); "
+                          "write the number, or let `fp4offload plan --emit deepspeed` write the config")
+    block = parse_block(ds.get("fp4offload"), prefix="fp4offload.")
+
+    zero = ds.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise ConfigError("zero_optimization", zero, "a JSON object")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ConfigError("zero_optimization.stage", stage, "0, 1, 2 or 3")
+
+    if _get(ds, "bf16.enabled") is True and _get(ds, "fp16.enabled") is True:
+        raise ConfigError("fp16.enabled", True, "false when bf16.enabled is true", "pick one of bf16 and fp16")
+
+    if block.weights is not None:
+        w = block.weights
+        if stage != 3:
+            raise ConfigError("fp4offload.weights", block.to_dict()["weights"],
+                              "only with zero_optimization.stage 3",
+                              f"stage is {stage}: set \"stage\": 3 and offload_param, or remove the weights block")
+        dev = _offload_device(ds, "offload_param")
+        if dev != w.device:
+            raise ConfigError("zero_optimization.offload_param.device", dev, f"{w.device!r} (fp4offload.weights.device)",
+                              "packed weights live in the host/NVMe partition DeepSpeed fetches from; "
+                              f"add \"offload_param\": {{\"device\": \"{w.device}\", \"pin_memory\": true}}")
+        if dev == "nvme" and not _get(ds, "zero_optimization.offload_param.nvme_path"):
+            raise ConfigError("zero_optimization.offload_param.nvme_path", None, "a directory on an NVMe drive")
+
+    if block.optimizer_states is not None:
+        if ds.get("zero_force_ds_cpu_optimizer") is not False:
+            raise ConfigError("zero_force_ds_cpu_optimizer", ds.get("zero_force_ds_cpu_optimizer"), "false",
+                              "fp4offload's optimizer is a client optimizer; DeepSpeed replaces or rejects it unless "
+                              "\"zero_force_ds_cpu_optimizer\": false")
+        if stage >= 1 and ds.get("zero_allow_untested_optimizer") is not True:
+            raise ConfigError("zero_allow_untested_optimizer", ds.get("zero_allow_untested_optimizer"), "true",
+                              "ZeRO refuses client optimizers it does not know unless \"zero_allow_untested_optimizer\": true")
+        if _offload_device(ds, "offload_optimizer") == "nvme":
+            raise ConfigError("zero_optimization.offload_optimizer.device", "nvme",
+                              "'cpu' or 'none' when fp4offload.optimizer_states is set",
+                              "DeepSpeed's NVMe optimizer swapper cannot hold packed states: set offload_optimizer "
+                              "to \"cpu\" and fp4offload.optimizer_states.device to \"nvme\" with an nvme_path")
+
+    _check_batch(ds, world_size)
+    if check_with_deepspeed and zero:
+        _check_zero_with_deepspeed(zero)
+    return block
+
+
+def _check_batch(ds: Mapping[str, Any], world_size: int | None) -> None:
+    keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for k in keys:
+        v = ds.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(k, v, "a positive integer")
+    tb, mb, ga = (ds.get(k) for k in keys)
+    if world_size and None not in (tb, mb, ga) and tb != mb * ga * world_size:
+        raise ConfigError("train_batch_size", tb, f"{mb} x {ga} x {world_size} = {mb * ga * world_size}",
+                          "train_batch_size must equal micro batch x accumulation steps x data-parallel ranks")
+
+
+def _check_zero_with_deepspeed(zero: Mapping[str, Any]) -> None:
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig  # slow import, on demand only
+    except Exception as exc:  # pragma: no cover - deepspeed is a dependency
+        raise ConfigError("zero_optimization", "<not checked>", "a config DeepSpeed accepts",
+                          f"deepspeed could not be imported to check it: {exc}") from exc
+    try:
+        DeepSpeedZeroConfig(**dict(zero))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()
+        raise ConfigError("zero_optimization", "<see hint>", "keys and values DeepSpeed's ZeRO config accepts",
+                          " ".join(first[:4])) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP2 policy
+
+
+@dataclass(frozen=True)
+class FsdpPolicyConfig:
+    """An FSDP2 (``fully_shard``) policy with the same sub-blocks as the DeepSpeed block.
+
+    Attributes:
+        weights: packed weight shards (needs ``cpu_offload: true`` and ``weights.device: cpu``:
+            the host copy is what crosses PCIe, so it is what is packed). Default None (off).
+        optimizer_states: packed Adam states, as in the DeepSpeed block. Default None.
+        activations: saved-tensor packing and offload. Default None.
+        monitor: metrics interval. Default None.
+        cpu_offload: shard parameters, gradients and optimizer states in host RAM
+            (``CPUOffloadPolicy``); the optimizer steps on the CPU. Default False.
+        reshard_after_forward: free gathered parameters after forward and gather again in
+            backward (ZeRO-3 behaviour) rather than keep them (ZeRO-2). Default True.
+        block_classes: class names of the modules to wrap with ``fully_shard`` one by one
+            (e.g. ``["LlamaDecoderLayer"]``); the root module is always wrapped. Default [].
+    """
+
+    weights: WeightsConfig | None = None
+    optimizer_states: OptimizerStatesConfig | None = None
+    activations: ActivationsConfig | None = None
+    monitor: MonitorConfig | None = None
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+    block_classes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        for name, cls in _SUBBLOCKS.items():
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, cls):
+                raise _error(name, v, f"a {cls.__name__} or None")
+        _as_tuple(self, "block_classes")
+        _check_bool("cpu_offload", self.cpu_offload)
+        _check_bool("reshard_after_forward", self.reshard_after_forward)
+        _check_names("block_classes", self.block_classes)
+        if self.weights is not None:
+            if self.weights.device != "cpu":
+                raise _error("weights.device", self.weights.device, "'cpu' under FSDP2",
+                             "FSDP2 offloads to host RAM only; NVMe weights need DeepSpeed ZeRO-3 offload_param")
+            if not self.cpu_offload:
+                raise _error("cpu_offload", False, "true when a weights block is set",
+                             "FSDP2 copies the host shard to the GPU before the all-gather, so packed weights "
+                             "pay off only with cpu_offload: true")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The YAML form (absent sub-blocks left out), as ``parse_fsdp_policy`` reads it back."""
+        out: dict[str, Any] = {n: _to_plain(getattr(self, n)) for n in _SUBBLOCKS if getattr(self, n) is not None}
+        out.update(cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward,
+                   block_classes=list(self.block_classes))
+        return out
+
+
+_FSDP_SCALARS = ("cpu_offload", "reshard_after_forward", "block_classes")
+
+
+def parse_fsdp_policy(doc: Mapping[str, Any] | None) -> FsdpPolicyConfig:
+    """Validate an FSDP2 policy mapping (from YAML) and return it as a dataclass."""
+    if doc is None:
+        return FsdpPolicyConfig()
+    if not isinstance(doc, Mapping):
+        raise _error("<fsdp policy>", doc, "a mapping with optional keys "
+                     + ", ".join([*_SUBBLOCKS, *_FSDP_SCALARS]))
+    allowed = [*_SUBBLOCKS, *_FSDP_SCALARS]
+    for k in doc:
+        if k not in allowed:
+            raise _unknown(str(k), doc[k], allowed)
+    kwargs: dict[str, Any] = {n: _parse_sub(n, c, doc.get(n)) for n, c in _SUBBLOCKS.items()}
+    for k in _FSDP_SCALARS:
+        if k in doc:
+            v = doc[k]
+            kwargs[k] = tuple(v) if isinstance(v, list) else v
+    return FsdpPolicyConfig(**kwargs)
+
+
+def load_fsdp_policy_yaml(path: str | Path) -> FsdpPolicyConfig:
+    """Read and validate an FSDP2 policy YAML file."""
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(str(p), "<unreadable>", "a readable YAML file", str(exc)) from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(p), "<invalid YAML>", "a YAML mapping", str(exc).splitlines()[0]) from None
+    return parse_fsdp_policy(doc)
+
+
+def dump_fsdp_policy_yaml(policy: FsdpPolicyConfig, path: str | Path | None = None, *, header: str = "") -> str:
+    """Write ``policy`` as YAML (to ``path`` if given) and return the text."""
+    import yaml
+
+    text = "".join(f"# {line}\n" for line in header.splitlines()) + yaml.safe_dump(policy.to_dict(), sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text
+
+
+def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
+    """Read a DeepSpeed JSON config file (no validation)."""
+    p = Path(path)
+    try:
+        doc = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(str(p), "<unreadable>", "a JSON file", str(exc)) from None
+    if not isinstance(doc, dict):
+        raise ConfigError(str(p), type(doc).__name__, "a JSON object")
+    return doc

@@ -1,0 +1,152 @@
+"""`fp4offload doctor`: what this machine offers fp4offload, and why each backend is or is not active."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import time
+
+import torch
+
+_GENERATIONS = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper", 10: "Blackwell", 11: "Blackwell", 12: "Blackwell"}
+
+
+def gpu_report() -> dict:
+    """GPUs through NVML (nvidia-ml-py): name, memory, compute capability, generation, FP4 hardware."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"available": False, "why": "nvidia-ml-py is not installed"}
+    try:
+        pynvml.nvmlInit()
+    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return {"available": False, "why": f"NVML not usable ({type(e).__name__}): no NVIDIA driver on this machine"}
+    try:
+        gpus = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
+                         "total_gib": round(mem.total / 2**30, 1), "free_gib": round(mem.free / 2**30, 1),
+                         "compute_capability": f"{major}.{minor}", "generation": _GENERATIONS.get(major, "unknown"),
+                         "fp4_hardware": major >= 10})
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        return {"available": True, "driver": driver.decode() if isinstance(driver, bytes) else driver, "gpus": gpus}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _try_backend(name: str) -> dict:
+    from . import ops
+
+    if name == "cuda" and not torch.cuda.is_available():
+        return {"builds": False, "why": "torch sees no CUDA device (CPU build of torch, or no GPU)"}
+    t0 = time.perf_counter()
+    mod = ops._load(name)
+    out = {"builds": mod is not None, "why": ops._status.get(name, (False, ""))[1],
+           "seconds": round(time.perf_counter() - t0, 1)}
+    if name == "cpu" and mod is not None:
+        out["avx512"] = bool(mod.extension().have_avx512())
+    return out
+
+
+def deepspeed_report() -> dict:
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, without its warning
+    try:
+        import deepspeed  # noqa: F401  (slow import: only here)
+    except Exception as e:
+        return {"usable": False, "why": f"import failed: {e}"}
+    out = {"usable": True, "version": deepspeed.__version__,
+           "accelerator": os.environ.get("DS_ACCELERATOR", "auto")}
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        out["async_io"] = bool(AsyncIOBuilder().is_compatible(verbose=False))
+        if not out["async_io"]:
+            out["async_io_fix"] = "apt-get install -y libaio-dev (NVMe tiers fall back to a thread pool without it)"
+    except Exception as e:
+        out["async_io"] = False
+        out["async_io_fix"] = f"async_io builder unavailable: {e}"
+    return out
+
+
+def report() -> dict:
+    from . import __version__, ops
+
+    forced = os.environ.get("FP4OFFLOAD_BACKEND") or None
+    backends = {"cpu": _try_backend("cpu"), "cuda": _try_backend("cuda"),
+                "reference": {"builds": True, "why": "pure torch"}}
+    if forced:
+        active_cpu, why = forced, f"forced by FP4OFFLOAD_BACKEND={forced}"
+    elif backends["cpu"]["builds"]:
+        active_cpu, why = "cpu", "the CPU extension built"
+    else:
+        active_cpu, why = "reference", f"the CPU extension does not build: {backends['cpu']['why']}"
+    active = {"cpu_tensors": {"backend": active_cpu, "why": why}}
+    if torch.cuda.is_available():
+        b = forced or ("cuda" if backends["cuda"]["builds"] else "reference")
+        active["cuda_tensors"] = {"backend": b, "why": "forced" if forced else backends["cuda"]["why"]}
+    return {
+        "fp4offload": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "nvcc": shutil.which("nvcc"),
+        "nvcc_version": _nvcc_version(),
+        "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "(torch default)"),
+        "cpu_threads": torch.get_num_threads(),
+        "gpu": gpu_report(),
+        "backends": backends,
+        "active": active,
+        "deepspeed": deepspeed_report(),
+    }
+
+
+def _nvcc_version() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return None
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
+        return out.strip().splitlines()[-1] if out.strip() else None
+    except Exception:
+        return None
+
+
+def render(r: dict) -> str:
+    lines = [f"fp4offload {r['fp4offload']}  python {r['python']}  torch {r['torch']} (CUDA {r['torch_cuda'] or 'none'})"]
+    g = r["gpu"]
+    if g["available"]:
+        lines.append(f"GPUs (driver {g['driver']}):")
+        for d in g["gpus"]:
+            fp4 = "hardware FP4" if d["fp4_hardware"] else "FP4 as storage/transfer format"
+            lines.append(f"  [{d['index']}] {d['name']}  {d['total_gib']} GiB ({d['free_gib']} free)  "
+                         f"sm_{d['compute_capability'].replace('.', '')} {d['generation']}: {fp4}")
+    else:
+        lines.append(f"GPU: none ({g['why']})")
+    lines.append(f"nvcc: {r['nvcc_version'] or 'not found'}")
+    lines.append("codec backends:")
+    for name, b in r["backends"].items():
+        extra = ""
+        if "avx512" in b:
+            extra = f", AVX-512 {'on' if b['avx512'] else 'off'}"
+        if "seconds" in b:
+            extra += f", {b['seconds']} s to load/build"
+        state = "ok" if b["builds"] else "unavailable"
+        lines.append(f"  {name:9s} {state}{extra}" + ("" if b["builds"] else f"  ({b['why']})"))
+    for what, a in r["active"].items():
+        lines.append(f"active for {what.replace('_', ' ')}: {a['backend']}  ({a['why']})")
+    d = r["deepspeed"]
+    if d["usable"]:
+        aio = "yes" if d.get("async_io") else f"no: {d.get('async_io_fix')}"
+        lines.append(f"deepspeed {d['version']} (accelerator {d['accelerator']}); async_io usable: {aio}")
+    else:
+        lines.append(f"deepspeed: not usable ({d['why']})")
+    lines.append(f"extension cache: {r['torch_extensions_dir']}")
+    return "\n".join(lines)

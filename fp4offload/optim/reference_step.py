@@ -1,0 +1,203 @@
+"""The reference AdamW step on packed states, in torch ops: the oracle of the fused CPU and CUDA steps.
+
+Numerics (normative; the C++ step in csrc/cpu/adam_cpu.cpp and the CUDA step in csrc/cuda/adam_kernels.cu
+follow them op for op, built with -ffp-contract=off / --fmad=false, so all three give the same bits):
+
+Scalars, computed once per (parameter, step) in float64 from the group's hyperparameters and the step
+count ``t`` (1-based, after the increment), then rounded once to fp32 (:class:`StepScalars`):
+``b1 = beta1``, ``omb1 = 1 - beta1``, ``b2 = beta2``, ``omb2 = 1 - beta2``, ``eps``,
+``decay = 1 - lr * weight_decay``, ``step_size = lr / (1 - beta1**t)``,
+``rsbc2 = 1 / sqrt(1 - beta2**t)``.
+
+Per element, fp32, each line one correctly rounded operation (no fused multiply-add):
+
+1. ``g = float(grad)`` (``g = -g`` when ``maximize``)
+2. ``m = decode(m_state)``; ``u = decode(v_state)`` and ``v = u * u`` for ``v_format="ufp4"`` (u = sqrt(v) is
+   stored), or ``v = decode(v_state)`` for ``v_format="nvfp4"`` (the ablation); fp32 states are read as is.
+3. ``p = p * decay`` (skipped when ``weight_decay == 0``; decoupled weight decay as in torch.optim.AdamW)
+4. ``m = (m * b1) + (g * omb1)``
+5. ``v = (v * b2) + ((g * g) * omb2)``
+6. ``u = sqrt(v)``
+7. ``d = (u * rsbc2) + eps``
+8. ``p = p - ((m / d) * step_size)``
+9. store: m -> NVFP4 1x16 with one fp32 scale per chunk of ``CHUNK`` elements (DESIGN.md 3.3), nearest or
+   stochastic rounding; u -> ufp4 1x16 per chunk (3.7), nearest; or v -> NVFP4 nearest for the ablation.
+   The update of step 8 uses the unquantized m and v of this step; only what is stored is rounded.
+10. optional working copies of the new weight: bf16 (round to nearest even, as ``Tensor.to(torch.bfloat16)``)
+    and/or NVFP4 16x16 with one tensor scale (a second pass: the tensor scale needs the new amax of the
+    whole tensor, which is known only after its last chunk).
+
+Layout: the flattened parameter is cut into chunks of ``CHUNK = 1024`` elements (64 blocks of 16, 4 KiB of
+fp32: the fused step's working set of one chunk stays in L1); each chunk has its own fp32 tensor scale, so
+a chunk is the unit of quantization and the fused step can finish a chunk before touching the next.
+Chunks are grouped in segments of ``SEGMENT = 2**20`` elements: the unit of transfer for the host and NVMe
+tiers and of the stochastic-rounding streams. Tensors with fewer than ``min_numel`` elements (default 4096)
+keep fp32 m and v and take steps 1-8 on fp32 states.
+
+Stochastic rounding of m (DESIGN.md 3.9) draws the 32 random bits of element ``i`` of segment ``s`` of the
+parameter with stream id ``pid`` (its position in the optimizer's parameter order) as
+``random_bits(seed, stream, i - s * SEGMENT)`` with ``seed = (base_seed * 0x01000193 + t) mod 2**32`` and
+``stream = (pid * 2**16 + s) mod 2**32``. Every input is saved in the state dict (``step``, the base seed,
+the parameter order), so a resumed run draws the same bits.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..formats import reference
+
+CHUNK = 1024
+SEGMENT = 1 << 20
+BLOCK = 16
+
+
+def f32(x: float) -> float:
+    """Round a Python float to the nearest fp32 value."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+@dataclass(frozen=True)
+class StepScalars:
+    """The fp32 scalars of one AdamW step of one parameter (see the module docstring)."""
+
+    b1: float
+    omb1: float
+    b2: float
+    omb2: float
+    eps: float
+    decay: float
+    step_size: float
+    rsbc2: float
+    weight_decay: bool
+
+    @classmethod
+    def make(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> "StepScalars":
+        bc1 = 1.0 - beta1 ** step
+        bc2 = 1.0 - beta2 ** step
+        return cls(f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), f32(1.0 - lr * weight_decay),
+                   f32(lr / bc1), f32(1.0 / math.sqrt(bc2)), weight_decay != 0)
+
+
+def sr_seed(base_seed: int, step: int) -> int:
+    """The stochastic-rounding seed of step `step` (see the module docstring)."""
+    return (base_seed * 0x01000193 + step) & 0xFFFFFFFF
+
+
+def sr_stream(pid: int, segment: int) -> int:
+    """The stochastic-rounding stream of segment `segment` of parameter number `pid`."""
+    return (pid * 65536 + segment) & 0xFFFFFFFF
+
+
+class Packed(NamedTuple):
+    """A packed 1x16 state (or a segment of one): codes (u8, 8 bytes per block), block scales (u8, E4M3),
+    chunk scales (u8 holding the little-endian bytes of one fp32 decode scale per chunk)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    tscale: torch.Tensor
+
+    def tscale_f32(self) -> torch.Tensor:
+        return self.tscale.view(torch.float32)
+
+
+def packed_sizes(n: int) -> tuple[int, int, int]:
+    """(code bytes, block scales, chunk-scale bytes) of a packed state of n elements."""
+    nb = -(-n // BLOCK)
+    return nb * (BLOCK // 2), nb, 4 * -(-n // CHUNK)
+
+
+def empty_packed(n: int, device) -> Packed:
+    """An all-zero packed state: decodes to 0 (its chunk scales are 0)."""
+    c, s, t = packed_sizes(n)
+    z = lambda k: torch.zeros(k, dtype=torch.uint8, device=device)  # noqa: E731
+    return Packed(z(c), z(s), z(t))
+
+
+def segment_view(p: Packed, start: int, stop: int) -> Packed:
+    """The part of a packed state covering elements [start, stop); start is a multiple of CHUNK."""
+    assert start % CHUNK == 0
+    c0, s0, t0 = start // 2, start // BLOCK, 4 * (start // CHUNK)
+    c1, s1, t1 = c0 + packed_sizes(stop - start)[0], s0 + packed_sizes(stop - start)[1], t0 + packed_sizes(stop - start)[2]
+    return Packed(p.codes[c0:c1], p.scales[s0:s1], p.tscale[t0:t1])
+
+
+def decode(kern, p: Packed, n: int, unsigned: bool) -> torch.Tensor:
+    """fp32 values of a packed state of n elements, through the kernel API (`kern`: a backend module)."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=p.codes.device)
+    return kern.nvfp4_decode(p.codes, p.scales, p.tscale_f32(), 1, n, 1, CHUNK, unsigned, torch.float32)
+
+
+def encode_into(kern, x: torch.Tensor, out: Packed, unsigned: bool, stochastic: bool, seed: int, stream: int) -> None:
+    """Encode fp32 x into `out` (in place), one fp32 scale per CHUNK, through the kernel API."""
+    n = x.numel()
+    if n == 0:
+        return
+    data, scales, ts, _ = kern.nvfp4_encode(x.contiguous(), 1, n, 1, CHUNK, unsigned, stochastic, seed, stream, False)
+    out.codes.copy_(data)
+    out.scales.copy_(scales)
+    out.tscale.copy_(ts.to(torch.float32).view(torch.uint8))
+
+
+def _t(x: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, x)  # a full-size operand: the op rounds exactly as the kernels do
+
+
+def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: StepScalars,
+               maximize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1 and 3-8 of the module docstring on fp32 tensors; returns (p, m, v, u), new tensors."""
+    g = g.to(torch.float32)
+    if maximize:
+        g = torch.neg(g)
+    if sc.weight_decay:
+        p = torch.mul(p, _t(sc.decay, p))
+    m = torch.add(torch.mul(m, _t(sc.b1, m)), torch.mul(g, _t(sc.omb1, g)))
+    v = torch.add(torch.mul(v, _t(sc.b2, v)), torch.mul(torch.mul(g, g), _t(sc.omb2, g)))
+    u = torch.sqrt(v)
+    d = torch.add(torch.mul(u, _t(sc.rsbc2, u)), _t(sc.eps, u))
+    p = torch.sub(p, torch.mul(torch.div(m, d), _t(sc.step_size, m)))
+    return p, m, v, u
+
+
+def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, sc: StepScalars, *, v_format: str,
+                m_stochastic: bool, seed: int, stream: int, maximize: bool = False, kern=reference,
+                bf16_out: torch.Tensor | None = None) -> None:
+    """One AdamW step of a flat fp32 segment `param` (updated in place) with packed states m, v (updated in place).
+
+    `kern` is a codec backend (default: the torch reference); every backend gives the same bytes.
+    `bf16_out`, when given, receives the new weight rounded to bf16.
+    """
+    n = param.numel()
+    m_old = decode(kern, m, n, False)
+    if v_format == "ufp4":
+        u_old = decode(kern, v, n, True)
+        v_old = torch.mul(u_old, u_old)
+    else:
+        v_old = decode(kern, v, n, False)
+    p_new, m_new, v_new, u_new = adamw_math(param, grad.reshape(-1), m_old, v_old, sc, maximize)
+    param.copy_(p_new)
+    if bf16_out is not None:
+        bf16_out.copy_(p_new.to(torch.bfloat16))
+    encode_into(kern, m_new, m, False, m_stochastic, seed, stream)
+    if v_format == "ufp4":
+        encode_into(kern, u_new, v, True, False, 0, 0)
+    else:
+        encode_into(kern, v_new, v, False, False, 0, 0)
+
+
+def fp32_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+              sc: StepScalars, *, maximize: bool = False, bf16_out: torch.Tensor | None = None) -> None:
+    """The same step with fp32 states (tensors under min_numel), all updated in place."""
+    p_new, m_new, v_new, _ = adamw_math(param, grad.reshape(-1), exp_avg.reshape(-1), exp_avg_sq.reshape(-1), sc,
+                                        maximize)
+    param.copy_(p_new)
+    exp_avg.view(-1).copy_(m_new)
+    exp_avg_sq.view(-1).copy_(v_new)
+    if bf16_out is not None:
+        bf16_out.copy_(p_new.to(torch.bfloat16))
