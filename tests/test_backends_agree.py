@@ -64,7 +64,7 @@ def test_nvfp4_bytes_equal(shape, dtype, variant, simd):
     got = cpu.nvfp4_encode(*args)
     for a, b in zip(ref, got):
         _eq(a, b)
-    for out_dtype in (torch.float32, torch.bfloat16):
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         dec_args = (ref[0], ref[1], ref[2], rows, cols, tile, scope, variant.startswith("ufp4"), out_dtype)
         _eq(reference.nvfp4_decode(*dec_args), cpu.nvfp4_decode(*dec_args))
 

@@ -1,5 +1,5 @@
-// AVX-512 kernels for the hot NVFP4 paths (1x16 blocks, fp32, round to nearest). They produce the same
-// bytes as the scalar rules in fp4_codec.h (tests compare them with the switch set_avx512(False)).
+// AVX-512 building blocks for the NVFP4 paths (round to nearest; fp32, bf16 and fp16 sources). They produce
+// the same bytes as the scalar rules in fp4_codec.h (tests compare both with the switch set_avx512(False)).
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <atomic>
 #include <vector>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include "fp4_codec.h"
 
@@ -91,96 +94,75 @@ static inline __m512 block_max16(const __m512* v) {
 
 #endif  // FP4_HAVE_AVX512
 
-// Pass 1 + 2 of NVFP4 1x16 encode of fp32, nearest rounding.
-inline void nvfp4_encode_f32_avx512(const float* x, int64_t n, int64_t scope, bool propagate, uint8_t* data,
-                                    uint8_t* scales, std::vector<float>& s_dec_out, int64_t& nonfinite) {
 #if FP4_HAVE_AVX512
-  const int64_t nb = (n + 15) / 16;
-  const int64_t per = scope ? scope / 16 : std::max<int64_t>(nb, 1);
-  const int64_t nscopes = std::max<int64_t>((nb + per - 1) / per, 1);
-  std::vector<float> amax_b(nb);
-  std::vector<uint8_t> bad_b(nb);
-  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
-  const __m512i expmask = _mm512_set1_epi32(0x7F800000);
-  std::atomic<int64_t> bad_count{0};
-  // pass 1: block amax over finite values, count of non-finite values
-  at::parallel_for(0, nb, 4096, [&](int64_t b0, int64_t b1) {
-    int64_t bad_local = 0;
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t i0 = b * 16;
-      const int cnt = (int)std::min<int64_t>(16, n - i0);
-      const __mmask16 lm = cnt == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
-      const __m512i v = _mm512_maskz_loadu_epi32(lm, x + i0);
-      const __mmask16 nonfin = _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, expmask), expmask);
-      const __m512 a = _mm512_castsi512_ps(_mm512_maskz_and_epi32((__mmask16)~nonfin, v, absmask));
-      amax_b[b] = _mm512_reduce_max_ps(a);
-      const int nbad = __builtin_popcount((unsigned)nonfin);
-      bad_b[b] = (uint8_t)(nbad != 0);
-      bad_local += nbad;
-    }
-    bad_count += bad_local;
-  });
-  nonfinite = bad_count.load();
-  if (nonfinite && !propagate) return;
-  std::vector<float> amax_s(nscopes, 0.0f);
-  for (int64_t b = 0; b < nb; ++b) amax_s[b / per] = fp4::fmax_(amax_s[b / per], amax_b[b]);
-  std::vector<fp4::TensorScale> ts(nscopes);
-  s_dec_out.resize(nscopes);
-  for (int64_t s = 0; s < nscopes; ++s) {
-    ts[s] = fp4::tensor_scale(amax_s[s], fp4::kE2M1Max);
-    s_dec_out[s] = ts[s].dec;
-  }
-  // pass 2: block scales and codes
-  at::parallel_for(0, nb, 4096, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const fp4::TensorScale& s = ts[b / per];
-      uint8_t sc = fp4::block_scale_code(amax_b[b], fp4::kE2M1Max, s.enc);
-      const bool live = sc != 0 && !bad_b[b];
-      if (bad_b[b]) sc = fp4::kE4M3NaN;
-      scales[b] = sc;
-      uint64_t packed = 0;
-      if (live) {
-        const float k = fp4::block_encode_scale(sc, s.dec);
-        const int64_t i0 = b * 16;
-        const int cnt = (int)std::min<int64_t>(16, n - i0);
-        const __mmask16 lm = cnt == 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << cnt) - 1);
-        const __m512 v = _mm512_maskz_loadu_ps(lm, x + i0);
-        packed = pack16(e2m1_codes16(_mm512_mul_ps(v, _mm512_set1_ps(k))));
-      }
-      memcpy(data + b * 8, &packed, 8);
-    }
-  });
-#else
-  (void)x; (void)n; (void)scope; (void)propagate; (void)data; (void)scales; (void)s_dec_out; (void)nonfinite;
-#endif
+
+// 16 values (the first `cnt` from p, the rest 0) as fp32 lanes. bf16 and fp16 widen exactly.
+static inline __m512 load16(const float* p, int cnt) {
+  return _mm512_maskz_loadu_ps((__mmask16)((1u << cnt) - 1), p);
+}
+static inline __m512 load16(const c10::BFloat16* p, int cnt) {
+  const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << cnt) - 1), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512 load16(const c10::Half* p, int cnt) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << cnt) - 1), p));
 }
 
-inline void nvfp4_decode_f32_avx512(const uint8_t* data, const uint8_t* scales, const float* s_dec, int64_t n,
-                                    int64_t scope, float* out) {
-#if FP4_HAVE_AVX512
-  const int64_t nb = (n + 15) / 16;
-  const int64_t per = scope ? scope / 16 : std::max<int64_t>(nb, 1);
-  const __m512 table = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
-                                      -2.0f, -3.0f, -4.0f, -6.0f);
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  at::parallel_for(0, nb, 4096, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const __m512 t = _mm512_mul_ps(_mm512_mul_ps(table, _mm512_set1_ps(fp4::e4m3_value(scales[b]))),
-                                     _mm512_set1_ps(s_dec[b / per]));
-      const __m128i bytes = _mm_loadl_epi64((const __m128i*)(data + b * 8));
-      const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-      const __m512 v = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), t);
-      const int64_t i0 = b * 16;
-      const int cnt = (int)std::min<int64_t>(16, n - i0);
-      if (cnt == 16)
-        _mm512_storeu_ps(out + i0, v);
-      else
-        _mm512_mask_storeu_ps(out + i0, (__mmask16)((1u << cnt) - 1), v);
-    }
-  });
-#else
-  (void)data; (void)scales; (void)s_dec; (void)n; (void)scope; (void)out;
-#endif
+// Store the first `cnt` lanes, rounding to the destination dtype as torch does (nearest even).
+static inline void store16(float* p, __m512 v, int cnt) {
+  _mm512_mask_storeu_ps(p, (__mmask16)((1u << cnt) - 1), v);
 }
+static inline void store16(c10::BFloat16* p, __m512 v, int cnt) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(p, (__mmask16)((1u << cnt) - 1), _mm512_cvtepi32_epi16(r));
+}
+static inline void store16(c10::Half* p, __m512 v, int cnt) {
+  _mm256_mask_storeu_epi16(p, (__mmask16)((1u << cnt) - 1), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// Finite amax and non-finite count over `nrows` rows of `cnt` values, `stride` elements apart.
+template <typename T>
+static inline void amax_rows16(const T* p, int64_t stride, int nrows, int cnt, float& amax, int32_t& bad) {
+  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), expmask = _mm512_set1_epi32(0x7F800000);
+  __m512 m = _mm512_setzero_ps();
+  int32_t nb = 0;
+  for (int r = 0; r < nrows; ++r) {
+    const __m512i v = _mm512_castps_si512(load16(p + r * stride, cnt));
+    const __mmask16 nonfin = _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, expmask), expmask);
+    m = _mm512_max_ps(m, _mm512_castsi512_ps(_mm512_maskz_and_epi32((__mmask16)~nonfin, v, absmask)));
+    nb += __builtin_popcount((unsigned)nonfin);
+  }
+  amax = _mm512_reduce_max_ps(m);
+  bad = nb;
+}
+
+// NVFP4 codes of 16 values times the block multiplier k, packed into 8 bytes.
+template <typename T>
+static inline void encode_row16(const T* p, int cnt, float k, uint8_t* out) {
+  const uint64_t packed = pack16(e2m1_codes16(_mm512_mul_ps(load16(p, cnt), _mm512_set1_ps(k))));
+  memcpy(out, &packed, 8);
+}
+
+// Decode 8 packed bytes through a 16-entry table (value(code) * scale_b * s_dec, computed as the rule says).
+template <typename T>
+static inline void decode_row16(const uint8_t* in, __m512 table, int cnt, T* out) {
+  const __m128i nib = _mm_set1_epi8(0x0F);
+  const __m128i bytes = _mm_loadl_epi64((const __m128i*)in);
+  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
+  store16(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), cnt);
+}
+
+static inline __m512 decode_table16(bool ufp4, float scale_b, float s_dec) {
+  alignas(64) float t[16];
+  for (int c = 0; c < 16; ++c) t[c] = ufp4 ? fp4::ufp4_value((uint8_t)c) : fp4::e2m1_value((uint8_t)c);
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(t), _mm512_set1_ps(scale_b)), _mm512_set1_ps(s_dec));
+}
+
+#endif  // FP4_HAVE_AVX512
 
 }  // namespace fp4cpu
