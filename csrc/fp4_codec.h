@@ -166,14 +166,14 @@ struct TensorScale {
   float enc, dec;
 };
 
-// elem_max is 6 (nvfp4) or 1.5 (ufp4); s_enc = elem_max * 448 / amax, s_dec = 1 / s_enc; amax 0 -> s_dec 0.
+// elem_max is 6 (nvfp4) or 1.5 (ufp4); s_enc = elem_max * 448 / amax, s_dec = 1 / s_enc; amax 0 -> both 0.
 FP4_HD TensorScale tensor_scale(float amax, float elem_max) {
   TensorScale s;
   if (amax > 0.0f) {
     s.enc = fmin_((elem_max * kE4M3Max) / amax, kF32Max);
     s.dec = 1.0f / s.enc;
-  } else {
-    s.enc = 1.0f;
+  } else {  // an all-zero scope (or an amax override of 0): every block scale becomes 0
+    s.enc = 0.0f;
     s.dec = 0.0f;
   }
   return s;
@@ -184,9 +184,11 @@ FP4_HD uint8_t block_scale_code(float amax_b, float elem_max, float s_enc) {
 }
 
 // Multiplier that maps a block's elements onto the element grid; 0 when the block scale is 0.
+// Clamped to the largest finite fp32: with a clamped tensor scale the product scale_b * s_dec can be so
+// small that its reciprocal overflows, and x * inf would turn zeros into NaN.
 FP4_HD float block_encode_scale(uint8_t scale_code, float s_dec) {
   if (scale_code == 0) return 0.0f;
-  return 1.0f / (e4m3_value(scale_code) * s_dec);
+  return fmin_(1.0f / (e4m3_value(scale_code) * s_dec), kF32Max);
 }
 
 // ---- counter-based random bits (3.9) ----------------------------------------------------------------

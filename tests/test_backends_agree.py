@@ -129,3 +129,18 @@ def test_amax_override_bytes_equal(tile, scope, cpu_ext):
     own = reference.nvfp4_encode(*args)
     assert not torch.equal(ref[2], own[2])  # the override really changed the tensor scale
     assert torch.allclose(ref[2], (amax / 2688.0), rtol=1e-6)
+
+
+def test_overflowing_block_multiplier_bytes_equal(cpu_ext):
+    """A clamped tensor scale (subnormal amax) or an amax override of 0 must not turn zeros into NaN."""
+    x = torch.tensor([0.0, -0.0, 1e-41, -3e-42] * 8 + [0.0] * 16, dtype=torch.float32)
+    for amax in (None, torch.zeros(1)):
+        args = (x, 1, x.numel(), 1, 0, False, False, 0, 0, False)
+        ref = reference.nvfp4_encode(*args, amax=amax)
+        got = cpu.nvfp4_encode(*args, amax=amax)
+        for a, b in zip(ref, got):
+            _eq(a, b)
+        dec = reference.nvfp4_decode(ref[0], ref[1], ref[2], 1, x.numel(), 1, 0, False, torch.float32)
+        assert not torch.isnan(dec).any()
+    zero = reference.nvfp4_encode(x, 1, x.numel(), 1, 0, False, False, 0, 0, False, amax=torch.zeros(1))
+    assert int(zero[1].sum()) == 0 and int(zero[0].sum()) == 0  # amax 0: every scale and code is 0

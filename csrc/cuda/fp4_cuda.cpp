@@ -56,8 +56,8 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
   TORCH_CHECK(rows >= 0 && cols >= 0 && x.numel() == rows * cols, fn, ": rows * cols = ", rows * cols,
               " but x has ", x.numel(), " elements");
   TORCH_CHECK(tile == 1 || tile == 16, fn, ": tile = ", tile, "; allowed: 1 (1x16 blocks) or 16 (16x16 tiles)");
-  TORCH_CHECK(scope >= 0 && scope % 16 == 0 && (tile == 1 || scope == 0), fn, ": scope = ", scope,
-              "; allowed: 0 or a positive multiple of 16 (1x16 blocks only)");
+  TORCH_CHECK(tile == 16 || (scope >= 0 && scope % 16 == 0), fn, ": scope = ", scope,
+              "; allowed: 0 or a positive multiple of 16 (16x16 tiles ignore it)");
   c10::cuda::CUDAGuard guard(x.device());
   const fp4cuda::NvLayout L = fp4cuda::nv_layout(rows, cols, tile, scope);
   const float* amax_ptr = nullptr;
@@ -92,7 +92,8 @@ torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tens
   check_cuda(scales, fn, "scales");
   check_same_device(data, scales, fn, "scales");
   TORCH_CHECK(tile == 1 || tile == 16, fn, ": tile = ", tile, "; allowed: 1 or 16");
-  TORCH_CHECK(scope >= 0 && scope % 16 == 0, fn, ": scope = ", scope, "; allowed: 0 or a positive multiple of 16");
+  TORCH_CHECK(tile == 16 || (scope >= 0 && scope % 16 == 0), fn, ": scope = ", scope,
+              "; allowed: 0 or a positive multiple of 16 (16x16 tiles ignore it)");
   const fp4cuda::DType dt = dtype_of(out_dtype, fn, "out_dtype");
   c10::cuda::CUDAGuard guard(data.device());
   const fp4cuda::NvLayout L = fp4cuda::nv_layout(rows, cols, tile, scope);

@@ -480,7 +480,7 @@ __global__ void __launch_bounds__(kThreads)
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
     nv_tile_decode(const uint8_t* data, const uint8_t* scales, const float* s_dec, int64_t rows, int64_t cols,
-                   int64_t C, int64_t cp, bool ufp4, bool vec, void* outv) {
+                   int64_t C, int64_t cp, bool ufp4, bool words, bool vec, void* outv) {
   __shared__ float tab[16];
   fill_table(tab, ufp4);
   auto* out = static_cast<typename Elem<DT>::raw*>(outv);
@@ -489,7 +489,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t u = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; u < units; u += stride) {
     const int64_t r = u / cw, c0 = (u % cw) * 8, pos = r * cp + c0;
     const float sv = fp4::e4m3_value(scales[(r / 16) * C + c0 / 16]);
-    const uint32_t codes = load_u32(data + pos / 2, true);  // pos / 2 is a multiple of 4
+    const uint32_t codes = load_u32(data + pos / 2, words);  // pos / 2 is a multiple of 4
     float o[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) o[j] = (tab[(codes >> (4 * j)) & 0xF] * sv) * sd;
@@ -590,7 +590,7 @@ cudaError_t nvfp4_encode(const void* x, DType dt, int64_t rows, int64_t cols, in
                          const float* amax, uint8_t* data, uint8_t* scales, float* tensor_scale, float* workspace,
                          unsigned long long* nonfinite, cudaStream_t stream) {
   if (tile != 1 && tile != 16) return cudaErrorInvalidValue;
-  if (tile == 1 && scope % 16 != 0) return cudaErrorInvalidValue;
+  if (tile == 1 && (scope < 0 || scope % 16 != 0)) return cudaErrorInvalidValue;
   const NvLayout L = nv_layout(rows, cols, tile, scope);
   const float elem_max = ufp4 ? fp4::kUfp4Max : fp4::kE2M1Max;
   FP4_CHECK(cudaMemsetAsync(workspace, 0, sizeof(float) * (size_t)L.nscopes, stream));
@@ -639,13 +639,14 @@ cudaError_t nvfp4_decode(const uint8_t* data, const uint8_t* scales, const float
                          int64_t cols, int64_t tile, int64_t scope, bool ufp4, void* out, DType out_dt,
                          cudaStream_t stream) {
   if (tile != 1 && tile != 16) return cudaErrorInvalidValue;
+  if (tile == 1 && (scope < 0 || scope % 16 != 0)) return cudaErrorInvalidValue;
   const NvLayout L = nv_layout(rows, cols, tile, scope);
   if (L.n == 0) return cudaSuccess;
   if (L.tiled) {
-    const bool vec = aligned(out, 16) && (cols * (int64_t)esize(out_dt)) % 16 == 0;
+    const bool vec = aligned(out, 16) && (cols * (int64_t)esize(out_dt)) % 16 == 0, words = aligned(data, 4);
     const int64_t units = rows * ((cols + 7) / 8);
     FP4_DISPATCH(out_dt, DTC, (nv_tile_decode<DTC><<<grid_for(units), kThreads, 0, stream>>>(
-                                  data, scales, tensor_scale, rows, cols, L.C, L.cp, ufp4, vec, out)));
+                                  data, scales, tensor_scale, rows, cols, L.C, L.cp, ufp4, words, vec, out)));
   } else {
     const bool vec = aligned(out, 16), words = aligned(data, 4);
     FP4_DISPATCH(out_dt, DTC, (nv_flat_decode<DTC><<<grid_for((L.n + 7) / 8), kThreads, 0, stream>>>(

@@ -2,7 +2,10 @@
 //
 // Pure CUDA runtime API, no torch headers: fp4_kernels.cu compiles standalone with nvcc, and the torch
 // bindings (fp4_cuda.cpp) only allocate tensors and call these. Every launcher takes raw device
-// pointers and the cudaStream_t to enqueue on, never synchronizes, and returns the launch status.
+// pointers and the cudaStream_t to enqueue on, never synchronizes, and returns the launch status
+// (cudaErrorInvalidValue for a tile other than 1/16 or a scope that is not a multiple of 16).
+// Sources and decoder inputs may sit at any address (16-byte vector paths are taken where aligned);
+// encoder outputs (data) must be 8-byte aligned, as every fresh allocation is.
 //
 // Layouts and bytes are those of fp4offload/formats/reference.py (the oracle) and csrc/cpu/fp4_cpu.cpp:
 // - tile == 1: blocks of 16 (NVFP4/ufp4) or 32 (MX) consecutive elements of the flat tensor, zero-padded;

@@ -103,7 +103,7 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     if amax is not None:
         amax_s = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(nscopes).clone()
     nz = amax_s > 0
-    s_enc = torch.where(nz, _div(elem_max * B.E4M3_MAX, torch.where(nz, amax_s, 1.0)), 1.0).clamp(max=B.F32_MAX)
+    s_enc = torch.where(nz, _div(elem_max * B.E4M3_MAX, torch.where(nz, amax_s, 1.0)), 0.0).clamp(max=B.F32_MAX)
     s_dec = torch.where(nz, _div(1.0, s_enc), 0.0)
 
     t = torch.clamp(_div(amax_b, elem_max) * s_enc[scope_of_block], max=B.E4M3_MAX)
@@ -111,6 +111,7 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     scale_val = B.e4m3_table(x.device)[scale_code.long()]
     live = (scale_code != 0) & ~bad
     s_enc_b = torch.where(live, _div(1.0, torch.where(live, scale_val * s_dec[scope_of_block], 1.0)), 0.0)
+    s_enc_b = s_enc_b.clamp(max=B.F32_MAX)  # the reciprocal may overflow when the tensor scale was clamped
     y = blocks * s_enc_b[:, None]
     if ufp4:
         codes = B.ufp4_encode(y.abs())

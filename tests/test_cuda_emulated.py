@@ -1,0 +1,247 @@
+"""The CUDA kernels' logic, run on the CPU under a host emulation, produces the reference's bytes.
+
+No GPU is needed: csrc/cuda/fp4_kernels.cu is compiled with g++ against tests/cuda_emu/emu.h (CTAs run
+in turn, threads as fibers, warp shuffles as lock-step exchanges), and its launchers are called through
+ctypes on CPU tensors. This proves the work split, the index arithmetic of every layout, the warp
+reductions (including that every shuffle is warp-uniform), the scope reduction modes, the vector and
+scalar load/store paths and the launch sequence; the GPU itself is tested by tests/test_cuda_backend.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from fp4offload.formats import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "csrc"
+EMU = Path(__file__).resolve().parent / "cuda_emu"
+DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_API = r"""
+#include "emu.h"
+#include "cuda/fp4_kernels.cuh"
+extern "C" {
+int e_nv_enc(const void* x, int dt, long rows, long cols, long tile, long scope, int ufp4, int sr, unsigned seed,
+             unsigned sid, int prop, const float* amax, uint8_t* data, uint8_t* scales, float* ts, float* ws,
+             unsigned long long* cnt) {
+  return fp4cuda::nvfp4_encode(x, (fp4cuda::DType)dt, rows, cols, tile, scope, ufp4, sr, seed, sid, prop, amax, data,
+                               scales, ts, ws, cnt, nullptr);
+}
+int e_nv_dec(const uint8_t* d, const uint8_t* s, const float* ts, long rows, long cols, long tile, long scope, int ufp4,
+             void* out, int dt) {
+  return fp4cuda::nvfp4_decode(d, s, ts, rows, cols, tile, scope, ufp4, out, (fp4cuda::DType)dt, nullptr);
+}
+int e_mx_enc(const void* x, int dt, long n, int fp8, int fl, int sr, unsigned seed, unsigned sid, int prop, uint8_t* d,
+             uint8_t* s, unsigned long long* cnt) {
+  return fp4cuda::mx_encode(x, (fp4cuda::DType)dt, n, fp8, fl, sr, seed, sid, prop, d, s, cnt, nullptr);
+}
+int e_mx_dec(const uint8_t* d, const uint8_t* s, long n, int fp8, void* out, int dt) {
+  return fp4cuda::mx_decode(d, s, n, fp8, out, (fp4cuda::DType)dt, nullptr);
+}
+long e_divergent() { return emu::S().divergent; }
+}
+"""
+
+
+def _rewrite_launches(source: str) -> str:
+    """`k<<<g, b, s, st>>>(args)` -> `emu::Launch(g, b, s, st)(k, args)`."""
+    out, n = re.subn(r"([\w:]+(?:<\w+>)?)<<<(.*?)>>>\(", r"emu::Launch(\2)(\1, ", source, flags=re.S)
+    assert n >= 8, "fewer kernel launches found than the codecs have"
+    return out
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ is not on PATH")
+    d = tmp_path_factory.mktemp("cuda_emu")
+    stub = d / "stub"
+    stub.mkdir()
+    for h in ("cuda_runtime.h", "cuda_runtime_api.h", "cuda_bf16.h", "cuda_fp16.h"):
+        (stub / h).write_text('#include "emu.h"\n')
+    shutil.copy(EMU / "emu.h", stub / "emu.h")
+    src = (CSRC / "cuda" / "fp4_kernels.cu").read_text().replace('#include "fp4_kernels.cuh"',
+                                                                  '#include "cuda/fp4_kernels.cuh"')
+    (d / "kernels.cpp").write_text(_rewrite_launches(src))
+    (d / "api.cpp").write_text(_API)
+    lib = d / "libfp4emu.so"
+    cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas",
+           "-Wno-unused-function", "-I", str(stub), "-I", str(CSRC), "-include", "emu.h", str(d / "kernels.cpp"),
+           str(d / "api.cpp"), "-o", str(lib)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    so = ctypes.CDLL(str(lib))
+    P, I, L, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_uint
+    so.e_nv_enc.argtypes = [P, I, L, L, L, L, I, I, U, U, I, P, P, P, P, P, P]
+    so.e_nv_dec.argtypes = [P, P, P, L, L, L, L, I, P, I]
+    so.e_mx_enc.argtypes = [P, I, L, I, I, I, U, U, I, P, P, P]
+    so.e_mx_dec.argtypes = [P, P, L, I, P, I]
+    so.e_divergent.restype = ctypes.c_long
+    return so
+
+
+def _p(t):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def nv_encode(so, x, rows, cols, tile, scope, ufp4, sr, seed, sid, prop, amax=None):
+    n = rows * cols
+    if tile == 16:
+        rp, cp = _cdiv(rows, 16) * 16, _cdiv(cols, 16) * 16
+        nb, nbytes, nsc = rp * cp // 256, rp * cp // 2, 1
+    else:
+        nb = _cdiv(n, 16)
+        per = scope // 16 if scope else max(nb, 1)
+        nbytes, nsc = nb * 8, max(_cdiv(nb, per), 1)
+    data = torch.full((nbytes,), 0xAB, dtype=torch.uint8)  # poison: every byte must be written
+    scales = torch.full((nb,), 0xCD, dtype=torch.uint8)
+    ts, ws, cnt = torch.full((nsc,), 7.0), torch.empty(nsc), torch.full((), 99, dtype=torch.int64)
+    rc = so.e_nv_enc(_p(x), DT[x.dtype], rows, cols, tile, scope, ufp4, sr, seed, sid, prop, _p(amax), _p(data),
+                     _p(scales), _p(ts), _p(ws), _p(cnt))
+    assert rc == 0
+    return data, scales, ts, int(cnt)
+
+
+def nv_decode(so, data, scales, ts, rows, cols, tile, scope, ufp4, dtype):
+    out = torch.empty(rows * cols, dtype=dtype)
+    assert so.e_nv_dec(_p(data), _p(scales), _p(ts), rows, cols, tile, scope, ufp4, _p(out), DT[dtype]) == 0
+    return out
+
+
+def mx_encode(so, x, fp8, floor, sr, seed, sid, prop):
+    nb = _cdiv(x.numel(), 32)
+    data = torch.full((nb * (32 if fp8 else 16),), 0xAB, dtype=torch.uint8)
+    scales, cnt = torch.full((nb,), 0xCD, dtype=torch.uint8), torch.full((), 99, dtype=torch.int64)
+    assert so.e_mx_enc(_p(x), DT[x.dtype], x.numel(), fp8, floor, sr, seed, sid, prop, _p(data), _p(scales),
+                       _p(cnt)) == 0
+    return data, scales, int(cnt)
+
+
+def mx_decode(so, data, scales, n, fp8, dtype):
+    out = torch.empty(n, dtype=dtype)
+    assert so.e_mx_dec(_p(data), _p(scales), n, fp8, _p(out), DT[dtype]) == 0
+    return out
+
+
+def _eq(ref, got, what=""):
+    if not isinstance(ref, torch.Tensor):
+        assert ref == got, (what, ref, got)
+        return
+    assert ref.dtype == got.dtype and ref.shape == got.shape, (what, ref.dtype, got.dtype, ref.shape, got.shape)
+    if ref.is_floating_point():
+        nan_r = torch.isnan(ref)
+        assert torch.equal(nan_r, torch.isnan(got)), (what, "NaN positions differ")
+        ib = torch.int32 if ref.dtype == torch.float32 else torch.int16
+        bad = (ref.view(ib) != got.view(ib)) & ~nan_r
+    else:
+        bad = ref != got
+    assert not bool(bad.any()), (what, bad.nonzero()[:8].flatten().tolist())
+
+
+def _data(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
+    if x.numel() > 3:
+        x.view(-1)[0] = 0.0
+        x.view(-1)[1] = -0.0
+        x.view(-1)[2] *= 1e-6
+    return x.to(dtype)
+
+
+# (shape, variant): 1x16 with whole/per-warp/per-block scopes, tiles with ragged edges, SR, ufp4, non-finite
+NV_CASES = [((0,), "nv"), ((17,), "nv"), ((33, 7), "nv-16x16"), ((130, 257), "nv"), ((130, 257), "nv-16x16"),
+            ((5000,), "nv-scope48"), ((5000,), "nv-scope256"), ((40, 100), "nv-scope4096"), ((2, 3, 50), "nv-sr"),
+            ((37, 41), "nv-16x16-sr"), ((1000,), "ufp4-scope64"), ((600,), "nv-nonfinite"),
+            ((20, 30), "nv-16x16-nonfinite")]
+MX_CASES = [((0,), "mxfp4"), ((33,), "mxfp4"), ((130, 257), "mxfp4-floor"), ((4097,), "mxfp4-sr"),
+            ((1000,), "mxfp8"), ((2, 3, 50), "mxfp8-floor"), ((600,), "mxfp4-nonfinite"), ((600,), "mxfp8-nonfinite")]
+
+
+@pytest.mark.parametrize("dtype", list(DT), ids=str)
+@pytest.mark.parametrize("shape,variant", NV_CASES, ids=[f"{v}-{s}" for s, v in NV_CASES])
+def test_nvfp4_kernels_match_reference(shape, variant, dtype, emu):
+    x = _data(shape, dtype, hash((shape, variant)) % 1000)
+    ufp4 = variant.startswith("ufp4")
+    if ufp4:
+        x = x.abs()
+    prop = variant.endswith("nonfinite")
+    if prop:
+        x.view(-1)[5] = float("nan")
+        x.view(-1)[-1] = float("inf")
+    rows, cols = (x.numel() // shape[-1] if shape[-1] else 0), shape[-1]
+    tile = 16 if "16x16" in variant else 1
+    scope = int(re.search(r"scope(\d+)", variant).group(1)) if "scope" in variant else 0
+    sr = variant.endswith("sr")
+    args = (x, rows, cols, tile, scope, ufp4, sr, 1234, 7, prop)
+    ref = reference.nvfp4_encode(*args)
+    got = nv_encode(emu, *args)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        _eq(a, b, ("encode", i))
+    for out_dtype in DT:
+        dec = (ref[0], ref[1], ref[2], rows, cols, tile, scope, ufp4, out_dtype)
+        _eq(reference.nvfp4_decode(*dec), nv_decode(emu, *dec), ("decode", out_dtype))
+    assert emu.e_divergent() == 0
+
+
+@pytest.mark.parametrize("dtype", list(DT), ids=str)
+@pytest.mark.parametrize("shape,variant", MX_CASES, ids=[f"{v}-{s}" for s, v in MX_CASES])
+def test_mx_kernels_match_reference(shape, variant, dtype, emu):
+    x = _data(shape, dtype, hash((shape, variant)) % 1000)
+    prop = variant.endswith("nonfinite")
+    if prop:
+        x.view(-1)[3] = float("nan")
+        x.view(-1)[39] = -float("inf")
+    fp8 = variant.startswith("mxfp8")
+    args = (x, fp8, "floor" in variant, variant.endswith("sr"), 99, 3, prop)
+    ref = reference.mx_encode(*args)
+    got = mx_encode(emu, *args)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        _eq(a, b, ("encode", i))
+    for out_dtype in DT:
+        _eq(reference.mx_decode(ref[0], ref[1], x.numel(), fp8, out_dtype),
+            mx_decode(emu, ref[0], ref[1], x.numel(), fp8, out_dtype), ("decode", out_dtype))
+    assert emu.e_divergent() == 0
+
+
+@pytest.mark.parametrize("dtype", list(DT), ids=str)
+def test_misaligned_buffers_match_reference(dtype, emu):
+    big = _data((2100,), dtype, 3)
+    x = big[1:2001]  # contiguous, 2 or 4 bytes past a 16-byte boundary: the element-wise load path
+    assert x.data_ptr() % 16 != 0
+    for tile, rows, cols in [(1, 1, 2000), (16, 20, 100)]:
+        ref = reference.nvfp4_encode(x, rows, cols, tile, 0, False, False, 5, 6, False)
+        for i, (a, b) in enumerate(zip(ref, nv_encode(emu, x, rows, cols, tile, 0, False, False, 5, 6, False))):
+            _eq(a, b, ("encode", tile, i))
+        buf = torch.empty(ref[0].numel() + 1, dtype=torch.uint8)
+        buf[1:] = ref[0]  # codes at an odd address: the byte-wise code path of the decoders
+        _eq(reference.nvfp4_decode(ref[0], ref[1], ref[2], rows, cols, tile, 0, False, dtype),
+            nv_decode(emu, buf[1:], ref[1], ref[2], rows, cols, tile, 0, False, dtype), ("decode", tile))
+    for fp8 in (False, True):
+        ref = reference.mx_encode(x, fp8, False, False, 1, 2, False)
+        for i, (a, b) in enumerate(zip(ref, mx_encode(emu, x, fp8, False, False, 1, 2, False))):
+            _eq(a, b, ("mx encode", fp8, i))
+
+
+@pytest.mark.parametrize("tile,scope", [(1, 0), (1, 32), (16, 0)])
+def test_amax_override_matches_reference(tile, scope, emu):
+    x = _data((40, 48), torch.float32, 11)
+    nscopes = 1 if not scope else _cdiv(x.numel(), scope)
+    amax = torch.full((nscopes,), float(x.abs().max()) * 3.0)
+    args = (x, 40, 48, tile, scope, False, False, 0, 0, False)
+    ref = reference.nvfp4_encode(*args, amax=amax)
+    for i, (a, b) in enumerate(zip(ref, nv_encode(emu, *args, amax=amax))):
+        _eq(a, b, ("encode", i))
+    assert not torch.equal(ref[2], reference.nvfp4_encode(*args)[2])
