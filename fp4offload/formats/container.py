@@ -1,8 +1,8 @@
 """fp4offload's file container: a JSON header, then raw tensor bytes, each with a CRC32.
 
-Layout: ``MAGIC`` (8 bytes) | header length (uint64 little endian) | header (UTF-8 JSON) | payload.
-The header holds ``version``, the caller's metadata and, per tensor, dtype, shape, offset, nbytes and
-crc32. Files are written to a temporary name in the same folder, fsynced and renamed, so a crash
+Layout: ``MAGIC`` (8 bytes) | header length (uint64 little endian) | CRC32 of the header (uint32 little
+endian) | header (UTF-8 JSON) | payload. The header holds ``version``, the caller's metadata and, per
+tensor, dtype, shape, offset, nbytes and crc32; the file must end where the last tensor ends. Files are written to a temporary name in the same folder, fsynced and renamed, so a crash
 leaves either the old file or the new one; they are created readable by their owner only. Nothing is
 pickled.
 """
@@ -21,6 +21,7 @@ from ..errors import CorruptionError
 
 MAGIC = b"FP4OFFL\x01"
 VERSION = 1
+_PREFIX = 8 + 8 + 4  # magic, header length, header crc32
 _DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,
            "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -45,7 +46,7 @@ def write_container(path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+            f.write(MAGIC + struct.pack("<QI", len(header), zlib.crc32(header)) + header)
             for raw in blobs:
                 f.write(raw)
             f.flush()
@@ -54,7 +55,7 @@ def write_container(path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return 16 + len(header) + offset
+    return _PREFIX + len(header) + offset
 
 
 def read_container(path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -63,21 +64,31 @@ def read_container(path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not path.exists():
         raise CorruptionError(path, "file is missing")
     raw = path.read_bytes()
-    if len(raw) < 16 or raw[:8] != MAGIC:
+    if len(raw) < _PREFIX or raw[:8] != MAGIC:
         raise CorruptionError(path, "not an fp4offload file (bad magic)", offset=0, expected=MAGIC, found=raw[:8])
-    (hlen,) = struct.unpack("<Q", raw[8:16])
-    if 16 + hlen > len(raw):
-        raise CorruptionError(path, "truncated header", offset=16, expected=hlen, found=len(raw) - 16)
+    hlen, hcrc = struct.unpack("<QI", raw[8:_PREFIX])
+    if _PREFIX + hlen > len(raw):
+        raise CorruptionError(path, "truncated header", offset=_PREFIX, expected=hlen, found=len(raw) - _PREFIX)
+    hraw = raw[_PREFIX:_PREFIX + hlen]
+    if zlib.crc32(hraw) != hcrc:
+        raise CorruptionError(path, "header checksum mismatch", offset=_PREFIX, expected=f"{hcrc:#010x}",
+                              found=f"{zlib.crc32(hraw):#010x}")
     try:
-        header = json.loads(raw[16:16 + hlen])
-    except ValueError as e:
-        raise CorruptionError(path, f"unreadable header ({e})", offset=16) from None
-    if header.get("version") != VERSION:
-        raise CorruptionError(path, "unsupported format version", expected=VERSION, found=header.get("version"))
-    base = 16 + hlen
-    out = {}
-    for name, e in header["tensors"].items():
-        start, n = base + e["offset"], e["nbytes"]
+        header = json.loads(hraw)
+        version = header["version"]
+        entries = header["tensors"]
+        meta = header["meta"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CorruptionError(path, f"unreadable header ({type(e).__name__}: {e})", offset=_PREFIX) from None
+    if version != VERSION:
+        raise CorruptionError(path, "unsupported format version", expected=VERSION, found=version)
+    base = _PREFIX + hlen
+    out, end = {}, base
+    for name, e in entries.items():
+        try:
+            start, n, dtype, shape = base + int(e["offset"]), int(e["nbytes"]), _DTYPES[e["dtype"]], list(e["shape"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise CorruptionError(path, f"bad entry for tensor {name!r} ({err})", offset=_PREFIX) from None
         if start + n > len(raw):
             raise CorruptionError(path, f"tensor {name!r} truncated", offset=start, expected=n,
                                   found=max(len(raw) - start, 0))
@@ -86,7 +97,13 @@ def read_container(path) -> tuple[dict, dict[str, torch.Tensor]]:
         if crc != e["crc32"]:
             raise CorruptionError(path, f"checksum mismatch in tensor {name!r}", offset=start,
                                   expected=f"{e['crc32']:#010x}", found=f"{crc:#010x}")
-        dtype = _DTYPES[e["dtype"]]
         t = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        out[name] = t.view(dtype).reshape(e["shape"])
-    return header["meta"], out
+        try:
+            out[name] = t.view(dtype).reshape(shape)
+        except RuntimeError as err:
+            raise CorruptionError(path, f"tensor {name!r} does not match its shape ({err})", offset=start) from None
+        end = max(end, start + n)
+    if end != len(raw):
+        raise CorruptionError(path, "unexpected bytes after the last tensor", offset=end, expected=end,
+                              found=len(raw))
+    return meta, out

@@ -103,6 +103,25 @@ class PackedTensor:
         return cls(tensors["data"], tensors["scales"], tensors.get("tensor_scale"), torch.Size(header["shape"]),
                    dtype, header["format"], header["block"], int(header.get("scale_scope", 0)))
 
+    def check(self) -> None:
+        """Raise ValueError unless the tensors have the sizes the header implies."""
+        per_block = {"nvfp4": (16, 8), "ufp4": (16, 8), "mxfp4": (32, 16), "mxfp8": (32, 32)}[self.format]
+        if self.block == "16x16":
+            rows, cols = self.rows_cols
+            rp, cp = -(-rows // 16) * 16, -(-cols // 16) * 16
+            nblocks, nbytes, nscopes = (rp // 16) * (cp // 16), rp * cp // 2, 1
+        else:
+            nblocks = -(-self.numel // per_block[0])
+            nbytes = nblocks * per_block[1]
+            nscopes = max(-(-self.numel // self.scale_scope), 1) if self.scale_scope else 1
+        if self.data.dtype != torch.uint8 or self.data.numel() != nbytes:
+            raise ValueError(f"data holds {self.data.numel()} bytes, the shape needs {nbytes}")
+        if self.scales.dtype != torch.uint8 or self.scales.numel() != nblocks:
+            raise ValueError(f"scales hold {self.scales.numel()} bytes, the shape needs {nblocks}")
+        if self.format in ("nvfp4", "ufp4"):
+            if self.tensor_scale is None or self.tensor_scale.numel() != nscopes:
+                raise ValueError(f"tensor_scale must hold {nscopes} fp32 value(s)")
+
     def save(self, path) -> None:
         """Write to `path` (temporary name, then rename) in fp4offload's checksummed container; no pickle."""
         from .container import write_container
@@ -114,8 +133,14 @@ class PackedTensor:
         """Read a file written by `save`; a damaged file raises CorruptionError."""
         from .container import read_container
 
+        from ..errors import ConfigError, CorruptionError
+
         header, tensors = read_container(path)
-        pt = cls.from_parts(header, tensors)
+        try:
+            pt = cls.from_parts(header, tensors)
+            pt.check()
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            raise CorruptionError(path, f"not a valid PackedTensor ({e})") from None
         return pt if str(device) == "cpu" else pt.to(device)
 
     def __repr__(self) -> str:
