@@ -110,45 +110,156 @@ static inline __m512i ufp4_codes16(__m512 y) {
   return _mm512_maskz_mov_epi32((__mmask16)~tiny, c);
 }
 
-// Encodes buf[0..16*nb) as one chunk (see encode_chunk_scalar in adam_cpu.cpp for the rules).
+// Lane b = max over the 16 lanes of v[b], for 16 vectors (a transpose tree: 15 max + 30 shuffles instead of
+// 16 horizontal reductions). Max is exact, so any order of comparisons gives the same result.
+static inline __m512 block_max16x16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // t[i]: lanes 0-7 partial maxes of v[2i], lanes 8-15 of v[2i+1]
+    const __m512 x = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    t[i] = _mm512_max_ps(x, y);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[i]: 128-bit lane q holds 4 partial maxes of block 4i + q
+    const __m512 x = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 y = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    u[i] = _mm512_max_ps(x, y);
+  }
+  for (int i = 0; i < 2; ++i) {  // w[i]: lane q, elements 0-1 block 8i + q, elements 2-3 block 8i + 4 + q
+    const __m512 x = _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    w[i] = _mm512_max_ps(x, y);
+  }
+  const __m512 x = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 y = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
+  const __m512 r = _mm512_max_ps(x, y);  // element 4q + j holds block 4j + q
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// fp4::e4m3_encode(x) for 16 lanes of x >= 0 (not NaN).
+static inline __m512i e4m3_codes16_pos(__m512 x) {
+  const __m512 a = _mm512_min_ps(x, _mm512_set1_ps(fp4::kE4M3Max));
+  const __m512i ai = _mm512_castps_si512(a);
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 20), _mm512_set1_epi32(1));
+  __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
+  nrm = _mm512_sub_epi32(nrm, _mm512_set1_epi32(120 << 3));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm512_min_epi32(_mm512_mask_blend_epi32(small, nrm, sub), _mm512_set1_epi32(0x7E));
+}
+
+// fp4::e4m3_value(code) for 16 lanes of codes 0..0x7E.
+static inline __m512 e4m3_values16_pos(__m512i c) {
+  const __m512i e = _mm512_srli_epi32(c, 3), m = _mm512_and_si512(c, _mm512_set1_epi32(7));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
+  const __m512i nrm = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                      _mm512_slli_epi32(m, 20));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  return _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
+}
+
+// Encodes buf[0..16*nb) (zeros past the data) as one chunk: one fp32 scale, an E4M3 scale per 16 elements,
+// codes. Same rules as encode_chunk_scalar in adam_cpu.cpp, 16 blocks at a time.
 static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_, bool stochastic, uint32_t key,
                                        uint32_t index0, uint8_t* codes, uint8_t* scales, float* s_dec_out) {
   const float elem_max = unsigned_ ? fp4::kUfp4Max : fp4::kE2M1Max;
   const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), expmask = _mm512_set1_epi32(0x7F800000);
-  float amax_b[kChunk / 16];
-  uint16_t bad_b[kChunk / 16];
+  const int ngroups = (nb + 15) / 16;
+  alignas(64) float amax_b[kChunk / 16];
+  uint16_t bad_g[kChunk / 256];
   __m512 amax_v = _mm512_setzero_ps();
-  for (int b = 0; b < nb; ++b) {
-    const __m512i v = _mm512_loadu_si512(buf + b * 16);
-    const __mmask16 nonfin = _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, expmask), expmask);
-    const __m512 a = _mm512_castsi512_ps(_mm512_maskz_and_epi32((__mmask16)~nonfin, v, absmask));
-    amax_v = _mm512_max_ps(amax_v, a);
-    amax_b[b] = _mm512_reduce_max_ps(a);
-    bad_b[b] = nonfin;
+  for (int q = 0; q < ngroups; ++q) {
+    __m512 a[16];
+    uint32_t bad = 0;
+    for (int j = 0; j < 16; ++j) {
+      const int b = q * 16 + j;
+      if (b < nb) {
+        const __m512i v = _mm512_load_si512(buf + b * 16);
+        const __mmask16 nonfin = _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, expmask), expmask);
+        a[j] = _mm512_castsi512_ps(_mm512_maskz_and_epi32((__mmask16)~nonfin, v, absmask));
+        bad |= (uint32_t)(nonfin != 0) << j;
+      } else {
+        a[j] = _mm512_setzero_ps();
+      }
+    }
+    const __m512 mx = block_max16x16(a);
+    _mm512_store_ps(amax_b + q * 16, mx);
+    amax_v = _mm512_max_ps(amax_v, mx);
+    bad_g[q] = (uint16_t)bad;
   }
   const fp4::TensorScale ts = fp4::tensor_scale(_mm512_reduce_max_ps(amax_v), elem_max);
   *s_dec_out = ts.dec;
-  for (int b = 0; b < nb; ++b) {
-    const uint8_t sc = fp4::block_scale_code(amax_b[b], elem_max, ts.enc);
-    scales[b] = sc;
-    uint64_t packed = 0;
-    if (sc != 0 && !bad_b[b]) {
-      const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(buf + b * 16), _mm512_set1_ps(fp4::block_encode_scale(sc, ts.dec)));
-      __m512i c;
-      if (unsigned_)
-        c = ufp4_codes16(y);
-      else if (stochastic)
-        c = e2m1_codes16_sr(y, sr_bits16(key, index0 + (uint32_t)(b * 16)));
-      else
-        c = fp4cpu::e2m1_codes16(y);
-      packed = fp4cpu::pack16(c);
+  const __m512 vmax = _mm512_set1_ps(elem_max), venc = _mm512_set1_ps(ts.enc), vdec = _mm512_set1_ps(ts.dec);
+  for (int q = 0; q < ngroups; ++q) {
+    // block scales of 16 blocks: E4M3(min((amax_b / elem_max) * s_enc, 448)); multipliers 1 / (scale * s_dec)
+    const __m512 t = _mm512_mul_ps(_mm512_div_ps(_mm512_load_ps(amax_b + q * 16), vmax), venc);
+    const __m512i sc = e4m3_codes16_pos(t);
+    const __mmask16 live = _mm512_cmpneq_epi32_mask(sc, _mm512_setzero_si512()) & (__mmask16)~bad_g[q];
+    alignas(64) float kb[16];
+    _mm512_store_ps(kb, _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f),
+                                            _mm512_mul_ps(e4m3_values16_pos(sc), vdec)));
+    const int cnt = std::min(16, nb - q * 16);
+    const __m128i sc8 = _mm512_cvtepi32_epi8(sc);
+    if (cnt == 16)
+      _mm_storeu_si128((__m128i*)(scales + q * 16), sc8);
+    else
+      _mm_mask_storeu_epi8(scales + q * 16, (__mmask16)((1u << cnt) - 1), sc8);
+    for (int j = 0; j < cnt; ++j) {
+      const int b = q * 16 + j;
+      uint64_t packed = 0;
+      if ((live >> j) & 1) {
+        const __m512 y = _mm512_mul_ps(_mm512_load_ps(buf + b * 16), _mm512_set1_ps(kb[j]));
+        __m512i c;
+        if (unsigned_)
+          c = ufp4_codes16(y);
+        else if (stochastic)
+          c = e2m1_codes16_sr(y, sr_bits16(key, index0 + (uint32_t)(b * 16)));
+        else
+          c = fp4cpu::e2m1_codes16(y);
+        packed = fp4cpu::pack16(c);
+      }
+      memcpy(codes + b * 8, &packed, 8);
     }
-    memcpy(codes + b * 8, &packed, 8);
   }
+}
+
+struct Tables {
+  float e4m3[256];
+  alignas(64) float ufp4[16];
+  Tables() {
+    for (int k = 0; k < 256; ++k) e4m3[k] = fp4::e4m3_value((uint8_t)k);
+    for (int k = 0; k < 16; ++k) ufp4[k] = fp4::ufp4_value((uint8_t)k);
+  }
+};
+
+inline const Tables& tables() {
+  static const Tables t;
+  return t;
+}
+
+// Software prefetch of chunk c's inputs (the hardware prefetcher alone leaves the step latency-bound once
+// the tensors fall out of the last-level cache).
+template <typename G>
+inline void prefetch_chunk(const ChunkArgs& a, const G* grad, int64_t c) {
+  const int64_t i0 = c * kChunk;
+  if (i0 >= a.n) return;
+  const int64_t cnt = std::min<int64_t>(kChunk, a.n - i0);
+  const char* pp = (const char*)(a.param + i0);
+  const char* gp = (const char*)(grad + i0);
+  for (int64_t off = 0; off < cnt * 4; off += 64) _mm_prefetch(pp + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < cnt * (int64_t)sizeof(G); off += 64) _mm_prefetch(gp + off, _MM_HINT_T0);
+  for (int64_t off = 0; off < cnt / 2; off += 64) {
+    _mm_prefetch((const char*)(a.m_codes + i0 / 2 + off), _MM_HINT_T0);
+    _mm_prefetch((const char*)(a.v_codes + i0 / 2 + off), _MM_HINT_T0);
+  }
+  _mm_prefetch((const char*)(a.m_scales + i0 / 16), _MM_HINT_T0);
+  _mm_prefetch((const char*)(a.v_scales + i0 / 16), _MM_HINT_T0);
 }
 
 template <typename G>
 inline void chunk_avx512(const ChunkArgs& a, const G* grad, int64_t c) {
+  const Tables& tab = tables();
+  prefetch_chunk(a, grad, c + 1);
   const Scalars& s = a.s;
   const int64_t i0 = c * kChunk;
   const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
@@ -156,13 +267,7 @@ inline void chunk_avx512(const ChunkArgs& a, const G* grad, int64_t c) {
   alignas(64) float mbuf[kChunk], ubuf[kChunk];
   const __m512 e2m1_tab = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
                                          -2.0f, -3.0f, -4.0f, -6.0f);
-  __m512 ufp4_tab;
-  {
-    alignas(64) float t[16];
-    for (int k = 0; k < 16; ++k) t[k] = fp4::ufp4_value((uint8_t)k);
-    ufp4_tab = _mm512_load_ps(t);
-  }
-  const __m512 v_tab = a.v_nvfp4 ? e2m1_tab : ufp4_tab;
+  const __m512 v_tab = a.v_nvfp4 ? e2m1_tab : _mm512_load_ps(tab.ufp4);
   const uint8_t* mc = a.m_codes + i0 / 2;
   const uint8_t* ms = a.m_scales + i0 / 16;
   const uint8_t* vc = a.v_codes + i0 / 2;
@@ -176,8 +281,8 @@ inline void chunk_avx512(const ChunkArgs& a, const G* grad, int64_t c) {
     const int64_t i = i0 + b * 16;
     const int left = cnt - b * 16;
     const __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 mt = _mm512_mul_ps(_mm512_mul_ps(e2m1_tab, _mm512_set1_ps(fp4::e4m3_value(ms[b]))), msd);
-    const __m512 vt = _mm512_mul_ps(_mm512_mul_ps(v_tab, _mm512_set1_ps(fp4::e4m3_value(vs[b]))), vsd);
+    const __m512 mt = _mm512_mul_ps(_mm512_mul_ps(e2m1_tab, _mm512_set1_ps(tab.e4m3[ms[b]])), msd);
+    const __m512 vt = _mm512_mul_ps(_mm512_mul_ps(v_tab, _mm512_set1_ps(tab.e4m3[vs[b]])), vsd);
     const __m512 mo = decode16(mc + b * 8, mt);
     const __m512 uo = decode16(vc + b * 8, vt);
     __m512 g = load_grad16(grad, i, mk);

@@ -1,6 +1,6 @@
 // CPU kernels for fp4offload: loops around csrc/fp4_codec.h, parallel over blocks with at::parallel_for
-// (OpenMP in torch's CPU builds). The NVFP4 rows (amax, nearest encode, decode) have AVX-512 versions in
-// nvfp4_avx512.h, chosen at run time; stochastic rounding, ufp4 encode and the MX formats use the scalar rule.
+// (OpenMP in torch's CPU builds). NVFP4/ufp4 rows and MX blocks (amax, nearest encode, decode) have AVX-512
+// versions in nvfp4_avx512.h, chosen at run time; stochastic rounding uses the scalar rule.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -50,7 +50,7 @@ template <typename T>
 inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic, uint32_t key, uint64_t index0,
                        bool simd, uint8_t* out) {
 #if FP4_HAVE_AVX512
-  if (simd && !ufp4 && !stochastic) return fp4cpu::encode_row16(p, cnt, k, out);
+  if (simd && !stochastic) return fp4cpu::encode_row16(p, cnt, k, ufp4, out);
 #endif
   uint8_t codes[16];
   for (int j = 0; j < 16; ++j) {
@@ -238,11 +238,19 @@ void mx_encode_impl(const T* x, int64_t n, bool fp8, bool floor_mode, bool stoch
                     uint32_t stream, bool propagate, uint8_t* data, uint8_t* scales, int64_t& nonfinite) {
   const int64_t nb = ceil_div(n, kMxBlock);
   std::vector<int64_t> bad_per_block(nb);
+  const bool simd = fp4cpu::have_avx512() && !stochastic;
   at::parallel_for(0, nb, 1024, [&](int64_t b0, int64_t b1) {
     float v[kMxBlock];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t i0 = b * kMxBlock;
       const int cnt = (int)std::min<int64_t>(kMxBlock, n - i0);
+#if FP4_HAVE_AVX512
+      if (simd) {
+        bad_per_block[b] = fp4cpu::mx_block32(x + i0, cnt, fp8, floor_mode, propagate, scales + b,
+                                              data + (fp8 ? i0 : i0 / 2));
+        continue;
+      }
+#endif
       float m = 0.0f;
       int64_t bad = 0;
       for (int j = 0; j < kMxBlock; ++j) {
@@ -296,11 +304,18 @@ std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode,
 template <typename T>
 void mx_decode_impl(const uint8_t* data, const uint8_t* scales, int64_t n, bool fp8, T* out) {
   const int64_t nb = ceil_div(n, kMxBlock);
+  const bool simd = fp4cpu::have_avx512();
   at::parallel_for(0, nb, 1024, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float sv = fp4::e8m0_value(scales[b]);
       const int64_t i0 = b * kMxBlock;
       const int cnt = (int)std::min<int64_t>(kMxBlock, n - i0);
+#if FP4_HAVE_AVX512
+      if (simd) {
+        fp4cpu::mx_decode32(data + (fp8 ? i0 : i0 / 2), fp8, sv, cnt, out + i0);
+        continue;
+      }
+#endif
       for (int j = 0; j < cnt; ++j) {
         const float e = fp8 ? fp4::e4m3_value(data[i0 + j]) : fp4::e2m1_value((data[(i0 + j) >> 1] >> (((i0 + j) & 1) * 4)) & 0xF);
         out[i0 + j] = static_cast<T>(e * sv);

@@ -141,10 +141,54 @@ static inline void amax_rows16(const T* p, int64_t stride, int nrows, int cnt, f
   bad = nb;
 }
 
-// NVFP4 codes of 16 values times the block multiplier k, packed into 8 bytes.
+// ufp4 codes of 16 scaled values: |y| clamped to 1.5, below 2^-7 -> code 0, else one mantissa bit, ties to even.
+static inline __m512i ufp4_codes16(__m512 y) {
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(1.5f));
+  const __m512i ai = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
+  __m512i c = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF)), lsb), 22);
+  c = _mm512_sub_epi32(c, _mm512_set1_epi32(120 << 1));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.0078125f), _CMP_LT_OQ);
+  c = _mm512_mask_blend_epi32(tiny, c, _mm512_setzero_si512());
+  return _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(15));
+}
+
+// E4M3 codes of 16 values (nearest even, saturating at 448, sign kept), as int32 lanes.
+static inline __m512i e4m3_codes16(__m512 y) {
+  const __m512i yi = _mm512_castps_si512(y);
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(448.0f));
+  const __m512i ai = _mm512_castps_si512(a);
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 20), _mm512_set1_epi32(1));
+  __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
+  nrm = _mm512_sub_epi32(nrm, _mm512_set1_epi32(120 << 3));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  __m512i c = _mm512_mask_blend_epi32(small, nrm, sub);
+  c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(0x7E));
+  return _mm512_or_si512(c, _mm512_and_si512(_mm512_srli_epi32(yi, 24), _mm512_set1_epi32(0x80)));
+}
+
+// fp32 values of 16 E4M3 codes (int32 lanes): normal, subnormal (m * 2^-9) and NaN (0x7F/0xFF).
+static inline __m512 e4m3_values16(__m512i c) {
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(0xF));
+  const __m512i m = _mm512_and_si512(c, _mm512_set1_epi32(7));
+  const __m512i nrm = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                      _mm512_slli_epi32(m, 20));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  __m512 mag = _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
+  mag = _mm512_mask_blend_ps(nan, mag, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+}
+
+// NVFP4 (or ufp4) codes of 16 values times the block multiplier k, packed into 8 bytes.
 template <typename T>
-static inline void encode_row16(const T* p, int cnt, float k, uint8_t* out) {
-  const uint64_t packed = pack16(e2m1_codes16(_mm512_mul_ps(load16(p, cnt), _mm512_set1_ps(k))));
+static inline void encode_row16(const T* p, int cnt, float k, bool ufp4, uint8_t* out) {
+  const __m512 y = _mm512_mul_ps(load16(p, cnt), _mm512_set1_ps(k));
+  const uint64_t packed = pack16(ufp4 ? ufp4_codes16(y) : e2m1_codes16(y));
   memcpy(out, &packed, 8);
 }
 
@@ -162,6 +206,55 @@ static inline __m512 decode_table16(bool ufp4, float scale_b, float s_dec) {
   for (int c = 0; c < 16; ++c) t[c] = ufp4 ? fp4::ufp4_value((uint8_t)c) : fp4::e2m1_value((uint8_t)c);
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(t), _mm512_set1_ps(scale_b)), _mm512_set1_ps(s_dec));
 }
+
+// One MX block of 32: returns the non-finite count; writes the E8M0 scale and the codes (nearest rounding).
+template <typename T>
+static inline int mx_block32(const T* p, int cnt, bool fp8, bool floor_mode, bool propagate, uint8_t* scale,
+                             uint8_t* out) {
+  const int c0 = cnt < 16 ? cnt : 16, c1 = cnt > 16 ? cnt - 16 : 0;
+  const __m512 v0 = load16(p, c0), v1 = load16(p + 16, c1);
+  const __m512i expmask = _mm512_set1_epi32(0x7F800000);
+  const __mmask16 n0 = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v0), expmask), expmask);
+  const __mmask16 n1 = _mm512_cmpeq_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v1), expmask), expmask);
+  const int bad = __builtin_popcount((unsigned)n0) + __builtin_popcount((unsigned)n1);
+  const __m512 a = _mm512_max_ps(_mm512_mask_abs_ps(_mm512_setzero_ps(), (__mmask16)~n0, v0), _mm512_mask_abs_ps(_mm512_setzero_ps(), (__mmask16)~n1, v1));
+  const float amax = _mm512_reduce_max_ps(a);
+  const int32_t e = fp8 ? fp4::mx_exponent(amax, 0x600000u, 8, floor_mode) : fp4::mx_exponent(amax, 0x400000u, 2, floor_mode);
+  *scale = (bad && propagate) ? fp4::kE8M0NaN : (uint8_t)(e + 127);
+  if (bad) {
+    memset(out, 0, fp8 ? 32 : 16);
+    return bad;
+  }
+  const __m512 inv = _mm512_set1_ps(fp4::pow2(-e));
+  if (fp8) {
+    _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(e4m3_codes16(_mm512_mul_ps(v0, inv))));
+    _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(e4m3_codes16(_mm512_mul_ps(v1, inv))));
+  } else {
+    const uint64_t lo = pack16(e2m1_codes16(_mm512_mul_ps(v0, inv)));
+    const uint64_t hi = pack16(e2m1_codes16(_mm512_mul_ps(v1, inv)));
+    memcpy(out, &lo, 8);
+    memcpy(out + 8, &hi, 8);
+  }
+  return 0;
+}
+
+// Decode one MX block of 32 (cnt valid) with scale value sv.
+template <typename T>
+static inline void mx_decode32(const uint8_t* in, bool fp8, float sv, int cnt, T* out) {
+  const int c0 = cnt < 16 ? cnt : 16, c1 = cnt > 16 ? cnt - 16 : 0;
+  const __m512 s = _mm512_set1_ps(sv);
+  if (fp8) {
+    const __m512 v0 = _mm512_mul_ps(e4m3_values16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)in))), s);
+    store16(out, v0, c0);
+    if (c1) store16(out + 16, _mm512_mul_ps(e4m3_values16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(in + 16)))), s), c1);
+  } else {
+    const __m512 table = _mm512_mul_ps(_mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f,
+                                                      -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f), s);
+    decode_row16(in, table, c0, out);
+    if (c1) decode_row16(in + 8, table, c1, out + 16);
+  }
+}
+
 
 #endif  // FP4_HAVE_AVX512
 
