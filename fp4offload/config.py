@@ -451,8 +451,9 @@ class FsdpPolicyConfig:
     """An FSDP2 (``fully_shard``) policy with the same sub-blocks as the DeepSpeed block.
 
     Attributes:
-        weights: packed weight shards (needs ``cpu_offload: true`` and ``weights.device: cpu``:
-            the host copy is what crosses PCIe, so it is what is packed). Default None (off).
+        weights: weight shards all-gathered as NVFP4 (the fp32 shard stays the master; with
+            ``cpu_offload`` the host-to-device copy carries the packed bytes too). ``weights.device``
+            must be ``"cpu"`` (FSDP2 offloads to host RAM only). Default None (off).
         optimizer_states: packed Adam states, as in the DeepSpeed block. Default None.
         activations: saved-tensor packing and offload. Default None.
         monitor: metrics interval. Default None.
@@ -481,14 +482,9 @@ class FsdpPolicyConfig:
         _check_bool("cpu_offload", self.cpu_offload)
         _check_bool("reshard_after_forward", self.reshard_after_forward)
         _check_names("block_classes", self.block_classes)
-        if self.weights is not None:
-            if self.weights.device != "cpu":
-                raise _error("weights.device", self.weights.device, "'cpu' under FSDP2",
-                             "FSDP2 offloads to host RAM only; NVMe weights need DeepSpeed ZeRO-3 offload_param")
-            if not self.cpu_offload:
-                raise _error("cpu_offload", False, "true when a weights block is set",
-                             "FSDP2 copies the host shard to the GPU before the all-gather, so packed weights "
-                             "pay off only with cpu_offload: true")
+        if self.weights is not None and self.weights.device != "cpu":
+            raise _error("weights.device", self.weights.device, "'cpu' under FSDP2",
+                         "FSDP2 offloads to host RAM only; NVMe weights need DeepSpeed ZeRO-3 offload_param")
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form (absent sub-blocks left out), as ``parse_fsdp_policy`` reads it back."""

@@ -1,0 +1,10 @@
+"""The planner behind ``fp4offload plan`` and ``fp4offload bench``.
+
+Data flows one way: probe/readings (the machine) + models (the model) + strategies (the
+catalogue) -> memory and timing (per strategy) -> rank (the plan) -> emit (DeepSpeed JSON or FSDP2
+policy YAML, validated by :mod:`fp4offload.config`). cli_plan wires it to the command line.
+
+Modules: hardware (GPU/node presets, the planning target), readings (saved measurements),
+probe (NVML, psutil, disk), bench (CPU optimizer step rate), models, strategies, memory, timing,
+rank, emit, cli_plan. None of them imports deepspeed at import time.
+"""

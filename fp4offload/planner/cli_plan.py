@@ -1,0 +1,301 @@
+"""The ``fp4offload plan`` and ``fp4offload bench`` subcommands.
+
+``fp4offload.cli`` registers them with :func:`add_plan_parser` and :func:`add_bench_parser`; each
+sets ``func(args) -> int`` (exit code: 0 done, 1 nothing fits / nothing to emit, 2 bad input).
+``python -m fp4offload.planner.cli_plan plan ...`` runs them on their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+from fp4offload.errors import ConfigError
+
+__all__ = ["add_plan_parser", "add_bench_parser", "run_plan", "run_bench_cmd", "main"]
+
+GiB = 1 << 30
+EXIT_OK, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsers
+
+
+def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``plan`` on an argparse subparsers object."""
+    from fp4offload.planner.hardware import GPU_PRESETS
+    from fp4offload.planner.models import PRESETS
+
+    p = subparsers.add_parser(
+        "plan", help="choose an offload strategy for a model on a machine and write its config",
+        description="Read the machine (or --readings, or --gpu PRESET), estimate memory and step time of every "
+                    "strategy in the catalogue, and rank those that fit.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="model presets: " + ", ".join(PRESETS) + "\nGPU presets: " + ", ".join(GPU_PRESETS))
+    p.add_argument("--model", required=True,
+                   help="a preset, a Hugging Face config.json (or its folder), or dims "
+                        "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256[,experts=8,top_k=2,...]")
+    g = p.add_argument_group("machine")
+    g.add_argument("--gpu", metavar="PRESET", help="plan for this GPU instead of the probed ones")
+    g.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default: probed, or the preset node's)")
+    g.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
+    g.add_argument("--readings", metavar="FILE", help="replay saved readings instead of probing this machine")
+    g.add_argument("--save-readings", metavar="FILE", help="save the readings used to FILE")
+    g.add_argument("--measure", action="store_true",
+                   help="also measure NVMe read/write bandwidth at --nvme-path and host<->device bandwidth")
+    g.add_argument("--nvme-path", metavar="DIR", help="directory on the NVMe drive used for offload")
+    g.add_argument("--nvme-gb", type=float, metavar="GB", help="NVMe space to assume per node")
+    g.add_argument("--host-ram-gb", type=float, metavar="GiB", help="host RAM per node to plan with")
+    g.add_argument("--host-cores", type=int, metavar="N", help="CPU cores per node to plan with")
+    g.add_argument("--mfu", type=float, help="achievable fraction of the GPU's dense bf16 peak (default 0.45)")
+    t = p.add_argument_group("training step")
+    t.add_argument("--micro-batch", type=int, default=1, metavar="N", help="sequences per GPU per micro-step")
+    t.add_argument("--seq-len", type=int, default=4096, metavar="N", help="tokens per sequence")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
+    t.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
+                   help="activation checkpointing: auto tries without first")
+    t.add_argument("--lr", type=float, default=1e-4, help="learning rate written into the emitted config")
+    s = p.add_argument_group("strategies and output")
+    s.add_argument("--strategy", action="append", metavar="NAME", help="only these strategies (repeatable)")
+    s.add_argument("--engine", choices=("deepspeed", "fsdp2"), help="only strategies of this engine")
+    s.add_argument("--strategies", metavar="DIR", help="read the catalogue from DIR instead of the installed one")
+    s.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    s.add_argument("--emit", nargs=2, metavar=("KIND", "OUT"),
+                   help="write the config of the best strategy of KIND: 'deepspeed OUT.json' or 'fsdp OUT.yaml'")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "bench", help="measure what the planner's time model uses and save it as readings",
+        description="Probe the machine and run micro-benchmarks: CPU optimizer step rate (fp32 AdamW, and "
+                    "FP4AdamW when available), NVMe read/write at --nvme-path, host<->device copies on a GPU. "
+                    "Replay the file with `fp4offload plan --readings FILE`.")
+    p.add_argument("--out", default="fp4offload-readings.json", metavar="FILE", help="readings file to write")
+    p.add_argument("--nvme-path", metavar="DIR", help="measure NVMe bandwidth in this directory")
+    p.add_argument("--seconds", type=float, default=3.0, help="time budget of each benchmark (default 3)")
+    p.add_argument("--numel", type=int, default=None, help="parameters in the optimizer benchmark")
+    p.add_argument("--nvme-mb", type=int, default=None, help="largest scratch file of the NVMe test, MiB")
+    p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    p.set_defaults(func=run_bench_cmd)
+    return p
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def _readings(args: argparse.Namespace):
+    from fp4offload.planner.probe import probe
+    from fp4offload.planner.readings import Readings
+
+    if args.readings:
+        if args.measure:
+            raise ConfigError("--measure", True, "not with --readings", "the readings were taken elsewhere")
+        return Readings.load(args.readings)
+    return probe(args.nvme_path, measure=args.measure)
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(name, value, "a positive number")
+
+
+def build_plan(args: argparse.Namespace):
+    """Everything ``plan`` computes, from parsed arguments: (plan, readings, catalogue)."""
+    from fp4offload.planner.hardware import build_cluster
+    from fp4offload.planner.memory import TrainSetup
+    from fp4offload.planner.models import resolve_model
+    from fp4offload.planner.rank import make_plan
+    from fp4offload.planner.strategies import load_catalogue, select
+
+    for name in ("micro_batch", "seq_len", "grad_accum", "nodes", "gpus", "nvme_gb", "host_ram_gb", "host_cores"):
+        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    model = resolve_model(args.model)
+    readings = _readings(args)
+    if args.save_readings:
+        readings.save(args.save_readings)
+    cluster = build_cluster(readings=readings, gpu=args.gpu, gpus=args.gpus, nodes=args.nodes,
+                            host_ram_gb=args.host_ram_gb, host_cores=args.host_cores, nvme_path=args.nvme_path,
+                            nvme_gb=args.nvme_gb, mfu=args.mfu)
+    setup = TrainSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum)
+    catalogue = load_catalogue(args.strategies)
+    strategies = select(catalogue, args.strategy, args.engine)
+    if not strategies:
+        raise ConfigError("--engine", args.engine, "an engine with strategies among those selected")
+    ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
+    return make_plan(strategies, model, cluster, setup, ckpt), readings
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def format_table(plan) -> str:
+    """The human-readable plan."""
+    c, t = plan.cluster, plan.setup
+    lines = [f"model:   {plan.model.describe()}", f"machine: {c.describe()}",
+             f"step:    micro batch {t.micro_batch} x seq {t.seq_len} x accum {t.grad_accum} on {c.world} GPU(s) "
+             f"= {t.tokens * t.grad_accum * c.world:,} tokens"]
+    lines += [f"note:    {n}" for n in plan.notes]
+    head = f"{'#':>2}  {'strategy':26s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GB/node':>12s} " \
+           f"{'s/step':>8s} {'tokens/s':>10s}  {'bound':14s} risk"
+    lines += ["", head, "-" * len(head)]
+    for i, cand in enumerate(plan.ranked, 1):
+        m, tm = cand.memory, cand.time
+        nv = f"{m.nvme_total / 1e9:.0f}" if m.nvme_total else "-"
+        lines.append(f"{i:>2}  {cand.name:26s} {'on' if m.checkpointing else 'off':4s} {_gib(m.device_total):>8s} "
+                     f"{_gib(m.host_total):>13s} {nv:>12s} {tm.step_s:8.2f} {tm.tokens_per_s:10,.0f}  "
+                     f"{tm.bound:14s} {cand.risk}")
+    if plan.rejected:
+        lines += ["", "does not fit:"]
+        for cand in plan.rejected:
+            lines.append(f"    {cand.name:26s} {'; '.join(cand.shortfalls)}")
+    w = plan.winner
+    if w is None:
+        lines += ["", "no strategy fits this model on this machine."]
+        return "\n".join(lines)
+    lines += ["", f"winner: {w.name} - {w.strategy.title}", f"    {w.strategy.summary}",
+              f"    GPU peak {_gib(w.memory.device_total)} GiB at the {w.memory.peak_phase} phase: "
+              + ", ".join(f"{k} {_gib(v)}" for k, v in w.memory.device.items()),
+              f"    step {w.time.step_s:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in w.time.terms.items() if v)]
+    if w.memory.checkpointing:
+        lines.append("    turn activation checkpointing on in the model (HF: model.gradient_checkpointing_enable())")
+    for i, r in enumerate(plan.runner_ups, 2):
+        lines.append(f"runner-up {i}: {r.name} - {plan.why_lost[r.name]}")
+    risks = {n for cand in (w, *plan.runner_ups) for n in cand.risk_notes}
+    if risks:
+        lines += ["", "accuracy risk of the compressions above:"] + [f"    {n}" for n in sorted(risks)]
+    return "\n".join(lines)
+
+
+def plan_to_json(plan) -> dict[str, Any]:
+    """The plan as a JSON-ready dict."""
+    c, t = plan.cluster, plan.setup
+
+    def cand(x) -> dict[str, Any]:
+        return {"name": x.name, "title": x.strategy.title, "engine": x.strategy.engine,
+                "zero_stage": x.strategy.zero_stage, "fits": x.fits, "shortfalls": list(x.shortfalls),
+                "checkpointing": x.memory.checkpointing, "peak_phase": x.memory.peak_phase,
+                "memory": {"device_bytes": x.memory.device_total, "device": x.memory.device,
+                           "host_bytes_per_node": x.memory.host_total, "host": x.memory.host,
+                           "nvme_bytes_per_node": x.memory.nvme_total, "nvme": x.memory.nvme},
+                "time": {"step_s": x.time.step_s, "tokens_per_s": x.time.tokens_per_s, "bound": x.time.bound,
+                         "terms_s": x.time.terms},
+                "risk": x.risk, "risk_notes": list(x.risk_notes), "why_lost": plan.why_lost.get(x.name)}
+
+    return {
+        "model": {"name": plan.model.name, "params": plan.model.param_count(),
+                  "active_params": plan.model.active_param_count()},
+        "machine": {"gpu": c.gpu.key, "gpu_name": c.gpu.name, "gpu_memory_bytes": c.gpu_memory,
+                    "gpus_per_node": c.gpus_per_node, "nodes": c.nodes, "host_ram_bytes": c.host_ram,
+                    "host_cores": c.host_cores, "nvme_path": c.nvme_path, "nvme_free_bytes": c.nvme_free,
+                    "h2d_bps": c.h2d_bps, "cpu_adam_params_per_s": dict(c.cpu_adam), "source": c.source},
+        "setup": {"micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum},
+        "winner": plan.winner.name if plan.winner else None,
+        "runner_ups": [r.name for r in plan.runner_ups],
+        "ranked": [cand(x) for x in plan.ranked],
+        "rejected": [cand(x) for x in plan.rejected],
+        "notes": list(plan.notes),
+    }
+
+
+def _emit(plan, args: argparse.Namespace) -> str:
+    from fp4offload.planner.emit import OptimizerSettings, deepspeed_config, fsdp_policy, write_deepspeed, write_fsdp
+
+    kind, out = args.emit
+    if kind not in ("deepspeed", "fsdp"):
+        raise ConfigError("--emit", kind, "'deepspeed' or 'fsdp'")
+    engine = "deepspeed" if kind == "deepspeed" else "fsdp2"
+    pick = next((x for x in plan.ranked if x.strategy.engine == engine), None)
+    if pick is None:
+        return ""
+    if kind == "deepspeed":
+        cfg = deepspeed_config(pick.strategy, plan.model, plan.cluster, plan.setup, OptimizerSettings(lr=args.lr),
+                               nvme_path=args.nvme_path)
+        write_deepspeed(out, cfg)
+    else:
+        policy = fsdp_policy(pick.strategy, plan.model, nvme_path=args.nvme_path or plan.cluster.nvme_path)
+        write_fsdp(out, policy, header=f"fp4offload plan: {pick.name} for {plan.model.name} "
+                                       f"on {plan.cluster.world} x {plan.cluster.gpu.key}")
+    return pick.name
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``fp4offload plan``."""
+    try:
+        plan, _ = build_plan(args)
+        emitted = _emit(plan, args) if args.emit else None
+    except ConfigError as exc:
+        print(f"fp4offload plan: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.format == "json":
+        doc = plan_to_json(plan)
+        if args.emit:
+            doc["emitted"] = {"kind": args.emit[0], "path": args.emit[1], "strategy": emitted or None}
+        print(json.dumps(doc, indent=2))
+    else:
+        print(format_table(plan))
+        if args.emit and emitted:
+            print(f"\nwrote {args.emit[0]} config for {emitted} to {args.emit[1]}")
+    if args.emit and not emitted:
+        engine = "deepspeed" if args.emit[0] == "deepspeed" else "fsdp2"
+        print(f"fp4offload plan: no {engine} strategy fits, nothing written to {args.emit[1]}", file=sys.stderr)
+        return EXIT_NO_FIT
+    return EXIT_OK if plan.winner else EXIT_NO_FIT
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+
+
+def run_bench_cmd(args: argparse.Namespace) -> int:
+    """``fp4offload bench``."""
+    from fp4offload.planner.bench import DEFAULT_BENCH_NUMEL, run_bench
+    from fp4offload.planner.probe import probe
+
+    try:
+        if args.seconds <= 0:
+            raise ConfigError("--seconds", args.seconds, "a positive number of seconds")
+        if args.numel is not None and args.numel < 1024:
+            raise ConfigError("--numel", args.numel, "at least 1024")
+        base = probe(args.nvme_path, measure=False)
+        readings = run_bench(args.nvme_path, numel=args.numel or DEFAULT_BENCH_NUMEL, max_seconds=args.seconds,
+                             nvme_max_bytes=(args.nvme_mb << 20) if args.nvme_mb else None, base=base)
+        readings.save(args.out)
+    except ConfigError as exc:
+        print(f"fp4offload bench: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.format == "json":
+        print(json.dumps(readings.to_dict(), indent=2))
+        return EXIT_OK
+    for fmt, rate in readings.cpu_adam.items():
+        print(f"cpu optimizer step ({fmt}): {rate / 1e6:,.0f} M params/s with {readings.cpu_adam_threads} threads")
+    if readings.disk and readings.disk.read_bps:
+        print(f"nvme at {readings.disk.path}: read {readings.disk.read_bps / 1e9:.2f} GB/s, "
+              f"write {readings.disk.write_bps / 1e9:.2f} GB/s")
+    if readings.h2d_bps:
+        print(f"host->device {readings.h2d_bps / 1e9:.1f} GB/s, device->host {readings.d2h_bps / 1e9:.1f} GB/s")
+    for n in readings.notes:
+        print(f"note: {n}")
+    print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Stand-alone entry: ``python -m fp4offload.planner.cli_plan {plan,bench} ...``."""
+    parser = argparse.ArgumentParser(prog="fp4offload")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_plan_parser(sub)
+    add_bench_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

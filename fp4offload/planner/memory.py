@@ -1,0 +1,260 @@
+"""Memory model: bytes per GPU, host bytes and NVMe bytes per node for one strategy.
+
+Per GPU the peak is taken over three phases of a step: the loss (every saved activation alive,
+plus the logits and their fp32 gradients), backward (gradients accumulating block by block while
+saved activations are freed), and the optimizer step (resident gradients plus the fp32 gradient
+partition). On top of the phase peak come the persistent tensors (weights, master, states placed
+on the GPU), gathered ZeRO-3/FSDP units, communication buckets, the CUDA runtime, and a
+fragmentation margin of the caching allocator.
+
+Byte sizes per element: bf16 2; fp32 4; NVFP4 1x16 0.5625 (4-bit code + E4M3 scale per 16);
+NVFP4 16x16 weights 0.50390625; MXFP4 0.53125; MXFP8 1.03125; packed Adam states (m NVFP4 +
+sqrt(v) ufp4) 1.125 per parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fp4offload.errors import ConfigError
+from fp4offload.planner.hardware import Cluster
+from fp4offload.planner.models import ModelSpec
+from fp4offload.planner.strategies import Strategy
+
+__all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "ACT_BYTES", "STATE_BYTES", "WEIGHT_PACKED_BYTES",
+           "weight_host_bytes"]
+
+GiB = 1 << 30
+
+#: Bytes per element of a saved activation in each format (bf16 is the compute dtype's size).
+ACT_BYTES = {"nvfp4": 0.5625, "mxfp4": 0.53125, "mxfp8": 1.03125}
+#: Bytes per parameter of Adam's m and v together, per state format.
+STATE_BYTES = {"fp32": 8.0, "nvfp4": 1.125}
+#: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (DESIGN 3.3, 3.8).
+WEIGHT_PACKED_BYTES = 0.5 + 1 / 256
+
+
+@dataclass(frozen=True)
+class TrainSetup:
+    """What one training step looks like, and the engine buffer sizes the emitted configs use.
+
+    Attributes:
+        micro_batch: sequences per GPU per micro-step. seq_len: tokens per sequence.
+        grad_accum: micro-steps per optimizer step.
+        compute_bytes: bytes of the compute dtype: 2 (bf16 mixed precision, default) or 4 (pure
+            fp32 training, where the weights are the master; used to check the model on CPU).
+        reduce_bucket / allgather_bucket / prefetch_bucket: DeepSpeed bucket sizes, elements.
+        sub_group_size: ZeRO-3 optimizer sub-group, elements (sets NVMe staging buffers).
+        nvme_buffer_count: DeepSpeed's NVMe swap buffers per rank.
+        act_window_layers: blocks of saved activations in flight on the GPU when they are offloaded.
+        cuda_runtime_bytes: CUDA context, cuBLAS and NCCL workspaces per GPU. Default 1.5 GiB.
+        host_runtime_bytes: host RAM of one rank's process before any tensor (Python, torch, CUDA
+            host side, DeepSpeed). Default 4 GiB.
+        fragmentation: headroom for the caching allocator, fraction of the GPU tensors. Default 0.10.
+        pinned_pool_overhead: extra fraction of a pinned activation pool (slab rounding). Default 0.25.
+    """
+
+    micro_batch: int = 1
+    seq_len: int = 4096
+    grad_accum: int = 1
+    compute_bytes: int = 2
+    reduce_bucket: int = 100_000_000
+    allgather_bucket: int = 100_000_000
+    prefetch_bucket: int = 50_000_000
+    sub_group_size: int = 100_000_000
+    nvme_buffer_count: int = 4
+    act_window_layers: int = 2
+    cuda_runtime_bytes: int = int(1.5 * GiB)
+    host_runtime_bytes: int = 4 * GiB
+    fragmentation: float = 0.10
+    pinned_pool_overhead: float = 0.25
+
+    def __post_init__(self) -> None:
+        for k in ("micro_batch", "seq_len", "grad_accum"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"--{k.replace('_', '-')}", v, "a positive integer")
+        if self.compute_bytes not in (2, 4):
+            raise ConfigError("compute_bytes", self.compute_bytes, "2 (bf16) or 4 (fp32)")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per GPU per micro-step."""
+        return self.micro_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes for one strategy. ``device`` per GPU at its peak phase, ``host`` and ``nvme`` per node
+    (all ranks of the node). ``saved_activations`` is the per-GPU bytes autograd keeps at the
+    loss (in its stored format, wherever it lives); ``pcie_activation_bytes`` what crosses PCIe
+    each way per micro-step when activations are offloaded."""
+
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+    nvme: dict[str, int] = field(default_factory=dict)
+    peak_phase: str = ""
+    checkpointing: bool = False
+    saved_activations: int = 0
+    pcie_activation_bytes: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def nvme_total(self) -> int:
+        return sum(self.nvme.values())
+
+
+def weight_host_bytes(model: ModelSpec, fmt: str, e: int, keep_first: int = 1, keep_last: int = 1) -> float:
+    """Bytes of the whole weight working copy in ``fmt``. NVFP4 keeps embeddings, head, norms and
+    the first/last blocks in bf16, as the default ``keep_bf16`` rule does."""
+    total = model.param_count()
+    if fmt != "nvfp4":
+        return e * total
+    kept_blocks = set(range(min(keep_first, model.layers))) | set(range(max(model.layers - keep_last, 0), model.layers))
+    keep = model.embed_params + model.head_params + model.extra_params
+    keep += sum(model.layer_params(i) for i in kept_blocks)
+    keep += (model.layers - len(kept_blocks)) * model.norms_per_layer * model._norm()  # norms of the other blocks
+    keep = min(keep, total)
+    return 2 * keep + WEIGHT_PACKED_BYTES * (total - keep)
+
+
+def _act_ratio(fmt: str, e: int) -> float:
+    return 1.0 if fmt == "bf16" else ACT_BYTES[fmt] / e
+
+
+def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup,
+                    checkpointing: bool) -> MemoryEstimate:
+    """Bytes per GPU (peak), per node in host RAM and on NVMe, for ``strategy``."""
+    s, m, t = strategy, model, setup
+    e = t.compute_bytes
+    P = m.param_count()
+    N = cluster.world
+    per_node = cluster.gpus_per_node
+    fsdp = s.engine == "fsdp2"
+    stage = s.zero_stage if not fsdp else 3
+    shard_g = N if stage >= 2 else 1
+    shard_o = N if stage >= 1 else 1
+    pure_fp32 = e == 4
+    units = m.units()
+    top2 = sum(sorted(units)[-2:])
+
+    static: dict[str, float] = {}
+    host: dict[str, float] = {"runtime": t.host_runtime_bytes}
+    nvme: dict[str, float] = {}
+
+    def put(where: str, key: str, nbytes: float) -> None:
+        if nbytes <= 0:
+            return
+        target = static if where == "gpu" else host if where == "cpu" else nvme
+        target[key] = target.get(key, 0) + nbytes
+
+    # Weights: the working copy. Under FSDP2 the sharded parameter is the fp32 master itself.
+    live = 0.0
+    if fsdp:
+        live = e * (top2 if s.fsdp_reshard else P)
+        if s.weights.format == "nvfp4":  # the packed all-gather input, cached next to the fp32 shard
+            put(s.weights.device, "weights", weight_host_bytes(m, "nvfp4", e) / N)
+    elif stage == 3:
+        live = min(e * (top2 + t.prefetch_bucket), e * P)
+        put(s.weights.device, "weights", weight_host_bytes(m, s.weights.format, e) / N)
+    else:
+        put("gpu", "weights", e * P)
+
+    # fp32 master (pure fp32 training: the weights are the master) and Adam states.
+    if fsdp or not pure_fp32 or s.master.device != "gpu":
+        put(s.master.device, "master", 4 * P / shard_o)
+    put(s.optimizer_states.device, "optimizer_states", STATE_BYTES[s.optimizer_states.format] * P / shard_o)
+
+    # Gradients: resident per-parameter bytes on the GPU, and their host copy when offloaded.
+    if s.grads.device == "gpu":
+        g_per_param = 4 / N if fsdp else (e / shard_g)
+        host_grads = 0.0
+    else:
+        g_per_param = 0.0
+        host_grads = 4 * P / shard_o
+        put("cpu", "grads", host_grads)
+    g_end = g_per_param * P
+    fp32_grad_at_step = 4 * P / shard_o if (s.master.device == "gpu" and not pure_fp32 and not fsdp) else 0.0
+
+    # Communication buffers.
+    if fsdp:
+        buffers = (4 + e) * max(units)
+    elif stage == 3:
+        buffers = e * 2 * t.reduce_bucket
+    else:
+        buffers = 4.5 * e * max(t.reduce_bucket, t.allgather_bucket) if (t.reduce_bucket or t.allgather_bucket) else 0
+
+    # Activations.
+    T = t.tokens
+    layer_saved = [T * m.layer_saved_bytes_per_token(i, e) for i in range(m.layers)]
+    final_saved = T * m._norm_saved(e)
+    logits_peak = T * m.logits_peak_bytes_per_token(e)
+    logits_held = T * e * m.vocab
+    ratio = _act_ratio(s.activations.format, e)
+    stored = [T * e * m.hidden] * m.layers if checkpointing else layer_saved
+    offloaded = s.activations.device != "gpu"
+    saved_total = (sum(stored) + final_saved) * ratio
+    pcie_act = saved_total if offloaded else 0.0  # NVMe-bound activations pass through host RAM
+    if offloaded:
+        pool = saved_total * (1 + t.pinned_pool_overhead)
+        if s.activations.device == "cpu":
+            put("cpu", "activations", pool)
+        else:
+            put("nvme", "activations", saved_total)
+            put("cpu", "staging", 2 * t.act_window_layers * max(layer_saved) * ratio)
+        window = t.act_window_layers * max(layer_saved)
+        on_gpu = [0.0] * m.layers
+        gpu_act_all = window + final_saved * ratio
+    else:
+        on_gpu = [x * ratio for x in stored]
+        window = 0.0
+        gpu_act_all = sum(on_gpu) + final_saved * ratio
+
+    # Phases: the named terms at each phase's peak; the largest phase sets the GPU peak.
+    g_accum = g_end if t.grad_accum > 1 else 0.0
+    phases: dict[str, dict[str, float]] = {
+        "loss": {"activations": gpu_act_all, "logits": logits_peak, "grads": g_accum, "gathered_weights": live},
+        "optimizer step": {"grads": g_end, "fp32_grads": fp32_grad_at_step},
+    }
+    grads_before = g_per_param * (m.head_params + m.hidden)
+    worst: dict[str, float] = {"grads": max(g_end, g_accum), "logits": logits_held}
+    for i in reversed(range(m.layers)):
+        lp = m.layer_params(i)
+        terms = {"grads": max(grads_before, g_accum) + 0.5 * g_per_param * lp,
+                 "activations": (window if offloaded else sum(on_gpu[: i + 1]))
+                 + (layer_saved[i] if checkpointing else 0.0),
+                 "logits": logits_held, "gathered_weights": live}
+        if sum(terms.values()) > sum(worst.values()):
+            worst = terms
+        grads_before += g_per_param * lp
+    phases["backward"] = worst
+    phase = max(phases, key=lambda k: sum(phases[k].values()))
+
+    device: dict[str, float] = dict(static)
+    for k, v in phases[phase].items():
+        device[k] = device.get(k, 0.0) + v
+    device["buffers"] = buffers
+    device["fragmentation"] = t.fragmentation * sum(device.values())
+    device["runtime"] = t.cuda_runtime_bytes
+
+    # NVMe staging and the NVMe-resident optimizer.
+    if s.optimizer_states.device == "nvme":
+        if s.optimizer_states.format == "fp32":
+            host["staging"] = host.get("staging", 0) + t.nvme_buffer_count * t.sub_group_size * 4
+        else:
+            host["staging"] = host.get("staging", 0) + 2 * t.sub_group_size * STATE_BYTES["nvfp4"]
+
+    return MemoryEstimate(
+        device={k: int(v) for k, v in device.items() if v > 0},
+        host={k: int(v * per_node) for k, v in host.items() if v > 0},
+        nvme={k: int(v * per_node) for k, v in nvme.items() if v > 0},
+        peak_phase=phase, checkpointing=checkpointing, saved_activations=int(saved_total),
+        pcie_activation_bytes=int(pcie_act),
+    )

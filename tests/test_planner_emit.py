@@ -1,0 +1,138 @@
+"""Emitted configs: every DeepSpeed strategy gives a config that our schema and DeepSpeed's own
+config parser accept, with no "auto"; every FSDP2 strategy gives a policy YAML that loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fp4offload.config import find_auto_values, load_fsdp_policy_yaml, validate_deepspeed_config
+from fp4offload.errors import ConfigError
+from fp4offload.planner.emit import (OptimizerSettings, deepspeed_config, fp4offload_block, fsdp_policy,
+                                     write_deepspeed, write_fsdp)
+from fp4offload.planner.hardware import build_cluster
+from fp4offload.planner.memory import TrainSetup
+from fp4offload.planner.models import PRESETS
+from fp4offload.planner.strategies import load_catalogue
+
+CAT = load_catalogue()
+DS = sorted(n for n, s in CAT.items() if s.engine == "deepspeed")
+FSDP = sorted(n for n, s in CAT.items() if s.engine == "fsdp2")
+SETUP = TrainSetup(micro_batch=2, seq_len=2048, grad_accum=4)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    return build_cluster(gpu="h100-80gb", gpus=8, nodes=2, nvme_path="/local_nvme/fp4offload")
+
+
+@pytest.fixture(scope="module")
+def ds_parse():
+    """DeepSpeed's own config class, told the data-parallel world size (no process group here)."""
+    pytest.importorskip("deepspeed")
+    import deepspeed.runtime.config as dsc
+
+    class MPU:
+        def __init__(self, n):
+            self.n = n
+
+        def get_data_parallel_world_size(self):
+            return self.n
+
+        def get_data_parallel_rank(self):
+            return 0
+
+        def get_model_parallel_world_size(self):
+            return 1
+
+        def get_model_parallel_rank(self):
+            return 0
+
+    def parse(cfg, world):
+        original = dsc.dist.get_rank
+        dsc.dist.get_rank = lambda *a, **k: 0  # DeepSpeedConfig asks for a rank before it reads the mpu
+        try:
+            return dsc.DeepSpeedConfig(cfg, mpu=MPU(world))
+        finally:
+            dsc.dist.get_rank = original
+
+    return parse
+
+
+@pytest.mark.parametrize("name", DS)
+def test_deepspeed_config_for_every_strategy_validates(name, cluster, ds_parse, tmp_path):
+    s = CAT[name]
+    cfg = deepspeed_config(s, PRESETS["llama-3.1-8b"], cluster, SETUP, OptimizerSettings(lr=3e-4))
+    assert find_auto_values(cfg) == []
+    block = validate_deepspeed_config(cfg, world_size=cluster.world, check_with_deepspeed=True)
+    assert cfg["train_batch_size"] == 2 * 4 * 16 and cfg["optimizer"]["params"]["lr"] == 3e-4
+    parsed = ds_parse(cfg, cluster.world)
+    assert parsed.zero_config.stage == s.zero_stage and parsed.train_batch_size == 128
+    assert parsed.zero_config.reduce_bucket_size == SETUP.reduce_bucket  # the size the memory model assumed
+    if s.master.device != "gpu":
+        assert parsed.zero_config.offload_optimizer.device == s.master.device
+    if s.weights.device != "gpu":
+        assert parsed.zero_config.offload_param.device == s.weights.device
+    assert (block.optimizer_states is not None) == (s.optimizer_states.format == "nvfp4")
+    assert (block.weights is not None) == (s.weights.format == "nvfp4")
+    assert (block.activations is not None) == (s.activations.device != "gpu" or s.activations.format != "bf16")
+    out = tmp_path / "ds.json"
+    write_deepspeed(out, cfg)
+    assert json.loads(out.read_text()) == cfg
+
+
+def test_block_maps_placements(cluster):
+    b = fp4offload_block(CAT["zero3-opt-nvme-fp4"], "/nvme")
+    assert b.optimizer_states.device == "nvme" and b.optimizer_states.nvme_path == "/nvme"
+    assert fp4offload_block(CAT["zero2-opt-cpu-fp4"]).optimizer_states.device == "same"  # the host partition
+    act = fp4offload_block(CAT["zero3-params-cpu-act-cpu"]).activations
+    assert (act.format, act.device) == ("none", "cpu")
+    assert fp4offload_block(CAT["zero2-act-fp4"]).activations.device == "same"
+    plain = fp4offload_block(CAT["zero1"])
+    assert plain.monitor is not None and plain.to_dict() == {"monitor": {"every": 10}}
+    with pytest.raises(ConfigError) as e:
+        fp4offload_block(CAT["zero3-opt-nvme-fp4"], None)
+    assert e.value.key == "--nvme-path"
+
+
+def test_fp16_on_gpus_without_bf16():
+    c = build_cluster(gpu="v100-32gb", gpus=8)
+    cfg = deepspeed_config(CAT["zero2-opt-cpu-fp4"], PRESETS["llama-3.2-1b"], c, SETUP)
+    assert cfg["fp16"]["enabled"] and "bf16" not in cfg
+    validate_deepspeed_config(cfg, world_size=8)
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_policy_for_every_strategy_loads(name, tmp_path):
+    s = CAT[name]
+    pol = fsdp_policy(s, PRESETS["qwen3-32b"])
+    assert pol.cpu_offload == s.fsdp_cpu_offload and pol.block_classes == ("Qwen3DecoderLayer",)
+    assert (pol.weights is not None) == (s.weights.format == "nvfp4")
+    path = tmp_path / "policy.yaml"
+    write_fsdp(path, pol, header="plan: " + name)
+    assert path.read_text().startswith("# plan: ")
+    assert load_fsdp_policy_yaml(path) == pol
+
+
+def test_wrong_engine_is_refused(cluster):
+    with pytest.raises(ConfigError) as e:
+        deepspeed_config(CAT["fsdp2"], PRESETS["llama-3.1-8b"], cluster, SETUP)
+    assert e.value.key == "--emit"
+    with pytest.raises(ConfigError):
+        fsdp_policy(CAT["zero2"], PRESETS["llama-3.1-8b"])
+
+
+@pytest.mark.parametrize("name", DS)
+def test_the_deepspeed_integration_takes_emitted_configs_as_they_are(name, cluster):
+    """What the planner writes is what fp4offload.deepspeed hands DeepSpeed: nothing to rewrite."""
+    try:
+        from fp4offload.deepspeed import prepare_config
+    except ImportError:
+        pytest.skip("fp4offload.deepspeed is not importable")
+    cfg = deepspeed_config(CAT[name], PRESETS["llama-3.1-8b"], cluster, SETUP)
+    prepared = prepare_config(cfg, world_size=cluster.world)
+    assert prepared.rewrites == ()
+    if CAT[name].optimizer_states.format == "nvfp4":
+        assert prepared.states.device == {"gpu": "same", "cpu": "same", "nvme": "nvme"}[
+            CAT[name].optimizer_states.device]
