@@ -120,9 +120,14 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, fragment):
     assert err.startswith("fp4offload plan: ") and fragment in err and "expected" in err
 
 
-def test_no_gpu_here_and_no_preset(capsys):
-    rc, _, err = run(capsys, "plan", "--model", "llama-3.1-8b")
-    assert rc == 2 and "--gpu PRESET" in err
+def test_no_gpu_here_and_no_arguments_plans_the_default_target(capsys):
+    """The README's main job: `fp4offload plan` alone works on a machine without a GPU."""
+    from fp4offload.planner.cli_plan import DEFAULT_GPU, DEFAULT_MODEL
+
+    rc, out, _ = run(capsys, "plan")
+    assert rc == 0
+    assert DEFAULT_MODEL in out and f"planning for a {DEFAULT_GPU} node" in out and "--gpu PRESET" in out
+    assert "winner" in out.lower() or " 1  " in out
 
 
 def test_nothing_fits_exits_1(capsys, tmp_path):

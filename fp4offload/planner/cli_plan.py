@@ -24,6 +24,11 @@ EXIT_OK, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
 # Parsers
 
 
+#: what `fp4offload plan` plans for when told nothing: a common model on a common GPU node
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_GPU = "h100-80gb"
+
+
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on an argparse subparsers object."""
     from fp4offload.planner.hardware import GPU_PRESETS
@@ -35,11 +40,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "strategy in the catalogue, and rank those that fit.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="model presets: " + ", ".join(PRESETS) + "\nGPU presets: " + ", ".join(GPU_PRESETS))
-    p.add_argument("--model", required=True,
-                   help="a preset, a Hugging Face config.json (or its folder), or dims "
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"(default {DEFAULT_MODEL}) a preset, a Hugging Face config.json (or its folder), or dims "
                         "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256[,experts=8,top_k=2,...]")
     g = p.add_argument_group("machine")
-    g.add_argument("--gpu", metavar="PRESET", help="plan for this GPU instead of the probed ones")
+    g.add_argument("--gpu", metavar="PRESET", help="plan for this GPU instead of the probed ones (default: the probed "
+                   f"GPUs; on a machine without one, {DEFAULT_GPU})")
     g.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default: probed, or the preset node's)")
     g.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
     g.add_argument("--readings", metavar="FILE", help="replay saved readings instead of probing this machine")

@@ -219,6 +219,12 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
     if mfu is not None and not 0 < mfu <= 1:
         raise ConfigError("--mfu", mfu, "a fraction in (0, 1]")
     seen = readings.gpus if readings else ()
+    if gpu is None and not seen:  # no GPU here: plan for the default target node, as if --gpu named it
+        from .cli_plan import DEFAULT_GPU
+
+        gpu = DEFAULT_GPU
+        notes.append(f"no GPU was found on this machine: planning for a {DEFAULT_GPU} node "
+                     "(name the target with --gpu PRESET, --gpus N, --nodes N)")
     if gpu is not None:
         key = gpu.lower()
         if key not in GPU_PRESETS:
@@ -239,9 +245,6 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
             notes.append(f"{first.name} matches no preset; assuming {tflops} dense bf16 TFLOPS")
         memory = min(g.memory_total for g in seen)
         source = "measured"
-    else:
-        raise ConfigError("--gpu", None, ", ".join(GPU_PRESETS),
-                          "no GPU was found on this machine: name the target with --gpu PRESET (and --gpus N, --nodes N)")
     node = NODE_PRESETS.get(spec.key, NodeSpec(gpus or 1, 256 * GiB, 32, 2 * TB, 5, 3, 150))
     n_gpus = gpus or (len(seen) if seen and gpu is None else node.gpus)
 
