@@ -198,7 +198,8 @@ class WeightsConfig:
     """The weight working copy that forward and backward compute with (``weights``).
 
     Under DeepSpeed this needs ZeRO stage 3 with ``offload_param`` on the same device (the host
-    partition is stored packed and fetched per layer); under FSDP2 it needs ``cpu_offload: true``.
+    partition is stored packed and fetched per layer); under FSDP2 the shards are all-gathered packed, and with
+    ``cpu_offload: true`` the host copy is the packed one too.
 
     Attributes:
         format: ``"nvfp4"`` (16x16 blocks, nearest; default) or ``"bf16"``.
