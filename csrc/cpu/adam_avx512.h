@@ -42,11 +42,18 @@ static inline __m512 load_grad16(const uint16_t* g, int64_t i, __mmask16 mk) {
 }
 
 // 16 codes of one block (8 bytes) -> the values of `table` (already multiplied by the block and chunk scales).
+// The permute reads only the low 4 bits of each index, so each lane just shifts its nibble down.
 static inline __m512 decode16(const uint8_t* codes8, __m512 table) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  const __m128i bytes = _mm_loadl_epi64((const __m128i*)codes8);
-  const __m128i c = _mm_unpacklo_epi8(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-  return _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(c), table);
+  const __m512i w = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)codes8));
+  const __m512i sel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(sel, w), sh), table);
+}
+
+// 16 codes (int32 lanes, 0..15) -> 8 packed bytes, element 2i in the low nibble: pairs meet in 64-bit lanes.
+static inline uint64_t pack16_q(__m512i codes) {
+  const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
+  return (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pairs));
 }
 
 // bf16 bits of 16 floats, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16).
@@ -216,7 +223,7 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
           c = e2m1_codes16_sr(y, sr_bits16(key, index0 + (uint32_t)(b * 16)));
         else
           c = fp4cpu::e2m1_codes16(y);
-        packed = fp4cpu::pack16(c);
+        packed = pack16_q(c);
       }
       memcpy(codes + b * 8, &packed, 8);
     }

@@ -31,8 +31,12 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
-def write_container(path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
-    """Write `tensors` and `meta` to `path` atomically; returns the bytes written."""
+def write_container(path, meta: dict, tensors: dict[str, torch.Tensor], *, fsync: bool = True) -> int:
+    """Write `tensors` and `meta` to `path` atomically; returns the bytes written.
+
+    `fsync=False` skips the flush to stable storage (the rename still makes the swap atomic for readers):
+    for scratch tiers rewritten every step, whose loss on power failure is recovered from a checkpoint.
+    """
     path = Path(path)
     entries, blobs, offset = {}, [], 0
     for name, t in tensors.items():
@@ -50,7 +54,8 @@ def write_container(path, meta: dict, tensors: dict[str, torch.Tensor]) -> int:
             for raw in blobs:
                 f.write(raw)
             f.flush()
-            os.fsync(f.fileno())
+            if fsync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

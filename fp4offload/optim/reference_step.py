@@ -17,7 +17,7 @@ Per element, fp32, each line one correctly rounded operation (no fused multiply-
 3. ``p = p * decay`` (skipped when ``weight_decay == 0``; decoupled weight decay as in torch.optim.AdamW)
 4. ``m = (m * b1) + (g * omb1)``
 5. ``v = (v * b2) + ((g * g) * omb2)``
-6. ``u = sqrt(v)``
+6. ``u = sqrt(v)`` (correctly rounded; see :func:`sqrt_rn`)
 7. ``d = (u * rsbc2) + eps``
 8. ``p = p - ((m / d) * step_size)``
 9. store: m -> NVFP4 1x16 with one fp32 scale per chunk of ``CHUNK`` elements (DESIGN.md 3.3), nearest or
@@ -149,6 +149,17 @@ def _t(x: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full_like(like, x)  # a full-size operand: the op rounds exactly as the kernels do
 
 
+def sqrt_rn(v: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded fp32 square root.
+
+    torch.sqrt on fp32 CPU tensors is not correctly rounded (torch 2.13's vectorized CPU kernel misses the
+    nearest fp32 value for about 17% of inputs), while sqrtf, _mm512_sqrt_ps and CUDA's __fsqrt_rn are.
+    The square root of an fp32 value taken in fp64 and rounded once to fp32 is the correctly rounded
+    result (fp64 has more than 2 * 24 + 2 significant bits), so the reference computes it that way.
+    """
+    return torch.sqrt(v.to(torch.float64)).to(torch.float32)
+
+
 def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: StepScalars,
                maximize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Steps 1 and 3-8 of the module docstring on fp32 tensors; returns (p, m, v, u), new tensors."""
@@ -159,7 +170,7 @@ def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
         p = torch.mul(p, _t(sc.decay, p))
     m = torch.add(torch.mul(m, _t(sc.b1, m)), torch.mul(g, _t(sc.omb1, g)))
     v = torch.add(torch.mul(v, _t(sc.b2, v)), torch.mul(torch.mul(g, g), _t(sc.omb2, g)))
-    u = torch.sqrt(v)
+    u = sqrt_rn(v)
     d = torch.add(torch.mul(u, _t(sc.rsbc2, u)), _t(sc.eps, u))
     p = torch.sub(p, torch.mul(torch.div(m, d), _t(sc.step_size, m)))
     return p, m, v, u

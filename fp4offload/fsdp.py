@@ -1,0 +1,19 @@
+"""FSDP2 policies: ``fp4offload.fsdp.apply(model, Policy(...))`` (see fp4offload/integrations/fsdp.py).
+
+::
+
+    import fp4offload.fsdp as ff
+
+    policy = ff.policy_from_yaml("configs/fsdp_fp4.yaml")      # or ff.Policy(block_classes=["LlamaDecoderLayer"])
+    model = ff.apply(model, policy)                           # fully_shard per block + root, NVFP4 all-gathers
+    opt = ff.optimizer(model, policy, lr=3e-4)                # FP4AdamW over the local shards
+    ...
+    ff.save("ckpt/step100", model, opt)                       # torch.distributed.checkpoint, safetensors
+    ff.load("ckpt/step100", model, opt)
+"""
+
+from .integrations.fsdp import (AllGatherCounter, Policy, apply, count_all_gathers, fp4_parameters, load, optimizer,
+                                policy_from_yaml, refresh, reset_stats, save, state_dict, stats)
+
+__all__ = ["apply", "Policy", "policy_from_yaml", "optimizer", "save", "load", "refresh", "stats", "reset_stats",
+           "count_all_gathers", "AllGatherCounter", "fp4_parameters", "state_dict"]

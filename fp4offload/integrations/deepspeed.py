@@ -1,0 +1,362 @@
+"""The ``"fp4offload"`` block of a DeepSpeed config: read, validate, apply.
+
+``initialize`` takes the arguments of ``deepspeed.initialize`` and returns what it returns. When the
+config carries the block it, in this order, before DeepSpeed builds anything:
+
+1. reads the config (dict or JSON path, from ``config``, ``config_params`` or ``args.deepspeed_config``);
+2. rewrites what the block implies: ``zero_force_ds_cpu_optimizer: false`` and
+   ``zero_allow_untested_optimizer: true`` (so ZeRO takes FP4AdamW as its inner optimizer), and an
+   ``offload_optimizer`` on NVMe becomes ``cpu`` for DeepSpeed while FP4AdamW keeps its packed states
+   on NVMe itself (DeepSpeed's swapper cannot hold uint8 states; the fp32 master stays in host RAM);
+3. validates the result (``fp4offload.config.validate_deepspeed_config`` plus DeepSpeed's own schema
+   of ``zero_optimization``), raising ConfigError with the key path, the value and what is allowed;
+4. builds FP4AdamW from the client optimizer or the config's ``optimizer`` section;
+
+then calls the real ``deepspeed.initialize`` and attaches what needs the engine: packed ZeRO-3 weight
+shards (``ds_weights``), saved-activation packing, and the metrics writer (``ds_monitor``).
+
+``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
+go through here; a config without the block is passed through untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from fp4offload.config import Fp4OffloadConfig, parse_block, validate_deepspeed_config
+from fp4offload.errors import ConfigError
+
+from . import ds_optim
+
+log = logging.getLogger("fp4offload.deepspeed")
+
+__all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "Prepared", "read_config",
+           "SUPPORTED_DEEPSPEED"]
+
+SUPPORTED_DEEPSPEED = (">=0.19.8", "<0.20")
+BLOCK_KEY = "fp4offload"
+_TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A DeepSpeed config with the block applied.
+
+    Attributes:
+        ds_config: the dict handed to ``deepspeed.initialize`` (a copy; the caller's is not changed).
+        block: the parsed block.
+        states: where FP4AdamW keeps m and v (None when the block has no optimizer_states).
+        rewrites: human-readable notes of what was changed in the DeepSpeed keys, in order.
+    """
+
+    ds_config: dict
+    block: Fp4OffloadConfig
+    states: ds_optim.StatePlacement | None
+    rewrites: tuple[str, ...] = field(default=())
+
+
+def read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """A deep copy of a DeepSpeed config given as a dict or a path to a JSON file."""
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    if isinstance(config, (str, os.PathLike)):
+        p = Path(config)
+        try:
+            doc = json.loads(p.read_text())
+        except OSError as exc:
+            raise ConfigError("config", str(config), "a readable DeepSpeed JSON file or a dict", str(exc)) from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError("config", str(config), "valid JSON", f"line {exc.lineno} column {exc.colno}: {exc.msg}") \
+                from None
+        if not isinstance(doc, dict):
+            raise ConfigError("config", str(config), "a JSON object at the top level")
+        return doc
+    raise ConfigError("config", type(config).__name__, "a dict or a path to a DeepSpeed JSON file")
+
+
+def _zero(ds: dict) -> dict:
+    z = ds.get("zero_optimization")
+    return z if isinstance(z, dict) else {}
+
+
+def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size: int | None = None) -> Prepared:
+    """Read, rewrite and validate a DeepSpeed config carrying the block. Raises ConfigError; builds nothing."""
+    ds = read_config(config)
+    block = parse_block(ds.get(BLOCK_KEY), prefix=f"{BLOCK_KEY}.")
+    notes: list[str] = []
+    states = None
+    if block.optimizer_states is not None:
+        st = block.optimizer_states
+        for key, want in (("zero_force_ds_cpu_optimizer", False), ("zero_allow_untested_optimizer", True)):
+            if ds.get(key) is not want:
+                notes.append(f"{key}: {ds.get(key)!r} -> {want!r}")
+                ds[key] = want
+        device, nvme_path = st.device, st.nvme_path
+        zero = _zero(ds)
+        off = zero.get("offload_optimizer")
+        if isinstance(off, dict) and off.get("device") == "nvme":
+            ds_path = off.get("nvme_path")
+            if device == "same":
+                device, nvme_path = "nvme", nvme_path or ds_path
+            if device == "nvme" and not nvme_path:
+                raise ConfigError("zero_optimization.offload_optimizer.nvme_path", ds_path,
+                                  "a directory on an NVMe drive when the optimizer is offloaded to 'nvme'",
+                                  "set it, or fp4offload.optimizer_states.nvme_path")
+            new_off = {k: v for k, v in off.items() if k in ("pin_memory", "ratio")}
+            new_off["device"] = "cpu"
+            zero["offload_optimizer"] = new_off
+            notes.append(f"zero_optimization.offload_optimizer.device: 'nvme' -> 'cpu' (fp32 master in host RAM); "
+                         f"packed states on {device!r}" + (f" under {nvme_path}" if device == "nvme" else ""))
+        if device == "nvme" and nvme_path:
+            nvme_path = str(Path(nvme_path) / "optimizer_states")
+        if ds.get("optimizer") is not None:
+            ds_optim.settings_from_ds_section(ds["optimizer"])  # Adam/AdamW only; raises before anything is built
+        states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
+                                         min_numel=st.min_numel)
+    if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
+        world_size = int(os.environ["WORLD_SIZE"])
+    validate_deepspeed_config(ds, world_size=world_size, check_with_deepspeed=True)
+    _check_combinations(ds, block)
+    return Prepared(ds_config=ds, block=block, states=states, rewrites=tuple(notes))
+
+
+def _check_combinations(ds: dict, block: Fp4OffloadConfig) -> None:
+    """What DeepSpeed would reject (or silently ignore) with the block on, caught before anything is built."""
+    zero = _zero(ds)
+    stage = zero.get("stage", 0)
+    if block.optimizer_states is not None:
+        off = zero.get("offload_optimizer")
+        if isinstance(off, dict) and off.get("device") == "cpu" and stage == 0:
+            raise ConfigError("zero_optimization.stage", 0, "1, 2 or 3 when offload_optimizer is set",
+                              "DeepSpeed offloads the optimizer only under ZeRO")
+        if ds.get("fp16", {}).get("enabled") and stage == 0:
+            raise ConfigError("fp16.enabled", True, "false without ZeRO when fp4offload.optimizer_states is set",
+                              "DeepSpeed's fp16 optimizer wrapper flattens states itself; use ZeRO 1-3 or bf16")
+    if block.weights is not None and block.weights.format == "nvfp4":
+        if zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"):
+            raise ConfigError("zero_optimization.zero_quantized_weights", True, "false with fp4offload.weights",
+                              "both replace how partitions are stored and fetched; keep one")
+        if zero.get("zero_hpz_partition_size", 1) not in (1, None):
+            raise ConfigError("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size"),
+                              "1 with fp4offload.weights", "hierarchical partitions keep a second bf16 copy")
+        if block.weights.device != "cpu":
+            raise ConfigError("fp4offload.weights.device", block.weights.device, "'cpu' (this version)",
+                              "packed weight shards on NVMe are not implemented yet; use offload_param cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# initialize
+
+
+def _original_initialize():
+    import deepspeed
+
+    return _ORIGINAL or deepspeed.initialize
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    if config is None and config_params is not None:
+        config = config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    return config
+
+
+def _has_block(config: Any) -> bool:
+    if config is None:
+        return False
+    if isinstance(config, Mapping):
+        return BLOCK_KEY in config
+    try:
+        return BLOCK_KEY in read_config(config)
+    except ConfigError:
+        return False  # let DeepSpeed report its own error
+
+
+def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
+               training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = _TORCH_DISTRIBUTED_DEFAULT_PORT, mpu: Any = None,
+               dist_init_required: bool | None = None, collate_fn: Any = None, config: Any = None,
+               mesh_param: Any = None, config_params: Any = None):
+    """``deepspeed.initialize`` with the ``"fp4offload"`` block applied.
+
+    Same arguments and return value ``(engine, optimizer, training_dataloader, lr_scheduler)``. The
+    engine gets an ``fp4offload`` attribute (an :class:`Attached`) describing what was applied.
+    """
+    source = _config_source(args, config, config_params)
+    kwargs = dict(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                  training_data=training_data, lr_scheduler=lr_scheduler, distributed_port=distributed_port, mpu=mpu,
+                  dist_init_required=dist_init_required, collate_fn=collate_fn, mesh_param=mesh_param)
+    if not _has_block(source):
+        return _original_initialize()(config=config, config_params=config_params, **kwargs)
+
+    prepared = prepare_config(source)
+    for note in prepared.rewrites:
+        log.info("fp4offload: %s", note)
+    block = prepared.block
+    if block.weights is not None and block.weights.format == "nvfp4":
+        from . import ds_weights
+
+        ds_weights.check_deepspeed()  # private names: fail before anything is built
+    if block.optimizer_states is not None:
+        _check_sub_groups(prepared, model)
+        kwargs["optimizer"], kwargs["lr_scheduler"] = _client_optimizer(prepared, optimizer, lr_scheduler, model,
+                                                                        model_parameters)
+    acts = None
+    if block.activations is not None:
+        acts = _attach_activations(model, block)
+
+    # Hand DeepSpeed the rewritten dict; args.deepspeed_config would conflict with it.
+    saved = {}
+    if args is not None:
+        for name in ("deepspeed_config", "deepscale_config"):
+            if getattr(args, name, None) is not None:
+                saved[name] = getattr(args, name)
+                setattr(args, name, None)
+    try:
+        result = _original_initialize()(config=prepared.ds_config, **kwargs)
+    finally:
+        for name, v in saved.items():
+            setattr(args, name, v)
+    engine = result[0]
+    attached = Attached(prepared=prepared, activations=acts)
+    if block.weights is not None and block.weights.format == "nvfp4":
+        from . import ds_weights
+
+        attached.weights = ds_weights.attach(engine, block.weights)
+    if block.monitor is not None:
+        from . import ds_monitor
+
+        attached.monitor = ds_monitor.attach(engine, block.monitor, attached)
+    engine.fp4offload = attached
+    return result
+
+
+def _check_sub_groups(prepared: Prepared, model: Any) -> None:
+    """ZeRO-3 steps the inner optimizer once per sub-group, handing it one flat tensor each time.
+
+    FP4AdamW's NVMe tier names its files by the position of a parameter in ``param_groups`` at step time,
+    so two sub-groups would share files: refuse that until the optimizer declares it keys files per tensor
+    (``FP4AdamW.stable_nvme_keys = True``).
+    """
+    st = prepared.states
+    zero = _zero(prepared.ds_config)
+    if st is None or st.device != "nvme" or zero.get("stage") != 3 or model is None:
+        return
+    try:
+        from fp4offload.optim import FP4AdamW
+
+        if getattr(FP4AdamW, "stable_nvme_keys", False):
+            return
+    except Exception:
+        return
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
+    per_rank = -(-n // world)
+    sub = int(zero.get("sub_group_size", 1_000_000_000))
+    if per_rank > sub:
+        raise ConfigError("zero_optimization.sub_group_size", sub,
+                          f">= {per_rank} (one sub-group per rank) with fp4offload.optimizer_states.device 'nvme'",
+                          "FP4AdamW's NVMe tier cannot yet tell ZeRO-3 sub-groups apart; raise sub_group_size, or "
+                          "keep the packed states in host RAM (device 'cpu')")
+
+
+@dataclass
+class Attached:
+    """What ``initialize`` applied to an engine (``engine.fp4offload``)."""
+
+    prepared: Prepared
+    activations: Any = None
+    weights: Any = None
+    monitor: Any = None
+
+
+def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
+    """FP4AdamW (or a callable building it) in place of what the caller passed."""
+    import torch
+
+    where = prepared.states
+    if optimizer is None:
+        hp = ds_optim.settings_from_ds_section(prepared.ds_config.get("optimizer"))
+
+        def build(params):
+            params = list(params)
+            return ds_optim.make_optimizer(params, hp, where)
+
+        return build, lr_scheduler
+    if isinstance(optimizer, torch.optim.Optimizer):
+        new = ds_optim.convert_optimizer(optimizer, where)
+        if new is not optimizer:
+            ds_optim.rebind_scheduler(lr_scheduler, optimizer, new)
+        return new, lr_scheduler
+    if callable(optimizer):
+        user = optimizer
+
+        def build_from_callable(params):
+            return ds_optim.convert_optimizer(user(params), where)
+
+        return build_from_callable, lr_scheduler
+    raise ConfigError("optimizer", type(optimizer).__name__, "None, a torch Optimizer, or a callable(params)")
+
+
+def _attach_activations(model: Any, block: Fp4OffloadConfig) -> Any:
+    """Pack the saved activations of the modules the block names, every step (fp4offload.offload.wrap_modules)."""
+    try:
+        from fp4offload.offload import ActivationPolicy, wrap_modules
+    except Exception as exc:
+        raise ConfigError("fp4offload.activations", block.to_dict().get("activations"),
+                          "a block this build can apply", f"fp4offload.offload does not import ({exc}); "
+                          "remove the activations sub-block") from None
+    a = block.activations
+    policy = ActivationPolicy(format=a.format, device=a.device, nvme_path=a.nvme_path, min_numel=max(1, a.min_numel),
+                              modules=tuple(a.modules), exclude=tuple(a.exclude))
+    return wrap_modules(model, policy)
+
+
+# ----------------------------------------------------------------------------------------------
+# install / uninstall
+
+_ORIGINAL = None
+
+
+def _patched_initialize(*args, **kwargs):
+    return initialize(*args, **kwargs)
+
+
+def install() -> None:
+    """Route ``deepspeed.initialize`` through :func:`initialize` (idempotent).
+
+    After this a plain ``deepspeed.initialize`` (Accelerate's, the HF Trainer's) honours the block;
+    configs without the block go to DeepSpeed untouched.
+    """
+    global _ORIGINAL
+    import deepspeed
+
+    if deepspeed.initialize is _patched_initialize:
+        return
+    _ORIGINAL = deepspeed.initialize
+    deepspeed.initialize = _patched_initialize
+
+
+def uninstall() -> None:
+    """Undo :func:`install`."""
+    global _ORIGINAL
+    import deepspeed
+
+    if deepspeed.initialize is _patched_initialize and _ORIGINAL is not None:
+        deepspeed.initialize = _ORIGINAL
+    _ORIGINAL = None
+
+
+def installed() -> bool:
+    """True while :func:`install` is in effect."""
+    import sys
+
+    ds = sys.modules.get("deepspeed")
+    return ds is not None and ds.initialize is _patched_initialize

@@ -1,0 +1,77 @@
+"""Per-parameter state of FP4AdamW: what it holds, and its tier-independent state-dict form.
+
+A parameter with at least ``min_numel`` elements holds packed states (DESIGN.md 3.7), all uint8 so that a
+caller who casts state tensors to another floating dtype (DeepSpeed's checkpoint loader casts them to the
+parameter's dtype) loses nothing: every value is an integer in [0, 255], exact in fp32, bf16 and fp16.
+
+- ``m_codes``, ``m_scales``, ``m_tscale``: m in NVFP4 1x16 (codes, E4M3 block scales, the little-endian bytes of
+  one fp32 decode scale per chunk of 1024 elements);
+- ``v_codes``, ``v_scales``, ``v_tscale``: sqrt(v) in ufp4 (``v_format="ufp4"``) or v in NVFP4 (``"nvfp4"``);
+- ``v_format`` (str), ``step`` (fp32 0-dim tensor, as torch.optim.AdamW keeps it).
+
+Smaller parameters hold fp32 ``exp_avg`` and ``exp_avg_sq`` shaped like the parameter (torch AdamW's names).
+A parameter that is not fp32 or not contiguous, or on the GPU with states on the host, also holds ``master``:
+its fp32 master copy, flat. On the NVMe tier the six packed tensors live in files and only ``step`` (and
+``master``) stay in ``optimizer.state``; ``state_dict()`` reads them back, so its form is the same on every tier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+from ..formats import reference
+from . import reference_step as R
+
+PACKED_KEYS = ("m_codes", "m_scales", "m_tscale", "v_codes", "v_scales", "v_tscale")
+V_FORMATS = ("ufp4", "nvfp4")
+
+
+def as_u8(t: torch.Tensor, key: str, size: int) -> torch.Tensor:
+    """A packed state tensor as uint8 on CPU, undoing a cast to a floating dtype; checks the size."""
+    t = t.detach().reshape(-1).cpu()
+    if t.numel() != size:
+        raise ConfigError(f"state[{key!r}]", f"a tensor of {t.numel()} elements", f"{size} elements",
+                          "the state dict belongs to a different model or chunk size")
+    if t.dtype == torch.uint8:
+        return t.clone()
+    if t.is_floating_point():
+        r = t.to(torch.float32)
+        if not bool(((r >= 0) & (r <= 255) & (r == torch.round(r))).all()):
+            raise ConfigError(f"state[{key!r}]", f"a {t.dtype} tensor that is not whole bytes",
+                              "uint8, or uint8 values cast to a float dtype")
+        return r.to(torch.uint8)
+    return t.to(torch.uint8)
+
+
+def step_of(value) -> int:
+    """The step count from a state dict (a tensor or a number)."""
+    return int(float(value.item() if torch.is_tensor(value) else value))
+
+
+def packed_from_entry(entry: dict, n: int) -> tuple[R.Packed, R.Packed]:
+    c, s, t = R.packed_sizes(n)
+    u8 = {k: as_u8(entry[k], k, size) for k, size in zip(PACKED_KEYS, (c, s, t, c, s, t))}
+    return (R.Packed(u8["m_codes"], u8["m_scales"], u8["m_tscale"]),
+            R.Packed(u8["v_codes"], u8["v_scales"], u8["v_tscale"]))
+
+
+def encode_state(m: torch.Tensor, v: torch.Tensor, v_format: str, kern=reference) -> tuple[R.Packed, R.Packed]:
+    """Quantize fp32 m and v (flat, CPU) once: m to NVFP4 (nearest), v to sqrt(v) in ufp4 or v in NVFP4."""
+    n = m.numel()
+    pm, pv = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
+    R.encode_into(kern, m.float().contiguous(), pm, False, False, 0, 0)
+    if v_format == "ufp4":
+        R.encode_into(kern, R.sqrt_rn(v.float().clamp(min=0)).contiguous(), pv, True, False, 0, 0)
+    else:
+        R.encode_into(kern, v.float().contiguous(), pv, False, False, 0, 0)
+    return pm, pv
+
+
+def decode_state(m: R.Packed, v: R.Packed, n: int, v_format: str, kern=reference) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 m and v (flat) of packed states."""
+    md = R.decode(kern, m, n, False)
+    if v_format == "ufp4":
+        u = R.decode(kern, v, n, True)
+        return md, torch.mul(u, u)
+    return md, R.decode(kern, v, n, False)

@@ -1,0 +1,256 @@
+"""Rank worker and launcher for the DeepSpeed tests (no tests here).
+
+``launch(spec, nranks)`` starts ``nranks`` processes of this file (gloo over localhost, DS_ACCELERATOR=cpu),
+each training the cases in ``spec`` with real DeepSpeed on a small Llama and Shakespeare bytes, and
+returns rank 0's JSON result. Each process is killed when the timeout passes; temp files stay in the
+caller's tmp_path.
+
+A case: ``{"name", "config" (DeepSpeed dict, with or without the block), "steps", "seed",
+"save_dir"/"save_after" (save a checkpoint after that many steps), "kill_after_save" (SIGKILL
+itself right after saving), "load_dir" (resume from it first), "fds" (go through
+fp4offload.deepspeed.initialize; default: when the config has the block), "install" (go through a
+plain deepspeed.initialize after install())}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MODEL = dict(hidden=64, layers=2, heads=4, intermediate=172, vocab=256, seed=0)
+BATCH, SEQ = 4, 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, nranks: int, tmp: Path, timeout: float = 240.0) -> dict:
+    """Run the worker on ``nranks`` ranks; return rank 0's result (raises with the logs on failure)."""
+    tmp = Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    spec_path = tmp / f"spec_{time.monotonic_ns()}.json"
+    out_path = spec_path.with_suffix(".out.json")
+    spec = dict(spec, out=str(out_path))
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs = [], []
+    for r in range(nranks):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(r), LOCAL_RANK=str(r),
+                   WORLD_SIZE=str(nranks), LOCAL_WORLD_SIZE=str(nranks), DS_ACCELERATOR="cpu",
+                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR",
+                                                       os.path.expanduser("~/.cache/fp4offload/torch_extensions")))
+        log = open(tmp / f"rank{r}_{spec_path.stem}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path)], cwd=str(ROOT), env=env,
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            left = max(1.0, deadline - time.monotonic())
+            try:
+                p.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        # DeepSpeed's CPU shared-memory all-reduce leaves /dev/shm files named by uid, address and port
+        # when a rank is killed; remove this launch's so a later run on the same port cannot open them.
+        for f in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+            f.unlink(missing_ok=True)
+    codes = [p.returncode for p in procs]
+    result = json.loads(out_path.read_text()) if out_path.exists() else None
+    expect_kill = any(c.get("kill_after_save") for c in spec.get("cases", []))
+    ok = (result is not None or expect_kill) and all(c == 0 or (expect_kill and c == -signal.SIGKILL) for c in codes)
+    if not ok:
+        tails = []
+        for r, log in enumerate(logs):
+            log.seek(0)
+            tails.append(f"--- rank {r} (exit {codes[r]}) ---\n" + log.read()[-6000:])
+        raise RuntimeError("DeepSpeed worker failed:\n" + "\n".join(tails))
+    for log in logs:
+        log.close()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# inside a rank
+
+
+def _batch(train, step: int, seed: int, rank: int):
+    import torch
+
+    from benchmarks import harness
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + rank * 10_007 + step)
+    return harness.batch(train, BATCH, SEQ, g)
+
+
+def _run_case(case: dict, spec: dict, train) -> dict:
+    import deepspeed
+    import torch
+
+    import fp4offload.deepspeed as fds
+    from benchmarks import harness
+    from fp4offload.integrations import ds_monitor
+
+    rank = int(os.environ["RANK"])
+    model = harness.small_llama(**{**MODEL, **spec.get("model", {})})
+    cfg = case["config"]
+    use_fds = case.get("fds", "fp4offload" in cfg)
+    if case.get("install"):
+        fds.install()
+        init = deepspeed.initialize
+    else:
+        init = fds.initialize if use_fds else deepspeed.initialize
+    t0 = time.perf_counter()
+    engine, opt, _, _ = init(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
+    init_s = time.perf_counter() - t0
+    if case.get("install"):
+        fds.uninstall()
+    start = 0
+    print(f"[worker] {case['name']}: initialize took {init_s:.1f}s", flush=True)
+    if case.get("load_dir"):
+        _, client = engine.load_checkpoint(case["load_dir"])
+        start = int(client["next_step"])
+    losses = []
+    steps = int(case["steps"])
+    seed = int(case.get("seed", 0))
+    t0 = time.perf_counter()
+    for step in range(start, start + steps):
+        tokens = _batch(train, step, seed, rank)
+        loss = harness.lm_loss(engine, tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if case.get("save_dir") and step + 1 == start + int(case.get("save_after", steps)):
+            engine.save_checkpoint(case["save_dir"], client_state={"next_step": step + 1})
+            if case.get("kill_after_save"):
+                torch.distributed.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+    step_s = (time.perf_counter() - t0) / max(1, steps)
+    print(f"[worker] {case['name']}: {steps} steps, {step_s:.3f}s/step", flush=True)
+    mem = ds_monitor.optimizer_host_bytes(engine)
+    out = {"losses": losses, "mem": mem, "init_s": init_s, "step_s": step_s,
+           "inner": type(engine.basic_optimizer).__name__, "zero": type(engine.optimizer).__name__,
+           "config_seen": {k: engine._config._param_dict.get(k)
+                           for k in ("zero_force_ds_cpu_optimizer", "zero_allow_untested_optimizer")}}
+    att = getattr(engine, "fp4offload", None)
+    if att is not None:
+        out["rewrites"] = list(att.prepared.rewrites)
+        if att.weights is not None:
+            out["weights"] = att.weights.counters()
+        if att.activations is not None:
+            snap = att.activations.offloader.snapshot()
+            out["activations"] = {k: snap.get(k) for k in ("bytes_in", "bytes_out", "compression_ratio")}
+        if att.monitor is not None:
+            out["monitor_written"] = att.monitor.written
+            out["monitor_last"] = att.monitor.last
+    if case.get("probe") == "states":
+        out["state_dtypes"] = sorted({str(v.dtype) for s in engine.basic_optimizer.state.values()
+                                      for v in s.values() if isinstance(v, torch.Tensor)})
+    if case.get("probe") == "weights" and att is not None and att.weights is not None:
+        out["weight_probe"] = _probe_weights(engine, att.weights)
+    engine.destroy() if hasattr(engine, "destroy") else None
+    del engine, opt, model
+    return out
+
+
+def _probe_weights(engine, pw) -> dict:
+    """Gather one packed weight through the hook and compare it with DeepSpeed's bf16 partitions."""
+    import deepspeed
+    import torch
+
+    from fp4offload import dequantize, quantize
+
+    p = next(q for q in engine.module.parameters() if id(q) in pw.shards)
+    world = torch.distributed.get_world_size()
+    parts = [torch.empty_like(p.ds_tensor) for _ in range(world)]
+    torch.distributed.all_gather(parts, p.ds_tensor.data.contiguous())
+    ref = torch.cat(parts)[: p.ds_numel].float().reshape(p.ds_shape)
+    with deepspeed.zero.GatheredParameters([p]):
+        got = p.data.float().clone()
+    want = dequantize(quantize(ref, "nvfp4", block="16x16"), torch.float32).to(p.dtype).float()
+    return {"rel_err_vs_bf16": float((got - ref).norm() / ref.norm()),
+            # the hook packs the fp32 master, the reference the bf16 copy: codes differ only near rounding ties
+            "rel_diff_vs_nvfp4_of_bf16": float((got - want).norm() / ref.norm()),
+            "frac_equal_to_nvfp4_of_bf16": float((got == want).float().mean())}
+
+
+def _run_trainer(spec: dict, train) -> dict:
+    """A Hugging Face Trainer run with ``--deepspeed <json>`` after ``fp4offload.deepspeed.install()``."""
+    import torch
+    from transformers import HfArgumentParser, Trainer, TrainingArguments
+
+    import fp4offload.deepspeed as fds
+    from benchmarks import harness
+
+    fds.install()
+    (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(spec["argv"])
+    model = harness.small_llama(**MODEL)
+    g = torch.Generator().manual_seed(0)
+    rows = [harness.batch(train, 1, SEQ, g)[0] for _ in range(64)]
+    data = [{"input_ids": r[:-1], "labels": r[:-1]} for r in rows]
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    engine = trainer.model_wrapped
+    att = getattr(engine, "fp4offload", None)
+    out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "engine": type(engine).__name__, "inner": type(engine.basic_optimizer).__name__,
+           "has_block": att is not None, "global_steps": int(engine.global_steps),
+           "monitor_written": att.monitor.written if att is not None and att.monitor is not None else 0}
+    fds.uninstall()
+    return out
+
+
+def main(spec_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    import deepspeed
+
+    from benchmarks import harness
+    from fp4offload.integrations import ds_optim
+
+    if spec.get("factory", "auto") == "adamw" or (spec.get("factory", "auto") == "auto"
+                                                   and not ds_optim.fp4adamw_available()):
+        ds_optim.set_optimizer_factory(lambda params, hp, where: torch.optim.AdamW(params, **hp.as_dict()))
+        factory = "torch.optim.AdamW"
+    else:
+        factory = "FP4AdamW"
+    deepspeed.init_distributed(dist_backend="gloo")
+    train, _ = harness.byte_splits()
+    results = {"factory": factory, "cases": {}}
+
+    def write() -> None:  # after every case, so a later kill cannot lose earlier results
+        if int(os.environ["RANK"]) == 0:
+            Path(spec["out"] + ".tmp").write_text(json.dumps(results))
+            os.replace(spec["out"] + ".tmp", spec["out"])
+
+    if spec.get("trainer"):
+        results["trainer"] = _run_trainer(spec, train)
+        write()
+    for case in spec.get("cases", []):
+        results["cases"][case["name"]] = _run_case(case, spec, train)
+        write()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,115 @@
+"""The fused CPU step (csrc/cpu/adam_cpu.cpp) equals the torch reference step bit for bit."""
+
+import pytest
+import torch
+
+from fp4offload.optim import reference_step as R
+
+SIZES = [1, 15, 16, 17, 1000, 1024, 1025, 4096, 5003, 70001]
+
+
+@pytest.fixture(scope="module")
+def ext():
+    from fp4offload.optim import fused
+
+    e = fused.cpu_extension()
+    if e is None:
+        pytest.skip(f"fused CPU step does not build: {fused.failures()}")
+    return e
+
+
+@pytest.fixture(params=[True, False], ids=["avx512", "scalar"])
+def simd(request, ext):
+    before = ext.have_avx512()
+    on = ext.set_avx512(request.param)
+    if request.param and not on:
+        pytest.skip("AVX-512 path not compiled for this CPU")
+    yield on
+    ext.set_avx512(before)
+
+
+def _bits(t):
+    return t.view(torch.uint8)
+
+
+def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3):
+    """Runs `steps` steps both ways on the same data; asserts every byte of p, bf16 copy, m and v agrees."""
+    g0 = torch.Generator().manual_seed(n)
+    p = torch.randn(n, generator=g0)
+    pa, pb = p.clone(), p.clone()
+    ma, va, mb, vb = (R.empty_packed(n, "cpu") for _ in range(4))
+    for t in range(1, steps + 1):
+        g = (torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)).to(gdt)
+        if n > 3:
+            g[0], g[1] = 0.0, -0.0
+        sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=t)
+        seed = R.sr_seed(7, t)
+        bfa, bfb = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        for k, s0 in enumerate(range(0, n, R.SEGMENT)):
+            s1 = min(n, s0 + R.SEGMENT)
+            R.packed_step(pa[s0:s1], g[s0:s1], R.segment_view(ma, s0, s1), R.segment_view(va, s0, s1), sc,
+                          v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k),
+                          maximize=maximize, bf16_out=bfa[s0:s1])
+        ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
+                       sc.weight_decay, maximize, v_format == "nvfp4", stochastic, seed, R.sr_stream(pid, 0), bfb)
+        assert torch.equal(_bits(pa), _bits(pb)), f"weights differ at step {t}"
+        assert torch.equal(_bits(bfa), _bits(bfb)), f"bf16 copies differ at step {t}"
+        for name, x, y in zip(("m codes", "m scales", "m chunk scales"), ma, mb):
+            assert torch.equal(x, y), f"{name} differ at step {t}"
+        for name, x, y in zip(("v codes", "v scales", "v chunk scales"), va, vb):
+            assert torch.equal(x, y), f"{name} differ at step {t}"
+    assert pa.abs().sum() > 0 and mb.codes.any()  # something happened
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_fused_equals_reference(ext, simd, n, v_format, stochastic):
+    _run(ext, n, v_format, stochastic, torch.float32)
+
+
+@pytest.mark.parametrize("maximize,wd", [(False, 0.0), (True, 0.1)])
+def test_fused_bf16_grad_maximize_no_decay(ext, simd, maximize, wd):
+    _run(ext, 3001, "ufp4", True, torch.bfloat16, wd=wd, maximize=maximize)
+
+
+def test_fused_multi_segment(ext):
+    """More than one segment: the stochastic-rounding stream changes at the segment boundary as specified."""
+    _run(ext, R.SEGMENT + 5000, "ufp4", True, torch.float32, steps=2)
+
+
+def test_all_finite(ext):
+    x = torch.randn(100_001)
+    assert ext.all_finite(x) and ext.all_finite(x.bfloat16()) and ext.all_finite(x.half())
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        y = x.clone()
+        y[77_777] = bad
+        assert not ext.all_finite(y) and not ext.all_finite(y.bfloat16())
+
+
+def test_optimizer_fused_equals_reference_backend():
+    """The whole optimizer, fused vs torch-op backend, on a model with small and large tensors."""
+    from fp4offload import FP4AdamW
+
+    def run(backend):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.GELU(), torch.nn.Linear(200, 30))
+        opt = FP4AdamW(model.parameters(), lr=3e-3, backend=backend, m_rounding="stochastic",
+                       working_copy="bf16")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x = torch.randn(32, 100, generator=g)
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+    pa, sa = run("fused")
+    pb, sb = run("reference")
+    for a, b in zip(pa, pb):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    for k in sa["state"]:
+        for key, t in sa["state"][k].items():
+            if torch.is_tensor(t):
+                assert torch.equal(t.reshape(-1).view(torch.uint8), sb["state"][k][key].reshape(-1).view(torch.uint8)), key
