@@ -124,6 +124,9 @@ def summarize(runs: list[dict]) -> dict:
             entry["rel_gap_per_seed"] = gaps
             entry["rel_gap_mean"] = sum(gaps) / len(gaps) if gaps else None
             entry["rel_gap_max_abs"] = max(abs(g) for g in gaps) if gaps else None
+            if len(gaps) > 1:  # standard error of the mean gap over seeds
+                mg = entry["rel_gap_mean"]
+                entry["rel_gap_sem"] = (sum((g - mg) ** 2 for g in gaps) / (len(gaps) - 1) / len(gaps)) ** 0.5
             if arm in TARGETS:
                 entry["target"] = TARGETS[arm]
                 entry["meets_target"] = bool(gaps) and abs(entry["rel_gap_mean"]) <= TARGETS[arm]
@@ -165,7 +168,7 @@ def plot(runs: list[dict], summary: dict, path: Path) -> None:
     ax2.axhline(0, color="black", lw=0.8)
     ax2.set_xticks(range(len(arms)), arms)
     ax2.set_ylabel("final val loss gap vs uncompressed (%)")
-    ax2.set_title("gap per seed (dots), mean (bar), target (dashed)")
+    ax2.set_title("per seed (dots), mean (bar), target (--)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -192,8 +195,21 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object per run and one for the summary")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a small shared host more threads spin and run slower)")
+    ap.add_argument("--from-json", type=Path, default=None,
+                    help="summarize and plot the runs of an earlier JSON output instead of training")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.from_json is not None:
+        old = json.loads(args.from_json.read_text())
+        summary = summarize(old["runs"])
+        old["summary"] = summary
+        print(json.dumps(summary, indent=1))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "accuracy_activations.json").write_text(json.dumps(old, indent=1))
+        plot(old["runs"], summary, args.out / "accuracy_activations.png")
+        if args.plot is not None:
+            plot(old["runs"], summary, args.plot)
+        return 0
 
     train, val = harness.byte_splits()
     runs = []
@@ -207,12 +223,11 @@ def main(argv=None) -> int:
                 print(json.dumps(r))
     summary = summarize(runs)
     print()
-    print(f"{'arm':>12} {'mean val loss':>14} {'gap vs uncompressed':>20} {'target':>8}")
+    print(f"{'arm':>12} {'mean val loss':>14} {'gap vs uncompressed':>20} {'+-sem':>7} {'target':>8}")
     for arm, s in summary.items():
-        gap = s.get("rel_gap_mean")
-        tgt = s.get("target")
+        gap, sem, tgt = s.get("rel_gap_mean"), s.get("rel_gap_sem"), s.get("target")
         print(f"{arm:>12} {s['mean_val_loss']:>14.4f} {'' if gap is None else f'{100 * gap:+.2f}%':>20} "
-              f"{'' if tgt is None else f'{100 * tgt:.1f}%':>8}")
+              f"{'' if sem is None else f'{100 * sem:.2f}%':>7} {'' if tgt is None else f'{100 * tgt:.1f}%':>8}")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpus": torch.get_num_threads(),
             "torch": torch.__version__, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "command": "python benchmarks/accuracy_activations.py " + " ".join(argv if argv is not None else sys.argv[1:])}
