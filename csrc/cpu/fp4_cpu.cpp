@@ -1,6 +1,6 @@
 // CPU kernels for fp4offload: loops around csrc/fp4_codec.h, parallel over blocks with at::parallel_for
 // (OpenMP in torch's CPU builds). NVFP4/ufp4 rows and MX blocks (amax, nearest encode, decode) have AVX-512
-// versions in nvfp4_avx512.h, chosen at run time; stochastic rounding uses the scalar rule.
+// versions in nvfp4_avx512.h (stochastic rounding included), chosen at run time.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -50,7 +50,7 @@ template <typename T>
 inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic, uint32_t key, uint64_t index0,
                        bool simd, uint8_t* out) {
 #if FP4_HAVE_AVX512
-  if (simd && !stochastic) return fp4cpu::encode_row16(p, cnt, k, ufp4, out);
+  if (simd) return fp4cpu::encode_row16(p, cnt, k, ufp4, stochastic, key, (uint32_t)index0, out);
 #endif
   uint8_t codes[16];
   for (int j = 0; j < 16; ++j) {
@@ -238,7 +238,7 @@ void mx_encode_impl(const T* x, int64_t n, bool fp8, bool floor_mode, bool stoch
                     uint32_t stream, bool propagate, uint8_t* data, uint8_t* scales, int64_t& nonfinite) {
   const int64_t nb = ceil_div(n, kMxBlock);
   std::vector<int64_t> bad_per_block(nb);
-  const bool simd = fp4cpu::have_avx512() && !stochastic;
+  const bool simd = fp4cpu::have_avx512();
   at::parallel_for(0, nb, 1024, [&](int64_t b0, int64_t b1) {
     float v[kMxBlock];
     for (int64_t b = b0; b < b1; ++b) {
@@ -246,8 +246,9 @@ void mx_encode_impl(const T* x, int64_t n, bool fp8, bool floor_mode, bool stoch
       const int cnt = (int)std::min<int64_t>(kMxBlock, n - i0);
 #if FP4_HAVE_AVX512
       if (simd) {
-        bad_per_block[b] = fp4cpu::mx_block32(x + i0, cnt, fp8, floor_mode, propagate, scales + b,
-                                              data + (fp8 ? i0 : i0 / 2));
+        const uint32_t k = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
+        bad_per_block[b] = fp4cpu::mx_block32(x + i0, cnt, fp8, floor_mode, propagate, stochastic, k, (uint32_t)i0,
+                                              scales + b, data + (fp8 ? i0 : i0 / 2));
         continue;
       }
 #endif

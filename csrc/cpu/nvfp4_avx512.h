@@ -55,6 +55,39 @@ static inline __m512i e2m1_codes16(__m512 y) {
   return _mm512_or_si512(mag, sign);
 }
 
+// fp4::sr_bits on 16 consecutive element indices idx0 .. idx0 + 15 (idx0 is the low 32 bits; blocks never
+// straddle 2^32, so the lanes do not wrap).
+static inline __m512i sr_bits16(uint32_t key, uint32_t idx0) {
+  __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int)idx0),
+                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+  h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x9E3779B1u)), _mm512_set1_epi32((int)key));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
+  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
+  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xC2B2AE35u));
+  return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+}
+
+// Stochastic E2M1 codes of 16 scaled values (fp4::e2m1_encode_mag_sr on every lane, sign from y).
+static inline __m512i e2m1_codes16_sr(__m512 y, __m512i rnd) {
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(6.0f));
+  const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)));
+  const __m512i nrm = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 22), _mm512_set1_epi32(126 << 1));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
+  __m512i lo = _mm512_mask_blend_epi32(small, nrm, sub);
+  lo = _mm512_min_epi32(_mm512_max_epi32(lo, _mm512_setzero_si512()), _mm512_set1_epi32(7));
+  const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 inv24 = _mm512_setr_ps(33554432.0f, 33554432.0f, 33554432.0f, 33554432.0f, 16777216.0f, 16777216.0f,
+                                      8388608.0f, 8388608.0f, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512 frac24 = _mm512_mul_ps(_mm512_sub_ps(a, _mm512_permutexvar_ps(lo, values)),
+                                      _mm512_permutexvar_ps(lo, inv24));
+  const __m512 r24 = _mm512_cvtepi32_ps(_mm512_srli_epi32(rnd, 8));
+  const __mmask16 up = _mm512_cmp_ps_mask(frac24, r24, _CMP_GT_OQ);
+  const __m512i mag = _mm512_min_epi32(_mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1)), _mm512_set1_epi32(7));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8));
+  return _mm512_or_si512(mag, sign);
+}
+
 // 16 codes (int32 lanes, 0..15) -> 8 packed bytes, element 2i in the low nibble.
 static inline uint64_t pack16(__m512i codes) {
   const __m128i b = _mm512_cvtepi32_epi8(codes);  // 16 bytes
@@ -184,11 +217,14 @@ static inline __m512 e4m3_values16(__m512i c) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
 }
 
-// NVFP4 (or ufp4) codes of 16 values times the block multiplier k, packed into 8 bytes.
+// NVFP4 (or ufp4) codes of 16 values times the block multiplier k, packed into 8 bytes; stochastic rounding
+// (NVFP4 only) draws from sr_bits(key, idx0 + j).
 template <typename T>
-static inline void encode_row16(const T* p, int cnt, float k, bool ufp4, uint8_t* out) {
+static inline void encode_row16(const T* p, int cnt, float k, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0,
+                                uint8_t* out) {
   const __m512 y = _mm512_mul_ps(load16(p, cnt), _mm512_set1_ps(k));
-  const uint64_t packed = pack16(ufp4 ? ufp4_codes16(y) : e2m1_codes16(y));
+  const __m512i codes = ufp4 ? ufp4_codes16(y) : (stochastic ? e2m1_codes16_sr(y, sr_bits16(key, idx0)) : e2m1_codes16(y));
+  const uint64_t packed = pack16(codes);
   memcpy(out, &packed, 8);
 }
 
@@ -207,10 +243,10 @@ static inline __m512 decode_table16(bool ufp4, float scale_b, float s_dec) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps(t), _mm512_set1_ps(scale_b)), _mm512_set1_ps(s_dec));
 }
 
-// One MX block of 32: returns the non-finite count; writes the E8M0 scale and the codes (nearest rounding).
+// One MX block of 32: returns the non-finite count; writes the E8M0 scale and the codes.
 template <typename T>
-static inline int mx_block32(const T* p, int cnt, bool fp8, bool floor_mode, bool propagate, uint8_t* scale,
-                             uint8_t* out) {
+static inline int mx_block32(const T* p, int cnt, bool fp8, bool floor_mode, bool propagate, bool stochastic,
+                             uint32_t key, uint32_t idx0, uint8_t* scale, uint8_t* out) {
   const int c0 = cnt < 16 ? cnt : 16, c1 = cnt > 16 ? cnt - 16 : 0;
   const __m512 v0 = load16(p, c0), v1 = load16(p + 16, c1);
   const __m512i expmask = _mm512_set1_epi32(0x7F800000);
@@ -230,8 +266,9 @@ static inline int mx_block32(const T* p, int cnt, bool fp8, bool floor_mode, boo
     _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(e4m3_codes16(_mm512_mul_ps(v0, inv))));
     _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(e4m3_codes16(_mm512_mul_ps(v1, inv))));
   } else {
-    const uint64_t lo = pack16(e2m1_codes16(_mm512_mul_ps(v0, inv)));
-    const uint64_t hi = pack16(e2m1_codes16(_mm512_mul_ps(v1, inv)));
+    const __m512 y0 = _mm512_mul_ps(v0, inv), y1 = _mm512_mul_ps(v1, inv);
+    const uint64_t lo = pack16(stochastic ? e2m1_codes16_sr(y0, sr_bits16(key, idx0)) : e2m1_codes16(y0));
+    const uint64_t hi = pack16(stochastic ? e2m1_codes16_sr(y1, sr_bits16(key, idx0 + 16)) : e2m1_codes16(y1));
     memcpy(out, &lo, 8);
     memcpy(out + 8, &hi, 8);
   }
