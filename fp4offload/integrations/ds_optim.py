@@ -65,7 +65,7 @@ class StatePlacement:
     format: str = "nvfp4"
     device: str = "same"
     nvme_path: str | None = None
-    rounding: str = "stochastic"
+    rounding: str = "nearest"
     min_numel: int = 4096
 
 
