@@ -10,27 +10,7 @@ from fp4offload import ActivationPolicy, ConfigError, offload_activations
 from fp4offload.offload import wrap_modules
 from fp4offload.offload.modules import plan
 
-MIN_NUMEL = 1024
-
-
-def P(**kw) -> ActivationPolicy:
-    """A policy for the tiny model: small tensors qualify, and stochastic rounding bits are fixed (seed 0)."""
-    kw.setdefault("min_numel", MIN_NUMEL)
-    kw.setdefault("seed", 0)
-    return ActivationPolicy(**kw)
-TOKENS = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_model():
-    return harness.small_llama(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
+from _activations_common import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 
 
 def spy_saved_inside(model, pattern_names):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _codec_data import codec_data, rows_cols
 
 from fp4offload.formats import reference
 from fp4offload.ops import cpu
@@ -11,21 +12,7 @@ SHAPES = [(0,), (1,), (7,), (16,), (17,), (33,), (1000,), (4097,), (3, 5), (16, 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def _data(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
-    if x.numel() > 3:  # exact zeros, a -0 and a wide range
-        x.view(-1)[0] = 0.0
-        x.view(-1)[1] = -0.0
-        x.view(-1)[2] *= 1e-6
-    return x.to(dtype)
-
-
-def _rows_cols(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return (n // shape[-1] if shape[-1] else 0), shape[-1]
+_data, _rows_cols = codec_data, rows_cols
 
 
 @pytest.fixture(params=[True, False], ids=["simd", "scalar"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _codec_data import codec_data, rows_cols
 
 from fp4offload.formats import reference
 
@@ -31,21 +32,7 @@ def cu():
     return cuda
 
 
-def _data(shape, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
-    if x.numel() > 3:  # exact zeros, a -0 and a wide range
-        x.view(-1)[0] = 0.0
-        x.view(-1)[1] = -0.0
-        x.view(-1)[2] *= 1e-6
-    return x.to(dtype)
-
-
-def _rows_cols(shape):
-    n = 1
-    for s in shape:
-        n *= s
-    return (n // shape[-1] if shape[-1] else 0), shape[-1]
+_data, _rows_cols = codec_data, rows_cols
 
 
 def _eq(ref, got, what=""):

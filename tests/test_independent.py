@@ -18,6 +18,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+from _formulas import e2m1_value, e4m3_value, ufp4_value
 
 import fp4offload
 
@@ -25,24 +26,6 @@ F32 = np.float32
 F32_MAX = F32(np.finfo(np.float32).max)
 
 # ---- format definitions ------------------------------------------------------------------------------
-
-
-def e2m1_value(c: int) -> float:
-    e, m = (c >> 1) & 3, c & 1
-    mag = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
-    return -mag if c & 8 else mag
-
-
-def e4m3_value(c: int) -> float:
-    e, m = (c >> 3) & 15, c & 7
-    if e == 15 and m == 7:
-        return math.nan
-    mag = m * 2.0 ** -9 if e == 0 else 2.0 ** (e - 7) * (1 + m / 8)
-    return -mag if c & 0x80 else mag
-
-
-def ufp4_value(c: int) -> float:
-    return 2.0 ** ((c >> 1) - 7) * (1 + (c & 1) / 2)
 
 
 E2M1_GRID = [(c, e2m1_value(c)) for c in range(8)]

@@ -11,28 +11,11 @@ import math
 
 import pytest
 import torch
+from _formulas import e2m1_value, e4m3_value, ufp4_value
 
 from fp4offload import ConfigError, NonFiniteError, PackedTensor, dequantize, quantize
 
 E4M3_NAN, E8M0_NAN = 0x7F, 0xFF
-
-
-def e2m1_value(c: int) -> float:
-    e, m = (c >> 1) & 3, c & 1
-    mag = m * 0.5 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
-    return -mag if c & 8 else mag
-
-
-def e4m3_value(c: int) -> float:
-    e, m = (c >> 3) & 15, c & 7
-    if e == 15 and m == 7:
-        return math.nan
-    mag = m * 2.0 ** -9 if e == 0 else 2.0 ** (e - 7) * (1 + m / 8)
-    return -mag if c & 0x80 else mag
-
-
-def ufp4_value(c: int) -> float:
-    return 2.0 ** ((c >> 1) - 7) * (1 + (c & 1) / 2)
 
 
 E4M3 = torch.tensor([e4m3_value(c) for c in range(256)], dtype=torch.float64)

@@ -97,33 +97,6 @@ static inline uint64_t pack16(__m512i codes) {
   return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(w, w));
 }
 
-// Horizontal max of 16 blocks at once: returns lane b = max over v[b][0..15].
-static inline __m512 block_max16(const __m512* v) {
-  // transpose-tree: pairwise combine with shuffles so each step halves the number of vectors
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = v[2 * i], b = v[2 * i + 1];
-    // lanes (0..7 of a ; 8..15 of a) vs b: max of a.lo/a.hi pairs interleaved per 128-bit lane
-    const __m512 x = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 y = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    t[i] = _mm512_max_ps(x, y);  // [a:8 partial maxes in lanes 0-7][b: 8 in lanes 8-15]
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512 a = t[2 * i], b = t[2 * i + 1];
-    const __m512 x = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 y = _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    u[i] = _mm512_max_ps(x, y);  // per 128-bit lane: 4 partial maxes of one block; lanes = blocks a0,a1,b0,b1...
-  }
-  for (int i = 0; i < 2; ++i) {
-    const __m512 a = u[2 * i], b = u[2 * i + 1];
-    const __m512 x = _mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 y = _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    w[i] = _mm512_max_ps(x, y);
-  }
-  const __m512 x = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0));
-  const __m512 y = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
-  return _mm512_max_ps(x, y);  // lanes hold the 16 block maxes in a fixed permuted order
-}
 
 #endif  // FP4_HAVE_AVX512
 
