@@ -229,12 +229,12 @@ def test_fsdp_policy_file_problems(tmp_path):
 # -- the shipped examples ----------------------------------------------------------------------------
 
 
-def test_example_configs_cover_every_zero_stage_and_offload_device():
+def test_example_configs_cover_every_zero_stage_and_state_device():
     names = {p.name for p in (ROOT / "configs").glob("*.json")}
     for stage in (1, 2, 3):
-        for dev in ("cpu", "nvme"):
-            assert f"zero{stage}-offload-{dev}.json" in names
-    assert list((ROOT / "configs").glob("*.yaml"))
+        assert f"deepspeed_zero{stage}_offload_cpu.json" in names
+        assert f"deepspeed_zero{stage}_states_nvme.json" in names
+    assert {p.name for p in (ROOT / "configs").glob("*.yaml")} >= {"fsdp_fp4.yaml", "fsdp_states_nvme.yaml"}
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.json")), ids=lambda p: p.name)
@@ -249,12 +249,12 @@ def test_example_fsdp_policies_validate(path):
     assert isinstance(load_fsdp_policy_yaml(path), FsdpPolicyConfig)
 
 
-def test_example_offload_devices_match_their_names():
+def test_example_state_devices_match_their_names():
     for stage in (1, 2, 3):
-        for dev in ("cpu", "nvme"):
-            cfg = json.loads((ROOT / "configs" / f"zero{stage}-offload-{dev}.json").read_text())
+        for kind, dev in (("offload_cpu", "cpu"), ("states_nvme", "nvme")):
+            cfg = json.loads((ROOT / "configs" / f"deepspeed_zero{stage}_{kind}.json").read_text())
             assert cfg["zero_optimization"]["stage"] == stage
+            assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
             states = cfg["fp4offload"]["optimizer_states"]
-            assert (states["device"] == "nvme") == (dev == "nvme")
-            if dev == "nvme":
-                assert states["nvme_path"]
+            assert states["device"] == dev
+            assert bool(states["nvme_path"]) == (dev == "nvme")

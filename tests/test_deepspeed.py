@@ -164,8 +164,8 @@ def test_shipped_config_loads_and_validates(path):
 
 def test_every_supported_combination_has_a_config():
     names = {p.name for p in SHIPPED}
-    for want in ("zero1_offload_cpu", "zero2_offload_cpu", "zero2_states_nvme", "zero3_offload_cpu",
-                 "zero3_states_nvme", "zero3_offload_param_fp4_weights"):
+    for want in ("zero1_offload_cpu", "zero1_states_nvme", "zero2_offload_cpu", "zero2_states_nvme",
+                 "zero3_offload_cpu", "zero3_states_nvme", "zero3_offload_param_fp4_weights"):
         assert f"deepspeed_{want}.json" in names
 
 
