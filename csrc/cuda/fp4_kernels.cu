@@ -322,6 +322,17 @@ struct EncodeArgs {
   uint8_t* scales;
 };
 
+// One thread's run of a 1x16 block or 16x16 tile: the block's E4M3 scale (from the group's amax `m`) into
+// `sc`, and the run's packed codes (0 for an all-zero or non-finite block). `pos` indexes the code layout.
+template <int N>
+__device__ __forceinline__ uint32_t encode_scaled_run(const float (&v)[N], float m, uint32_t bad, float s_enc,
+                                                      float s_dec, const EncodeArgs& a, int64_t pos, uint8_t& sc) {
+  sc = fp4::block_scale_code(m, a.elem_max, s_enc);
+  if (sc == 0 || bad) return 0;
+  return encode_run<N>(v, fp4::block_encode_scale(sc, s_dec), a.ufp4, a.stochastic,
+                       run_key(a.stochastic, a.seed, a.sid, pos), (uint64_t)pos);
+}
+
 template <int DT>
 __global__ void __launch_bounds__(kThreads)
     nv_flat_encode(const void* xv, int64_t n, int64_t nb, int64_t per, EncodeArgs a) {
@@ -345,12 +356,8 @@ __global__ void __launch_bounds__(kThreads)
     bad = group_or<G>(bad);
     if (!active) continue;
     const int64_t b = u / G, s = b / per;
-    const uint8_t sc = fp4::block_scale_code(m, a.elem_max, a.s_enc[s]);
-    uint32_t packed = 0;
-    if (sc != 0 && !bad) {
-      const float s_enc_b = fp4::block_encode_scale(sc, a.s_dec[s]);
-      packed = encode_run<N>(v, s_enc_b, a.ufp4, a.stochastic, run_key(a.stochastic, a.seed, a.sid, i0), (uint64_t)i0);
-    }
+    uint8_t sc;
+    const uint32_t packed = encode_scaled_run<N>(v, m, bad, a.s_enc[s], a.s_dec[s], a, i0, sc);
     if (lane % G == 0) a.scales[b] = (bad && a.propagate) ? fp4::kE4M3NaN : sc;
     store_bytes<N / 2>(a.data + i0 / 2, packed);
   }
@@ -378,13 +385,9 @@ __global__ void __launch_bounds__(kThreads)
     finite_amax(v, m, bad);
     m = group_max<32>(m);
     bad = group_or<32>(bad);
-    const uint8_t sc = fp4::block_scale_code(m, a.elem_max, a.s_enc[0]);
     const int64_t pos = r * cp + c0;  // position in the padded row-major code layout
-    uint32_t packed = 0;
-    if (sc != 0 && !bad) {
-      const float s_enc_b = fp4::block_encode_scale(sc, a.s_dec[0]);
-      packed = encode_run<8>(v, s_enc_b, a.ufp4, a.stochastic, run_key(a.stochastic, a.seed, a.sid, pos), (uint64_t)pos);
-    }
+    uint8_t sc;
+    const uint32_t packed = encode_scaled_run<8>(v, m, bad, a.s_enc[0], a.s_dec[0], a, pos, sc);
     if (lane == 0) a.scales[t] = (bad && a.propagate) ? fp4::kE4M3NaN : sc;
     store_bytes<4>(a.data + pos / 2, packed);
   }
