@@ -129,25 +129,6 @@ def test_initialize_rejects_before_anything_is_built():
     assert not hasattr(model, "ds_id") and not any(hasattr(p, "ds_id") for p in model.parameters())
 
 
-def test_zero3_nvme_states_refuse_several_sub_groups(tmp_path):
-    """Until FP4AdamW's NVMe tier keys files per tensor, several ZeRO-3 sub-groups would share its files."""
-    import torch
-
-    import fp4offload.deepspeed as fds
-    from benchmarks import harness
-    from fp4offload.optim import FP4AdamW
-
-    if getattr(FP4AdamW, "stable_nvme_keys", False):
-        pytest.skip("FP4AdamW keys its NVMe files per tensor: nothing to refuse")
-    model = harness.small_llama(hidden=32, layers=1, heads=2, intermediate=64)
-    cfg = ds_config(3, "cpu", {"optimizer_states": {"device": "nvme", "nvme_path": str(tmp_path)}},
-                    sub_group_size=1000)
-    with pytest.raises(ConfigError) as ei:
-        fds.initialize(model=model, config=cfg)
-    assert ei.value.key == "zero_optimization.sub_group_size" and ei.value.value == 1000
-    assert not torch.distributed.is_initialized()
-
-
 SHIPPED = sorted((ROOT / "configs").glob("deepspeed_*.json"))
 
 

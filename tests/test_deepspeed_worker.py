@@ -35,8 +35,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(spec: dict, nranks: int, tmp: Path, timeout: float = 240.0) -> dict:
-    """Run the worker on ``nranks`` ranks; return rank 0's result (raises with the logs on failure)."""
+def launch(spec: dict, nranks: int, tmp: Path, timeout: float = 240.0, script: str | Path | None = None) -> dict:
+    """Run the worker (this file, or `script` taking the same spec) on ``nranks`` ranks; return rank 0's
+    result (raises with the logs on failure)."""
     tmp = Path(tmp)
     tmp.mkdir(parents=True, exist_ok=True)
     spec_path = tmp / f"spec_{time.monotonic_ns()}.json"
@@ -53,8 +54,8 @@ def launch(spec: dict, nranks: int, tmp: Path, timeout: float = 240.0) -> dict:
                                                        os.path.expanduser("~/.cache/fp4offload/torch_extensions")))
         log = open(tmp / f"rank{r}_{spec_path.stem}.log", "w+")
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, __file__, str(spec_path)], cwd=str(ROOT), env=env,
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(subprocess.Popen([sys.executable, str(script or __file__), str(spec_path)], cwd=str(ROOT),
+                                      env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     try:
         for p in procs:

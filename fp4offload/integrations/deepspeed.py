@@ -205,7 +205,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
         ds_weights.check_deepspeed()  # private names: fail before anything is built
     if block.optimizer_states is not None:
-        _check_sub_groups(prepared, model)
         kwargs["optimizer"], kwargs["lr_scheduler"] = _client_optimizer(prepared, optimizer, lr_scheduler, model,
                                                                         model_parameters)
     acts = None
@@ -236,35 +235,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         attached.monitor = ds_monitor.attach(engine, block.monitor, attached)
     engine.fp4offload = attached
     return result
-
-
-def _check_sub_groups(prepared: Prepared, model: Any) -> None:
-    """ZeRO-3 steps the inner optimizer once per sub-group, handing it one flat tensor each time.
-
-    FP4AdamW's NVMe tier names its files by the position of a parameter in ``param_groups`` at step time,
-    so two sub-groups would share files: refuse that until the optimizer declares it keys files per tensor
-    (``FP4AdamW.stable_nvme_keys = True``).
-    """
-    st = prepared.states
-    zero = _zero(prepared.ds_config)
-    if st is None or st.device != "nvme" or zero.get("stage") != 3 or model is None:
-        return
-    try:
-        from fp4offload.optim import FP4AdamW
-
-        if getattr(FP4AdamW, "stable_nvme_keys", False):
-            return
-    except Exception:
-        return
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    n = sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if p.requires_grad)
-    per_rank = -(-n // world)
-    sub = int(zero.get("sub_group_size", 1_000_000_000))
-    if per_rank > sub:
-        raise ConfigError("zero_optimization.sub_group_size", sub,
-                          f">= {per_rank} (one sub-group per rank) with fp4offload.optimizer_states.device 'nvme'",
-                          "FP4AdamW's NVMe tier cannot yet tell ZeRO-3 sub-groups apart; raise sub_group_size, or "
-                          "keep the packed states in host RAM (device 'cpu')")
 
 
 @dataclass

@@ -60,6 +60,8 @@ class StatePlacement:
         nvme_path: directory of the state files when device is ``"nvme"``.
         rounding: rounding of m (``"nearest"``/``"stochastic"``).
         min_numel: tensors with fewer elements keep fp32 states (elements).
+        nvme_io: I/O engine of FP4AdamW's NVMe tier (``"auto"``, ``"aio"``, ``"threads"``; the config block
+            has no key for it yet, so it stays ``"auto"``: DeepSpeed's async_io when it loads).
     """
 
     format: str = "nvfp4"
@@ -67,6 +69,7 @@ class StatePlacement:
     nvme_path: str | None = None
     rounding: str = "nearest"
     min_numel: int = 4096
+    nvme_io: str = "auto"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -99,8 +102,22 @@ def _fp4adamw(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.opt
         from fp4offload.optim import FP4AdamW
     except Exception as exc:  # pragma: no cover - depends on the tree's state
         raise ImportError(f"fp4offload.FP4AdamW does not import ({exc}); the optimizer_states block needs it") from exc
+    nvme = {"nvme_key": ds_tensor_key, "nvme_io": where.nvme_io} if where.device == "nvme" else {}
     return FP4AdamW(params, **hp.as_dict(), m_rounding=where.rounding, min_numel=max(1, where.min_numel),
-                    state_device=where.device, nvme_path=where.nvme_path)
+                    state_device=where.device, nvme_path=where.nvme_path, **nvme)
+
+
+def ds_tensor_key(t: Any) -> str | None:
+    """The name of a tensor's NVMe state files under DeepSpeed: ``ds<ds_id>``, or None (FP4AdamW numbers it).
+
+    ZeRO-3 hands FP4AdamW one fp32 flat partition per sub-group, each alone in its param group for its step,
+    and names it ``"<first ds_id>_<last ds_id>"`` of the parameters it holds (stage3's
+    ``fp32_partitioned_groups_flat[i].ds_id``): unique per sub-group, and the same when DeepSpeed builds
+    the partition again, whatever the order of the sub-groups. ZeRO-1/2 partitions carry no ds_id and never
+    leave their param group, so FP4AdamW's own numbering is stable for them.
+    """
+    ds_id = getattr(t, "ds_id", None)
+    return None if ds_id is None else f"ds{ds_id}"
 
 
 def make_optimizer(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.optim.Optimizer:

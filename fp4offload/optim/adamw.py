@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import weakref
+import zlib
 from typing import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import metrics
 from ..errors import ConfigError
@@ -42,6 +46,14 @@ class FP4AdamW(Optimizer):
         nvme_path: folder for ``state_device="nvme"`` (a private subfolder is created in it).
         nvme_threads: I/O threads of the NVMe tier (default 4).
         nvme_reserve_bytes: free space the NVMe tier leaves untouched on its disk (default 0).
+        nvme_io: I/O engine of the NVMe tier: ``"auto"`` (default: DeepSpeed's async_io handle when it loads and
+            works in `nvme_path`, else the thread pool, with one warning), ``"aio"`` (require it) or ``"threads"``.
+            :attr:`nvme_io` tells which one runs (see fp4offload/optim/nvme.py).
+        nvme_key: ``f(tensor) -> str | None``, the name of a tensor's NVMe files (None: ``t<n>``, numbered in
+            order of first step). A tensor keeps its key while it lives, wherever it sits in ``param_groups``;
+            two tensors holding states may not share a key (ConfigError). The DeepSpeed block passes DeepSpeed's
+            ``ds_id``, so ZeRO-3 sub-groups (stepped one at a time, each alone in its group) keep their own files,
+            also across a re-created tensor.
         backend: ``"auto"`` (the fused C++/CUDA step when it builds, else the torch reference step),
             ``"fused"`` (require it) or ``"reference"`` (the torch-op step; same bits, slower).
         working_copy: also produce the new weight as ``"bf16"``, ``"nvfp4"`` (16x16, per-tensor scale),
@@ -68,6 +80,7 @@ class FP4AdamW(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  m_rounding: str = "nearest", v_format: str = "ufp4", min_numel: int = 4096,
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
+                 nvme_io: str = "auto", nvme_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
                  skip_nonfinite: bool = True, metrics_every: int = 100):
         if not 0.0 <= lr:
@@ -87,6 +100,10 @@ class FP4AdamW(Optimizer):
             raise ConfigError("state_device", state_device, "'same' | 'cpu' | 'nvme'")
         if state_device == "nvme" and nvme_path is None:
             raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
+        if nvme_io not in ("auto", "aio", "threads"):
+            raise ConfigError("nvme_io", nvme_io, "'auto' | 'aio' | 'threads'")
+        if nvme_key is not None and not callable(nvme_key):
+            raise ConfigError("nvme_key", nvme_key, "None or a function tensor -> str | None")
         if backend not in BACKENDS:
             raise ConfigError("backend", backend, "'auto' | 'fused' | 'reference'")
         if working_copy not in WORKING_COPIES:
@@ -106,10 +123,16 @@ class FP4AdamW(Optimizer):
         self._working: dict[int, dict] = {}
         self._copy_stream = None
         self._nvme = None
+        self.nvme_io = None
+        self._nvme_key_fn = nvme_key
+        self._nvme_keys = WeakIdKeyDictionary()  # tensor -> key of its NVMe files
+        self._nvme_key_owner: dict[str, weakref.ref] = {}
+        self._nvme_counter = 0
         if state_device == "nvme":
             from .nvme import NvmeStore
 
-            self._nvme = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes)
+            self._nvme = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes, io=nvme_io)
+            self.nvme_io = self._nvme.io
         if backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():
             raise ConfigError("backend", backend, "'auto' or 'reference' on this machine",
                               f"the fused CPU step does not build: {fused.failures().get('cpu')}")
@@ -154,7 +177,7 @@ class FP4AdamW(Optimizer):
         else:
             st["v_format"] = group["v_format"]
             if self._nvme is not None:
-                self._nvme_create(pid, n, group["v_format"])
+                self._nvme_create(self._nvme_key(p), n, group["v_format"])
             else:
                 m, v = R.empty_packed(n, dev), R.empty_packed(n, dev)
                 if pin:
@@ -163,19 +186,49 @@ class FP4AdamW(Optimizer):
                     st[k] = t
         return st
 
-    def _nvme_create(self, pid: int, n: int, v_format: str, m: R.Packed | None = None, v: R.Packed | None = None):
+    def _nvme_key(self, p) -> str:
+        """The key of p's NVMe files: given once, kept while p lives (see ``nvme_key``)."""
+        key = self._nvme_keys.get(p)
+        if key is not None:
+            return key
+        raw = self._nvme_key_fn(p) if self._nvme_key_fn is not None else None
+        if raw is None:
+            while True:
+                key = f"t{self._nvme_counter:05d}"
+                self._nvme_counter += 1
+                holder = self._nvme_key_owner.get(key)
+                if holder is None or holder() is None:
+                    break
+        else:
+            raw = str(raw)
+            safe = re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:100]
+            key = "k" + safe + ("" if safe == raw else f"-{zlib.crc32(raw.encode()):08x}")
+            holder = self._nvme_key_owner.get(key)
+            other = holder() if holder is not None else None
+            if other is not None and other is not p:
+                if "step" in self.state.get(other, {}):
+                    raise ConfigError("nvme_key", raw, "a key no other tensor with states in this optimizer has",
+                                      f"two tensors ({tuple(other.shape)} and {tuple(p.shape)}) would share NVMe "
+                                      "files")
+                self._nvme_keys.pop(other, None)  # a tensor without states hands its key over (re-created tensor)
+        self._nvme_keys[p] = key
+        self._nvme_key_owner[key] = weakref.ref(p)
+        return key
+
+    def _nvme_create(self, key: str, n: int, v_format: str, m: R.Packed | None = None, v: R.Packed | None = None):
         from .nvme import segment_file_bytes
 
         nseg = -(-n // R.SEGMENT)
         self._nvme.check_space(sum(segment_file_bytes(min(R.SEGMENT, n - s * R.SEGMENT)) for s in range(nseg)),
-                               f"parameter {pid}")
+                               f"tensor {key}")
         for s in range(nseg):
             s0, s1 = s * R.SEGMENT, min(n, (s + 1) * R.SEGMENT)
             if m is None:
                 ms, vs = R.empty_packed(s1 - s0, "cpu"), R.empty_packed(s1 - s0, "cpu")
             else:
                 ms, vs = R.segment_view(m, s0, s1), R.segment_view(v, s0, s1)
-            self._nvme.write(pid, s, s1 - s0, v_format, ms, vs)
+            self._nvme.write(key, s, s1 - s0, v_format, ms, vs)
+        self._nvme.remove(key, first_segment=nseg)  # a dead tensor's key reused for a smaller one
 
     def _states(self, st) -> tuple[R.Packed, R.Packed]:
         m = R.Packed(*(st[k] for k in PACKED_KEYS[:3]))
@@ -335,9 +388,11 @@ class FP4AdamW(Optimizer):
             pending_g = fetch(0)
         reads = None
         if self._nvme is not None:
+            key = self._nvme_key(p)
+
             def read(s):
                 s0, s1 = s * R.SEGMENT, min(n, (s + 1) * R.SEGMENT)
-                return self._nvme.read_async(pid, s, s1 - s0, v_format)
+                return self._nvme.read_async(key, s, s1 - s0, v_format)
 
             reads = read(0)
         for s in range(nseg):
@@ -363,7 +418,7 @@ class FP4AdamW(Optimizer):
                 check(m, v)
                 sample = False
             if reads is not None:
-                self._nvme.write_async(pid, s, s1 - s0, v_format, m, v)
+                self._nvme.write_async(key, s, s1 - s0, v_format, m, v)
                 reads = nxt_r
             if gpu:
                 src = bf[s0:s1] if p.dtype == torch.bfloat16 else w[s0:s1]
@@ -470,7 +525,7 @@ class FP4AdamW(Optimizer):
             else:
                 e["v_format"] = st["v_format"]
                 if self._nvme is not None:
-                    m, v = self._nvme_read_all(pid, p.numel(), st["v_format"])
+                    m, v = self._nvme_read_all(self._nvme_key(p), p.numel(), st["v_format"])
                 else:
                     m, v = self._states(st)
                 for k, t in zip(PACKED_KEYS, (*m, *v)):
@@ -478,8 +533,8 @@ class FP4AdamW(Optimizer):
             state[pid] = e
         return {"state": state, "param_groups": groups}
 
-    def _nvme_read_all(self, pid, n, v_format):
-        parts = [self._nvme.read(pid, s, min(R.SEGMENT, n - s * R.SEGMENT), v_format)
+    def _nvme_read_all(self, key, n, v_format):
+        parts = [self._nvme.read(key, s, min(R.SEGMENT, n - s * R.SEGMENT), v_format)
                  for s in range(-(-n // R.SEGMENT))]
         m = R.Packed(*(torch.cat([pt[0][i] for pt in parts]) for i in range(3)))
         v = R.Packed(*(torch.cat([pt[1][i] for pt in parts]) for i in range(3)))
@@ -535,7 +590,7 @@ class FP4AdamW(Optimizer):
             m, v = encode_state(entry["exp_avg"].reshape(-1), entry["exp_avg_sq"].reshape(-1), want)
         st["v_format"] = want
         if self._nvme is not None:
-            self._nvme_create(pid, n, want, m, v)
+            self._nvme_create(self._nvme_key(p), n, want, m, v)
         else:
             for k, t in zip(PACKED_KEYS, (*m, *v)):
                 st[k].copy_(t)
