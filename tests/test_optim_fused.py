@@ -32,7 +32,7 @@ def _bits(t):
     return t.view(torch.uint8)
 
 
-def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3):
+def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3, special=None):
     """Runs `steps` steps both ways on the same data; asserts every byte of p, bf16 copy, m and v agrees."""
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
@@ -42,6 +42,8 @@ def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False,
         g = (torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)).to(gdt)
         if n > 3:
             g[0], g[1] = 0.0, -0.0
+        if special is not None:
+            g = special(g, t).to(gdt)
         sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=t)
         seed = R.sr_seed(7, t)
         bfa, bfb = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
@@ -53,12 +55,16 @@ def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False,
         ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
                        sc.weight_decay, maximize, v_format == "nvfp4", stochastic, seed, R.sr_stream(pid, 0), bfb)
         assert torch.equal(_bits(pa), _bits(pb)), f"weights differ at step {t}"
+        if special is not None:  # NaN weights: torch's bf16 cast keeps the NaN's sign/payload, the kernel writes 0x7FC0
+            nan = pa.isnan()
+            assert bfa[nan].isnan().all() and bfb[nan].isnan().all()
+            bfa, bfb = bfa[~nan], bfb[~nan]
         assert torch.equal(_bits(bfa), _bits(bfb)), f"bf16 copies differ at step {t}"
         for name, x, y in zip(("m codes", "m scales", "m chunk scales"), ma, mb):
             assert torch.equal(x, y), f"{name} differ at step {t}"
         for name, x, y in zip(("v codes", "v scales", "v chunk scales"), va, vb):
             assert torch.equal(x, y), f"{name} differ at step {t}"
-    assert pa.abs().sum() > 0 and mb.codes.any()  # something happened
+    assert pa.nan_to_num().abs().sum() > 0 and mb.codes.any()  # something happened
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -73,6 +79,42 @@ def test_fused_bf16_grad_maximize_no_decay(ext, simd, maximize, wd):
     _run(ext, 3001, "ufp4", True, torch.bfloat16, wd=wd, maximize=maximize)
 
 
+def _special(kind):
+    """Gradients that leave the AVX-512 fast path or hit its masking: g^2 overflow (v = inf in some blocks),
+    non-finite values (the step is called directly, as with skip_nonfinite=False), all-zero blocks (block
+    scale 0, codes of -0 must stay 0), and chunks whose range underflows the block scales."""
+    def f(g, t):
+        g = g.clone().float()
+        n = g.numel()
+        if kind == "overflow":
+            g[5::997] = 3e19 * (-1) ** t
+        elif kind == "nonfinite":
+            g[7::1500] = float("inf")
+            g[9::2100] = float("nan")
+            g[11::2500] = -float("inf")
+        elif kind == "zeros":
+            g.view(-1)[: n - n % 16].view(-1, 16)[::3] = 0.0
+            g[2::48] = -0.0
+        elif kind == "range":
+            g = g * 1e-30
+            g[::16] = 1e3
+            g[1024:2048] *= 1e-8
+        return g
+    return f
+
+
+@pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros", "range"])
+@pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_fused_special_values(ext, simd, kind, v_format, stochastic):
+    _run(ext, 5003, v_format, stochastic, torch.float32, special=_special(kind))
+
+
+@pytest.mark.parametrize("kind", ["overflow", "zeros"])
+def test_fused_special_values_bf16(ext, simd, kind):
+    _run(ext, 3001, "ufp4", False, torch.bfloat16, special=_special(kind), maximize=True)
+
+
 def test_fused_multi_segment(ext):
     """More than one segment: the stochastic-rounding stream changes at the segment boundary as specified."""
     _run(ext, R.SEGMENT + 5000, "ufp4", True, torch.float32, steps=2)
@@ -85,6 +127,22 @@ def test_all_finite(ext):
         y = x.clone()
         y[77_777] = bad
         assert not ext.all_finite(y) and not ext.all_finite(y.bfloat16())
+
+
+@pytest.mark.parametrize("n", [1, 15, 33, 64, 127, 129, 1000, 65_537, 200_003])
+def test_all_finite_positions(ext, simd, n):
+    """Both paths (vector loop, masked tail, several threads' ranges): one non-finite value anywhere is found."""
+    x = torch.randn(n)
+    for dt in (torch.float32, torch.bfloat16, torch.half):
+        assert ext.all_finite(x.to(dt))
+    for pos in sorted({0, n // 2, max(0, n - 17), n - 1}):
+        for bad in (float("inf"), float("-inf"), float("nan")):
+            y = x.clone()
+            y[pos] = bad
+            for dt in (torch.float32, torch.bfloat16, torch.half):
+                assert not ext.all_finite(y.to(dt)), (n, pos, bad, dt)
+    big = torch.full((n,), 65504.0)  # largest finite half: finite in every dtype
+    assert ext.all_finite(big) and ext.all_finite(big.half()) and ext.all_finite(-big.bfloat16())
 
 
 def test_optimizer_fused_equals_reference_backend():

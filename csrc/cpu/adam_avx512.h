@@ -16,6 +16,7 @@ namespace fp4adam {
 
 constexpr int kChunk = 1024;           // elements per fp32 chunk scale (reference_step.CHUNK)
 constexpr int64_t kSegment = 1 << 20;  // elements per segment / stochastic-rounding stream (reference_step.SEGMENT)
+constexpr int64_t kPrefetch = 4096;    // software prefetch distance in elements
 
 struct Scalars {
   float b1, omb1, b2, omb2, eps, decay, step_size, rsbc2;
@@ -165,6 +166,23 @@ static inline __m512 e4m3_values16_pos(__m512i c) {
   return _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
 }
 
+// The E4M3 scales of 16 blocks, E4M3(min((amax_b / elem_max) * s_enc, 448)), stored for the first `cnt`
+// blocks; kb[b] = 1 / (scale * s_dec) clamped as fp4::block_encode_scale does, 0 where the block is dead
+// (a zero scale, or not in `ok`). Returns the live blocks.
+static inline __mmask16 block_scales16(__m512 amax16, __m512 vmax, __m512 venc, __m512 vdec, __mmask16 ok, int cnt,
+                                       uint8_t* scales, float* kb) {
+  const __m512i sc = e4m3_codes16_pos(_mm512_mul_ps(_mm512_div_ps(amax16, vmax), venc));
+  const __mmask16 live = _mm512_cmpneq_epi32_mask(sc, _mm512_setzero_si512()) & ok;
+  const __m512 k = _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f), _mm512_mul_ps(e4m3_values16_pos(sc), vdec));
+  _mm512_store_ps(kb, _mm512_min_ps(k, _mm512_set1_ps(fp4::kF32Max)));
+  const __m128i sc8 = _mm512_cvtepi32_epi8(sc);
+  if (cnt == 16)
+    _mm_storeu_si128((__m128i*)scales, sc8);
+  else
+    _mm_mask_storeu_epi8(scales, (__mmask16)((1u << cnt) - 1), sc8);
+  return live;
+}
+
 // Encodes buf[0..16*nb) (zeros past the data) as one chunk: one fp32 scale, an E4M3 scale per 16 elements,
 // codes. Same rules as encode_chunk_scalar in adam_cpu.cpp, 16 blocks at a time.
 static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_, bool stochastic, uint32_t key,
@@ -198,19 +216,10 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
   *s_dec_out = ts.dec;
   const __m512 vmax = _mm512_set1_ps(elem_max), venc = _mm512_set1_ps(ts.enc), vdec = _mm512_set1_ps(ts.dec);
   for (int q = 0; q < ngroups; ++q) {
-    // block scales of 16 blocks: E4M3(min((amax_b / elem_max) * s_enc, 448)); multipliers 1 / (scale * s_dec)
-    const __m512 t = _mm512_mul_ps(_mm512_div_ps(_mm512_load_ps(amax_b + q * 16), vmax), venc);
-    const __m512i sc = e4m3_codes16_pos(t);
-    const __mmask16 live = _mm512_cmpneq_epi32_mask(sc, _mm512_setzero_si512()) & (__mmask16)~bad_g[q];
     alignas(64) float kb[16];
-    _mm512_store_ps(kb, _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f),
-                                            _mm512_mul_ps(e4m3_values16_pos(sc), vdec)));
+    const __mmask16 live = block_scales16(_mm512_load_ps(amax_b + q * 16), vmax, venc, vdec, (__mmask16)~bad_g[q],
+                                          std::min(16, nb - q * 16), scales + q * 16, kb);
     const int cnt = std::min(16, nb - q * 16);
-    const __m128i sc8 = _mm512_cvtepi32_epi8(sc);
-    if (cnt == 16)
-      _mm_storeu_si128((__m128i*)(scales + q * 16), sc8);
-    else
-      _mm_mask_storeu_epi8(scales + q * 16, (__mmask16)((1u << cnt) - 1), sc8);
     for (int j = 0; j < cnt; ++j) {
       const int b = q * 16 + j;
       uint64_t packed = 0;
@@ -233,9 +242,19 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
 struct Tables {
   float e4m3[256];
   alignas(64) float ufp4[16];
+  // Row s: the element values times the block scale e4m3_value(s). The products are exact (at most 2 and 4
+  // significant bits, far from under/overflow; a NaN scale gives NaN rows), so (value * scale) * s_dec of the
+  // rule is one multiply of a row by s_dec.
+  alignas(64) float e2m1_scaled[256][16];
+  alignas(64) float ufp4_scaled[256][16];
   Tables() {
     for (int k = 0; k < 256; ++k) e4m3[k] = fp4::e4m3_value((uint8_t)k);
     for (int k = 0; k < 16; ++k) ufp4[k] = fp4::ufp4_value((uint8_t)k);
+    for (int s = 0; s < 256; ++s)
+      for (int k = 0; k < 16; ++k) {
+        e2m1_scaled[s][k] = fp4::e2m1_value((uint8_t)k) * e4m3[s];
+        ufp4_scaled[s][k] = ufp4[k] * e4m3[s];
+      }
   }
 };
 
@@ -244,81 +263,306 @@ inline const Tables& tables() {
   return t;
 }
 
-// Software prefetch of chunk c's inputs (the hardware prefetcher alone leaves the step latency-bound once
-// the tensors fall out of the last-level cache).
-template <typename G>
-inline void prefetch_chunk(const ChunkArgs& a, const G* grad, int64_t c) {
-  const int64_t i0 = c * kChunk;
-  if (i0 >= a.n) return;
-  const int64_t cnt = std::min<int64_t>(kChunk, a.n - i0);
-  const char* pp = (const char*)(a.param + i0);
-  const char* gp = (const char*)(grad + i0);
-  for (int64_t off = 0; off < cnt * 4; off += 64) _mm_prefetch(pp + off, _MM_HINT_T0);
-  for (int64_t off = 0; off < cnt * (int64_t)sizeof(G); off += 64) _mm_prefetch(gp + off, _MM_HINT_T0);
-  for (int64_t off = 0; off < cnt / 2; off += 64) {
-    _mm_prefetch((const char*)(a.m_codes + i0 / 2 + off), _MM_HINT_T0);
-    _mm_prefetch((const char*)(a.v_codes + i0 / 2 + off), _MM_HINT_T0);
-  }
-  _mm_prefetch((const char*)(a.m_scales + i0 / 16), _MM_HINT_T0);
-  _mm_prefetch((const char*)(a.v_scales + i0 / 16), _MM_HINT_T0);
+// ---- the pipelined step ----------------------------------------------------------------------------
+//
+// Per chunk: (1) the update loop decodes m and sqrt(v), steps the weights and leaves the new m and u (or v)
+// in a buffer; (2) "pass 1" takes the block maxima with a transpose tree, the chunk's tensor scale and the
+// 64 block scales and multipliers; (3) "pass 2" turns the buffer into codes. Pass 2 of chunk c-1 runs inside
+// the update loop of chunk c, 4 blocks at a time, so the shuffle/integer work of the encode overlaps the
+// divide/sqrt-bound update (the divider is not pipelined and sits idle during a separate encode loop).
+//
+// Fast-path conditions, checked in pass 1: every value of the buffer is finite and, for the second moment,
+// has its sign bit clear. Otherwise (only after an overflow or a non-finite gradient) the chunk's state is
+// encoded at once by encode_chunk_avx512 above, which implements every rule of the scalar path.
+
+enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3 };
+
+#define FP4_INLINE static inline __attribute__((always_inline))
+
+// 8 packed code bytes of one block -> 16 lanes whose low nibble is the code (the other bits are junk; the
+// table permute reads only the low 4 bits). One broadcast load and one multishift.
+FP4_INLINE __m512i nibbles16(const uint8_t* codes8) {
+  uint64_t w;
+  memcpy(&w, codes8, 8);
+  const __m512i data = _mm512_set1_epi64((long long)w);
+  // dword k (qword k/2, byte 4*(k%2)) takes the 8 bits at offset 4k of its qword (all qwords hold the codes)
+  const __m512i sel = _mm512_set_epi64(0x0000003C00000038LL, 0x0000003400000030LL, 0x0000002C00000028LL,
+                                       0x0000002400000020LL, 0x0000001C00000018LL, 0x0000001400000010LL,
+                                       0x0000000C00000008LL, 0x0000000400000000LL);
+  return _mm512_multishift_epi64_epi8(sel, data);
 }
 
-template <typename G>
-inline void chunk_avx512(const ChunkArgs& a, const G* grad, int64_t c) {
+// E2M1 magnitude codes, round to nearest even, of a = min(|y|, 6) (a finite): the integer rounding of the
+// fp32 pattern for a >= 1 (the "- (126 << 1)" folded into the rounding constant), rint(2a) below 1.
+FP4_INLINE __m512i e2m1_mag16(__m512 a) {
+  const __m512i ai = _mm512_castps_si512(a);
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_add_ps(a, a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
+  const __m512i nrm = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF - (252 << 22))), lsb), 22);
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
+  return _mm512_mask_blend_epi32(small, nrm, sub);  // <= 7 since a <= 6
+}
+
+// ufp4 codes of y >= +0 (finite): 0 below 2^-7 (the rounded code is then <= 0: clamp at 0), else the
+// pattern rounded to one mantissa bit minus (120 << 1); y <= 1.5 keeps it <= 15.
+FP4_INLINE __m512i ufp4_codes16_pos(__m512 y) {
+  const __m512i ai = _mm512_castps_si512(_mm512_min_ps(y, _mm512_set1_ps(fp4::kUfp4Max)));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
+  const __m512i c = _mm512_srai_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF - (240 << 22))), lsb), 22);
+  return _mm512_max_epi32(c, _mm512_setzero_si512());
+}
+
+// 4 vectors of 16 codes (int32 lanes 0..15, blocks b..b+3) -> 32 packed bytes (element 2i low nibble), in
+// the low 256 bits. packus twice gives bytes [blk0 4L..4L+3, blk1 .., blk2 .., blk3 ..] per 128-bit lane L;
+// maddubs merges neighbour pairs into one byte per word; vpermb puts the words' low bytes in order.
+FP4_INLINE __m256i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512i p = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+  const __m512i w = _mm512_maddubs_epi16(p, _mm512_set1_epi16(0x1001));
+  // output byte 8k + j (block k, byte j) <- word (16*(j>>1) + 4k + 2*(j&1)) / 2 -> its byte index
+  const __m512i idx = _mm512_set_epi64(0, 0, 0, 0, 0x3E3C2E2C1E1C0E0CLL, 0x3A382A281A180A08LL,
+                                       0x3634262416140604LL, 0x3230222012100200LL);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi8(idx, w));
+}
+
+// Pending pass-2 work of one chunk buffer (block multipliers already known).
+struct EncJob {
+  alignas(64) float kb[kChunk / 16];
+  const float* buf;
+  uint8_t* codes;
+  uint64_t live;  // bit b: block b's scale is not 0
+  int nb;         // 0: nothing pending
+  uint32_t key, index0;
+};
+
+template <int Kind>
+FP4_INLINE __m512i enc_codes16(const EncJob& j, int b) {
+  const __m512 x = _mm512_load_ps(j.buf + b * 16);
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(j.kb[b]));
+  if (Kind == kUfp4) return ufp4_codes16_pos(y);
+  if (Kind == kE2M1SR) return e2m1_codes16_sr(y, sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
+  const __m512 a = _mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A);  // min(|y|, 6), sign cleared
+  const __m512i mag = e2m1_mag16(a);
+  if (Kind == kE2M1Pos) return mag;
+  // mag | ((y >> 28) & 8)
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8), mag, 0xEA);
+}
+
+// Pass 2 of blocks b..b+3 (b a multiple of 4, b < j.nb).
+template <int Kind>
+FP4_INLINE void enc4(const EncJob& j, int b) {
+  const __m256i packed = pack64(enc_codes16<Kind>(j, b), enc_codes16<Kind>(j, b + 1), enc_codes16<Kind>(j, b + 2),
+                                enc_codes16<Kind>(j, b + 3));
+  const uint32_t live4 = (uint32_t)(j.live >> b) & 0xF;
+  const int left = j.nb - b;
+  const uint32_t have4 = left >= 4 ? 0xFu : ((1u << left) - 1);
+  if (live4 == 0xF && have4 == 0xF) {
+    _mm256_storeu_si256((__m256i*)(j.codes + b * 8), packed);
+  } else {  // dead blocks get zero codes; blocks past the chunk are not written
+    const __mmask32 keep = (__mmask32)(_pdep_u32(live4, 0x01010101u) * 0xFFu);
+    const __mmask32 have = (__mmask32)(_pdep_u32(have4, 0x01010101u) * 0xFFu);
+    _mm256_mask_storeu_epi8(j.codes + b * 8, have, _mm256_maskz_mov_epi8(keep, packed));
+  }
+}
+
+// Transpose-tree block maxima of 16 blocks on the fp32 patterns (unsigned max: the patterns of values >= +0
+// order as the values, and any non-finite or sign-bit-set value ends up >= 0x7F800000). Signed data has its
+// sign cleared first (not with vrangeps: its absolute max drops a NaN operand).
+template <bool Signed>
+static inline __m512i block_max_bits16(const __m512* v) {
+  __m512i t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {
+    __m512 v0 = v[2 * i], v1 = v[2 * i + 1];
+    if (Signed) {
+      v0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), _mm512_set1_epi32(0x7FFFFFFF)));
+      v1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), _mm512_set1_epi32(0x7FFFFFFF)));
+    }
+    const __m512 x = _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 2, 3, 2));
+    t[i] = _mm512_max_epu32(_mm512_castps_si512(x), _mm512_castps_si512(y));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512i x = _mm512_shuffle_i32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512i y = _mm512_shuffle_i32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    u[i] = _mm512_max_epu32(x, y);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const __m512 a = _mm512_castsi512_ps(u[2 * i]), b = _mm512_castsi512_ps(u[2 * i + 1]);
+    const __m512i x = _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)));
+    const __m512i y = _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    w[i] = _mm512_max_epu32(x, y);
+  }
+  const __m512 a = _mm512_castsi512_ps(w[0]), b = _mm512_castsi512_ps(w[1]);
+  const __m512i x = _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+  const __m512i y = _mm512_castps_si512(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i r = _mm512_max_epu32(x, y);  // element 4q + j holds block 4j + q
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// Pass 1 of one chunk buffer. Returns false (nothing written) when the buffer leaves the fast path.
+template <bool Signed>
+static inline bool enc_prepare(const float* buf, int nb, float elem_max, uint8_t* scales, float* s_dec_out,
+                               EncJob& j) {
+  const int ngroups = (nb + 15) / 16;
+  __m512i bm[kChunk / 256];
+  __m512i all = _mm512_setzero_si512();
+  for (int q = 0; q < ngroups; ++q) {
+    __m512 v[16];
+    for (int k = 0; k < 16; ++k) v[k] = q * 16 + k < nb ? _mm512_load_ps(buf + (q * 16 + k) * 16) : _mm512_setzero_ps();
+    bm[q] = block_max_bits16<Signed>(v);
+    all = _mm512_max_epu32(all, bm[q]);
+  }
+  if (_mm512_cmp_epu32_mask(all, _mm512_set1_epi32(0x7F800000), _MM_CMPINT_NLT)) return false;
+  const fp4::TensorScale ts = fp4::tensor_scale(_mm512_reduce_max_ps(_mm512_castsi512_ps(all)), elem_max);
+  *s_dec_out = ts.dec;
+  const __m512 vmax = _mm512_set1_ps(elem_max), venc = _mm512_set1_ps(ts.enc), vdec = _mm512_set1_ps(ts.dec);
+  uint64_t live = 0;
+  for (int q = 0; q < ngroups; ++q) {
+    const __mmask16 lv = block_scales16(_mm512_castsi512_ps(bm[q]), vmax, venc, vdec, (__mmask16)0xFFFF,
+                                        std::min(16, nb - q * 16), scales + q * 16, j.kb + q * 16);
+    live |= (uint64_t)lv << (q * 16);
+  }
+  j.live = live;
+  j.buf = buf;
+  j.nb = nb;
+  return true;
+}
+
+// The update of blocks b..b+nblk-1 of chunk c (all full blocks when Tail is false).
+template <typename G, bool VNv, bool Tail>
+FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int cnt, int b, int nblk,
+                                 const uint8_t* mc, const uint8_t* ms, const uint8_t* vc, const uint8_t* vs,
+                                 __m512 msd, __m512 vsd, float* mbuf, float* ubuf) {
   const Tables& tab = tables();
-  prefetch_chunk(a, grad, c + 1);
   const Scalars& s = a.s;
-  const int64_t i0 = c * kChunk;
-  const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
-  const int nb = (cnt + 15) / 16;
-  alignas(64) float mbuf[kChunk], ubuf[kChunk];
-  const __m512 e2m1_tab = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f,
-                                         -2.0f, -3.0f, -4.0f, -6.0f);
-  const __m512 v_tab = a.v_nvfp4 ? e2m1_tab : _mm512_load_ps(tab.ufp4);
-  const uint8_t* mc = a.m_codes + i0 / 2;
-  const uint8_t* ms = a.m_scales + i0 / 16;
-  const uint8_t* vc = a.v_codes + i0 / 2;
-  const uint8_t* vs = a.v_scales + i0 / 16;
-  const __m512 msd = _mm512_set1_ps(a.m_ts[c]), vsd = _mm512_set1_ps(a.v_ts[c]);
   const __m512 b1 = _mm512_set1_ps(s.b1), omb1 = _mm512_set1_ps(s.omb1), b2 = _mm512_set1_ps(s.b2),
                omb2 = _mm512_set1_ps(s.omb2), eps = _mm512_set1_ps(s.eps), decay = _mm512_set1_ps(s.decay),
                step = _mm512_set1_ps(s.step_size), rsbc2 = _mm512_set1_ps(s.rsbc2);
   const __m512i signbit = _mm512_set1_epi32((int)0x80000000u);
-  for (int b = 0; b < nb; ++b) {
+  for (int k = 0; k < nblk; ++k, ++b) {
     const int64_t i = i0 + b * 16;
-    const int left = cnt - b * 16;
-    const __mmask16 mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-    const __m512 mt = _mm512_mul_ps(_mm512_mul_ps(e2m1_tab, _mm512_set1_ps(tab.e4m3[ms[b]])), msd);
-    const __m512 vt = _mm512_mul_ps(_mm512_mul_ps(v_tab, _mm512_set1_ps(tab.e4m3[vs[b]])), vsd);
-    const __m512 mo = decode16(mc + b * 8, mt);
-    const __m512 uo = decode16(vc + b * 8, vt);
+    __mmask16 mk = 0xFFFF;
+    if (Tail) {
+      const int left = cnt - b * 16;
+      mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    }
+    const __m512 mt = _mm512_mul_ps(_mm512_load_ps(tab.e2m1_scaled[ms[b]]), msd);
+    const __m512 vt = _mm512_mul_ps(_mm512_load_ps(VNv ? tab.e2m1_scaled[vs[b]] : tab.ufp4_scaled[vs[b]]), vsd);
+    const __m512 mo = _mm512_permutexvar_ps(nibbles16(mc + b * 8), mt);
+    const __m512 uo = _mm512_permutexvar_ps(nibbles16(vc + b * 8), vt);
     __m512 g = load_grad16(grad, i, mk);
     if (a.maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), signbit));
-    __m512 p = _mm512_maskz_loadu_ps(mk, a.param + i);
+    __m512 p = Tail ? _mm512_maskz_loadu_ps(mk, a.param + i) : _mm512_loadu_ps(a.param + i);
     if (s.weight_decay) p = _mm512_mul_ps(p, decay);
     const __m512 m = _mm512_add_ps(_mm512_mul_ps(mo, b1), _mm512_mul_ps(g, omb1));
-    const __m512 vo = a.v_nvfp4 ? uo : _mm512_mul_ps(uo, uo);
+    const __m512 vo = VNv ? uo : _mm512_mul_ps(uo, uo);
     const __m512 v = _mm512_add_ps(_mm512_mul_ps(vo, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
     const __m512 u = _mm512_sqrt_ps(v);
     const __m512 d = _mm512_add_ps(_mm512_mul_ps(u, rsbc2), eps);
     p = _mm512_sub_ps(p, _mm512_mul_ps(_mm512_div_ps(m, d), step));
-    _mm512_mask_storeu_ps(a.param + i, mk, p);
-    if (a.bf16_out) _mm256_mask_storeu_epi16(a.bf16_out + i, mk, to_bf16x16(p));
-    _mm512_store_ps(mbuf + b * 16, _mm512_maskz_mov_ps(mk, m));
-    _mm512_store_ps(ubuf + b * 16, _mm512_maskz_mov_ps(mk, a.v_nvfp4 ? v : u));
+    if (Tail) {
+      _mm512_mask_storeu_ps(a.param + i, mk, p);
+      if (a.bf16_out) _mm256_mask_storeu_epi16(a.bf16_out + i, mk, to_bf16x16(p));
+      _mm512_store_ps(mbuf + b * 16, _mm512_maskz_mov_ps(mk, m));
+      _mm512_store_ps(ubuf + b * 16, _mm512_maskz_mov_ps(mk, VNv ? v : u));
+    } else {
+      _mm512_storeu_ps(a.param + i, p);
+      if (a.bf16_out) _mm256_storeu_si256((__m256i*)(a.bf16_out + i), to_bf16x16(p));
+      _mm512_store_ps(mbuf + b * 16, m);
+      _mm512_store_ps(ubuf + b * 16, VNv ? v : u);
+    }
   }
-  const int64_t seg = i0 / kSegment;
-  const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 0u) : 0u;
-  const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
-  encode_chunk_avx512(mbuf, nb, false, a.m_stochastic, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16,
-                      &a.m_ts[c]);
-  encode_chunk_avx512(ubuf, nb, !a.v_nvfp4, false, 0u, 0u, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+}
+
+// Steps chunks [c0, c1) on one thread.
+template <typename G, bool VNv, bool SR>
+inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  constexpr int kM = SR ? kE2M1SR : kE2M1;
+  constexpr int kU = VNv ? kE2M1Pos : kUfp4;
+  const float u_max = VNv ? fp4::kE2M1Max : fp4::kUfp4Max;
+  alignas(64) float mbuf[2][kChunk], ubuf[2][kChunk];
+  EncJob jm[2], ju[2];
+  jm[0].nb = jm[1].nb = ju[0].nb = ju[1].nb = 0;
+  for (int64_t c = c0; c < c1; ++c) {
+    const int x = (int)(c & 1);
+    EncJob &pm = jm[x ^ 1], &pu = ju[x ^ 1];  // chunk c-1's pending pass 2
+    const int64_t i0 = c * kChunk;
+    const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
+    const int nb = (cnt + 15) / 16;
+    const uint8_t* mc = a.m_codes + i0 / 2;
+    const uint8_t* ms = a.m_scales + i0 / 16;
+    const uint8_t* vc = a.v_codes + i0 / 2;
+    const uint8_t* vs = a.v_scales + i0 / 16;
+    const __m512 msd = _mm512_set1_ps(a.m_ts[c]), vsd = _mm512_set1_ps(a.v_ts[c]);
+    const int nfull = cnt / 16;
+    int b = 0;
+    for (; b + 4 <= nfull; b += 4) {
+      {  // stream the inputs kPrefetch elements ahead (the hardware prefetcher alone leaves it latency-bound)
+        const int64_t pi = i0 + b * 16 + kPrefetch;
+        if (pi < a.n) {
+          const char* pp = (const char*)(a.param + pi);
+          const char* gp = (const char*)(grad + pi);
+          for (int o = 0; o < 256; o += 64) _mm_prefetch(pp + o, _MM_HINT_T0);
+          for (int o = 0; o < 64 * (int)sizeof(G); o += 64) _mm_prefetch(gp + o, _MM_HINT_T0);
+          if ((b & 4) == 0) {
+            _mm_prefetch((const char*)(a.m_codes + pi / 2), _MM_HINT_T0);
+            _mm_prefetch((const char*)(a.v_codes + pi / 2), _MM_HINT_T0);
+          }
+        }
+      }
+      update_blocks<G, VNv, false>(a, grad, i0, cnt, b, 4, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
+      if (b < pm.nb) enc4<kM>(pm, b);
+      if (b < pu.nb) enc4<kU>(pu, b);
+    }
+    if (b < nb) update_blocks<G, VNv, true>(a, grad, i0, cnt, b, nb - b, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
+    for (; b < pm.nb; b += 4) enc4<kM>(pm, b);
+    for (int bb = (nfull / 4) * 4; bb < pu.nb; bb += 4) enc4<kU>(pu, bb);
+    pm.nb = pu.nb = 0;
+    // pass 1 of chunk c
+    const int64_t seg = i0 / kSegment;
+    const uint32_t key = SR ? fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 0u) : 0u;
+    const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
+    EncJob &nm = jm[x], &nu = ju[x];
+    if (enc_prepare<true>(mbuf[x], nb, fp4::kE2M1Max, a.m_scales + i0 / 16, &a.m_ts[c], nm)) {
+      nm.codes = a.m_codes + i0 / 2;
+      nm.key = key;
+      nm.index0 = index0;
+    } else {
+      nm.nb = 0;
+      encode_chunk_avx512(mbuf[x], nb, false, SR, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
+    }
+    if (enc_prepare<false>(ubuf[x], nb, u_max, a.v_scales + i0 / 16, &a.v_ts[c], nu)) {
+      nu.codes = a.v_codes + i0 / 2;
+      nu.key = 0;
+      nu.index0 = 0;
+    } else {
+      nu.nb = 0;
+      encode_chunk_avx512(ubuf[x], nb, !VNv, false, 0u, 0u, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+    }
+  }
+  // the last chunk's pass 2
+  const int x = (int)((c1 - 1) & 1);
+  for (int b = 0; b < jm[x].nb; b += 4) enc4<kM>(jm[x], b);
+  for (int b = 0; b < ju[x].nb; b += 4) enc4<kU>(ju[x], b);
+}
+
+template <typename G>
+inline void step_range_avx512(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  if (c0 >= c1) return;
+  if (a.v_nvfp4) {
+    if (a.m_stochastic) step_range_impl<G, true, true>(a, grad, c0, c1);
+    else step_range_impl<G, true, false>(a, grad, c0, c1);
+  } else {
+    if (a.m_stochastic) step_range_impl<G, false, true>(a, grad, c0, c1);
+    else step_range_impl<G, false, false>(a, grad, c0, c1);
+  }
 }
 
 #else
 
 template <typename G>
-inline void chunk_avx512(const ChunkArgs&, const G*, int64_t) {}  // never called: have_avx512() is false
+inline void step_range_avx512(const ChunkArgs&, const G*, int64_t, int64_t) {}  // never called: have_avx512() is false
 
 #endif  // FP4_HAVE_AVX512
 

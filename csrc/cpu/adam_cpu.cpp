@@ -182,18 +182,18 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
   at::parallel_for(0, nchunks, 8, [&](int64_t c0, int64_t c1) {
+    if (simd) {  // chunks pipelined: the encode of chunk c-1 runs inside the update loop of chunk c
+      if (bf16_grad)
+        fp4adam::step_range_avx512(a, gb, c0, c1);
+      else
+        fp4adam::step_range_avx512(a, gf, c0, c1);
+      return;
+    }
     for (int64_t c = c0; c < c1; ++c) {
-      if (simd) {
-        if (bf16_grad)
-          fp4adam::chunk_avx512(a, gb, c);
-        else
-          fp4adam::chunk_avx512(a, gf, c);
-      } else {
-        if (bf16_grad)
-          chunk_scalar(a, gb, c);
-        else
-          chunk_scalar(a, gf, c);
-      }
+      if (bf16_grad)
+        chunk_scalar(a, gb, c);
+      else
+        chunk_scalar(a, gf, c);
     }
   });
 }
