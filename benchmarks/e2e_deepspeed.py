@@ -14,11 +14,28 @@ and NVMe bytes per step: storage-level bytes from /proc/self/io (exact for DeepS
 and, for FP4AdamW's buffered tier, the bytes it asks the disk for (its counters; the page cache may
 absorb some reads). Ratios are block / baseline from the same invocation.
 
+Host RSS, split. On this machine DeepSpeed's accelerator is the CPU, so the RSS also holds what a GPU run
+keeps in device memory: the bf16 parameters (2 B/param), the bf16 gradient bucket (2 B/param while backward
+runs) and DeepSpeed's device-side scratch. Each row carries ``buffers`` (bytes per DeepSpeed/optimizer buffer,
+counted from the tensors, each tagged ``device`` or ``host``) and ``peak_rss_host_side`` = peak RSS less the
+device-tagged bytes: what the host would hold on a GPU machine (an upper bound: activations stay in it).
+
+Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold (fp4offload.integrations.deepspeed.
+control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it). That setting would help a run without
+the block too, so each configuration also runs the baseline with the same setting (``allocator: "fixed"``)
+and the ratios are given against both baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's
+definition) and ``peak_rss_reduction_same_allocator`` (what the packed states alone save).
+
 The largest trainable model is projected from the measured peak RSS, fitted as fixed + bytes/param x N
-over two model sizes, against the host RAM this machine has (not by allocating it: the machine is shared).
+over two model sizes, against the host RAM this machine has. ``--search`` measures it instead: ZeRO-2 cpu
+offload, a fixed width, the number of layers searched (start at the projection from two small sizes, step
+out until one size exceeds, then bisect); each try trains 2 steps in a child under an RSS watchdog that
+kills it when its RSS passes ``--budget`` (default 20 GiB) or the machine's available memory falls below
+``--min-available`` (default 1 GiB), reported as "exceeds".
 
     python benchmarks/e2e_deepspeed.py                # table
     python benchmarks/e2e_deepspeed.py --json         # one JSON object per line
+    python benchmarks/e2e_deepspeed.py --search --budget 3GiB      # largest model, with and without the block
 """
 
 from __future__ import annotations
@@ -26,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,6 +88,80 @@ def _io() -> dict[str, int]:
     return out
 
 
+def _storage_bytes(t, seen: set) -> int:
+    import torch
+
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+        return 0
+    st = t.untyped_storage()
+    if st.data_ptr() in seen or st.nbytes() == 0:
+        return 0
+    seen.add(st.data_ptr())
+    return st.nbytes()
+
+
+def buffer_account(engine, model) -> dict[str, dict]:
+    """Bytes of DeepSpeed's and the optimizer's buffers, counted from the tensors (storages once each).
+
+    ``{name: {"bytes": int, "side": "device" | "host"}}``; ``side`` is where the buffer sits on a GPU machine
+    with the same config. The gradient bucket is emptied after each backward; it is given at the size backward
+    fills (the bucket, or the model's gradients when they are fewer).
+    """
+    zo = engine.optimizer
+    inner = getattr(engine, "basic_optimizer", None) or getattr(zo, "optimizer", None)
+    seen: set[int] = set()
+    out: dict[str, dict] = {}
+
+    def add(name, side, tensors) -> None:
+        b = sum(_storage_bytes(t, seen) for t in tensors if t is not None)
+        if b:
+            out[name] = {"bytes": b, "side": side}
+
+    n_model = sum(p.numel() for p in model.parameters())
+    if hasattr(zo, "bit16_groups_flat"):  # ZeRO-1/2
+        add("bf16 params (bit16_groups_flat)", "device", zo.bit16_groups_flat)
+        add("fp32 master partition", "host", zo.single_partition_of_fp32_groups)
+        add("fp32 gradient partition", "host", [t.grad for t in zo.single_partition_of_fp32_groups])
+        add("bf16 staging copy of the partition (param_buffer_of_bit16_for_cpu_offload)", "host",
+            getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", []))
+        add("temp_grad_buffer_for_cpu_offload", "host", [getattr(zo, "temp_grad_buffer_for_cpu_offload", None)])
+        add("temp_grad_buffer_for_gpu_offload", "device", [getattr(zo, "temp_grad_buffer_for_gpu_offload", None)])
+        bucket = min(int(getattr(zo, "reduce_bucket_size", n_model)), n_model) * 2
+        out["bf16 gradient bucket (ipg, during backward)"] = {"bytes": bucket, "side": "device"}
+    else:  # ZeRO-3
+        add("bf16 param partitions (fp16_partitioned_groups_flat)", "device",
+            getattr(zo, "fp16_partitioned_groups_flat", []) or [])
+        add("fp32 master partition", "host", getattr(zo, "fp32_partitioned_groups_flat", []) or [])
+        add("gradient partition", "host", [getattr(zo, "grad_partitions_flat_buffer", None)]
+            + list(getattr(zo, "fp32_partitioned_groups_flat_grad", []) or []))
+        add("bf16 params outside partitions", "device", [p.data for p in model.parameters()])
+        # ZeRO-3's gradient bucket is not counted (not found as one attribute): device_side is a lower bound
+    if inner is not None:
+        import torch
+
+        add("optimizer states (" + type(inner).__name__ + ")", "host",
+            [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
+    return out
+
+
+def _rss_ladder() -> dict[str, int]:
+    """Heap bytes in use and free (glibc mallinfo2), to tell allocator retention from live tensors."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+
+        class MI2(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        libc.mallinfo2.restype = MI2
+        m = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return {}
+    return {"heap_in_use": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
+
+
 def child(args) -> dict:
     """One configuration in this process; returns its measurements."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -84,14 +177,26 @@ def child(args) -> dict:
     from fp4offload import metrics
     from fp4offload.integrations import ds_monitor
 
+    from fp4offload.integrations import deepspeed as ds_integration
+
     torch.manual_seed(0)
+    if args.bf16_build:  # --search: no fp32 copy of the model while building it (4 B/param of init transient)
+        torch.set_default_dtype(torch.bfloat16)
     model = harness.small_llama(hidden=args.hidden, layers=args.layers, heads=args.heads,
                                 intermediate=args.intermediate, vocab=256, max_seq=args.seq).to(torch.bfloat16)
+    torch.set_default_dtype(torch.float32)
     nparams = sum(p.numel() for p in model.parameters())
     cfg = ds_config(args.config, args.fp4, args.nvme_dir)
     t0 = time.perf_counter()
+    allocator = None
+    if not args.fp4 and args.allocator == "fixed":  # the baseline with the block's allocator setting
+        allocator = ds_integration.control_host_allocator()
     init = fds.initialize if args.fp4 else deepspeed.initialize
     engine, _, _, _ = init(model=model, config=cfg)
+    if allocator is not None and allocator.get("mmap_threshold"):
+        ds_integration.release_free_host_memory()  # what the block does after initialize
+    if args.fp4:
+        allocator = getattr(getattr(engine, "fp4offload", None), "allocator", None)
     init_s = time.perf_counter() - t0
     train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(0)
@@ -134,28 +239,171 @@ def child(args) -> dict:
     peak_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     disk = statistics.median(i["disk_read"] + i["disk_write"] for i in ios)
     tier = statistics.median(i["tier_logical"] for i in ios)
+    buffers = buffer_account(engine, model)
+    device_side = sum(b["bytes"] for b in buffers.values() if b["side"] == "device")
     return {"config": args.config, "fp4": args.fp4, "params": nparams, "init_s": init_s,
+            "allocator": "fixed" if allocator and allocator.get("mmap_threshold") else "glibc default",
+            "mmap_threshold": (allocator or {}).get("mmap_threshold"),
             "s_per_step": statistics.median(times), "step_times": times, "peak_rss": peak_train[0],
-            "peak_rss_incl_init": peak_all,
+            "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss, "malloc_end": _rss_ladder(),
+            "buffers": buffers, "device_side_bytes": device_side,
+            "peak_rss_host_side": peak_train[0] - device_side,
             "optimizer_host_bytes": mem["total"], "optimizer_host_B_per_param": mem["total"] / max(1, mem["numel"]),
             "nvme_bytes_per_step": max(disk, tier), "nvme_disk_bytes_per_step": disk,
             "nvme_tier_logical_bytes_per_step": tier, "losses": losses,
             "inner": type(engine.basic_optimizer).__name__}
 
 
-def run_child(config: str, fp4: bool, a) -> dict:
+class Exceeds(Exception):
+    """A child killed by the watchdog; ``peak`` is the RSS it had reached."""
+
+    def __init__(self, why: str, peak: int):
+        super().__init__(why)
+        self.why, self.peak = why, peak
+
+
+def parse_size(text: str) -> int:
+    """'20GiB', '3GiB', '512MiB', '2G', '1500000000' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 20GiB, 512MiB)")
+    unit = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}[m.group(2).upper()]
+    return int(float(m.group(1)) * ((1024 if m.group(3) or unit else 1000) ** unit))
+
+
+def _tree_rss(proc) -> int:
+    import psutil
+
+    total = 0
+    for q in [proc] + proc.children(recursive=True):
+        try:
+            total += q.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
+              min_available: int = 0) -> dict:
+    """One configuration in a child process. With ``budget``, the child (and its children) is killed as soon
+    as its RSS passes it, or the machine's available memory falls below ``min_available``: raises Exceeds."""
+    import psutil
+
     with tempfile.TemporaryDirectory(prefix="fp4ds_nvme_", dir=a.nvme_root) as nvme, \
-            tempfile.NamedTemporaryFile(suffix=".json") as out:
+            tempfile.NamedTemporaryFile(suffix=".json") as out, tempfile.TemporaryFile("w+") as log:
         cmd = [sys.executable, __file__, "--child", "--config", config, "--out", out.name, "--nvme-dir", nvme,
                "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads),
                "--intermediate", str(a.intermediate), "--seq", str(a.seq), "--steps", str(a.steps),
-               "--port", str(29700 + (hash((config, fp4)) % 200))] + (["--fp4"] if fp4 else [])
+               "--allocator", allocator,
+               "--port", str(29700 + (hash((config, fp4, allocator)) % 200))] + (["--fp4"] if fp4 else []) + \
+              (["--bf16-build"] if getattr(a, "bf16_build", False) else [])
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
-        p = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=a.timeout)
-        if p.returncode != 0:
-            raise RuntimeError(f"{config} fp4={fp4} failed:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
-        return json.loads(Path(out.name).read_text())
+        p = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        proc, peak, killed, t0 = psutil.Process(p.pid), 0, None, time.monotonic()
+        while p.poll() is None:
+            if budget is not None:
+                rss = _tree_rss(proc)
+                peak = max(peak, rss)
+                avail = psutil.virtual_memory().available
+                if rss > budget:
+                    killed = f"RSS {rss / 2**30:.2f} GiB passed the budget {budget / 2**30:.2f} GiB"
+                elif avail < min_available:
+                    killed = (f"machine's available memory {avail / 2**30:.2f} GiB fell below "
+                              f"{min_available / 2**30:.2f} GiB (child RSS {rss / 2**30:.2f} GiB)")
+            if time.monotonic() - t0 > a.timeout:
+                killed = f"timeout after {a.timeout:.0f} s"
+            if killed:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+                break
+            time.sleep(0.02 if budget is not None else 0.2)
+        if killed and not killed.startswith("timeout"):
+            raise Exceeds(killed, peak)
+        log.seek(0)
+        text = log.read()
+        if killed or p.returncode != 0:
+            raise RuntimeError(f"{config} fp4={fp4} failed ({killed or p.returncode}):\n{text[-6000:]}")
+        r = json.loads(Path(out.name).read_text())
+        if budget is not None:
+            r["watchdog_peak_rss"] = peak
+        return r
+
+
+def search(a) -> list[dict]:
+    """Largest number of layers (at a.hidden / a.intermediate) that trains 2 steps of z2_cpu under a.budget."""
+    results = []
+    a = argparse.Namespace(**{**vars(a), "steps": 1, "bf16_build": True})
+
+    def attempt(fp4: bool, layers: int) -> dict:
+        t = time.perf_counter()
+        try:
+            r = run_child("z2_cpu", fp4, argparse.Namespace(**{**vars(a), "layers": layers}), budget=a.budget,
+                          min_available=a.min_available, allocator="default" if fp4 else a.baseline_allocator)
+            row = {"fp4": fp4, "layers": layers, "params": r["params"], "fits": True,
+                   "peak_rss": max(r["peak_rss_incl_init"], r["watchdog_peak_rss"]), "s_per_step": r["s_per_step"]}
+        except Exceeds as e:
+            row = {"fp4": fp4, "layers": layers, "params": None, "fits": False, "peak_rss": e.peak, "why": e.why}
+        row["wall_s"] = time.perf_counter() - t
+        results.append(row)
+        if a.json:
+            print(json.dumps({"search_try": row}), flush=True)
+        else:
+            print(f"  block={'yes' if fp4 else 'no ':3} layers={layers:4d} "
+                  + (f"fits, peak {row['peak_rss'] / 2**30:.2f} GiB, {row['params'] / 1e9:.3f}B params"
+                     if row["fits"] else f"exceeds ({row['why']})") + f"  [{row['wall_s']:.0f} s]", flush=True)
+        return row
+
+    summary = []
+    for fp4 in (False, True):
+        lo_l, hi_l = a.probe_layers
+        lo, hi = attempt(fp4, lo_l), attempt(fp4, hi_l)
+        if not lo["fits"]:
+            summary.append({"fp4": fp4, "largest_layers": None, "note": f"{lo_l} layers already exceed the budget"})
+            continue
+        if not hi["fits"]:
+            best, bad = lo, hi
+        else:
+            per_layer = (hi["peak_rss"] - lo["peak_rss"]) / (hi_l - lo_l)
+            fixed = lo["peak_rss"] - per_layer * lo_l
+            guess = max(hi_l + 1, int((a.budget - fixed) / max(per_layer, 1)))
+            if a.json:
+                print(json.dumps({"search_projection": {"fp4": fp4, "rss_per_layer": per_layer, "fixed": fixed,
+                                                        "projected_layers": guess}}), flush=True)
+            else:
+                print(f"  block={'yes' if fp4 else 'no '} projection: {per_layer / 2**20:.0f} MiB/layer + "
+                      f"{fixed / 2**30:.2f} GiB -> {guess} layers", flush=True)
+            best, bad = hi, None
+            r = attempt(fp4, guess)
+            if r["fits"]:
+                best, stepsz = r, max(1, guess // 16)
+                while bad is None:  # step out until a size exceeds
+                    r = attempt(fp4, best["layers"] + stepsz)
+                    best, bad = (r, bad) if r["fits"] else (best, r)
+                    stepsz *= 2
+            else:
+                bad = r
+        while bad is not None and bad["layers"] - best["layers"] > 1:  # bisect
+            r = attempt(fp4, (best["layers"] + bad["layers"]) // 2)
+            best, bad = (r, bad) if r["fits"] else (best, r)
+        summary.append({"fp4": fp4, "baseline_allocator": None if fp4 else a.baseline_allocator,
+                        "largest_layers": best["layers"], "largest_params": best["params"],
+                        "peak_rss": best["peak_rss"], "first_exceeding_layers": bad["layers"] if bad else None,
+                        "budget": a.budget, "hidden": a.hidden, "intermediate": a.intermediate})
+    for s in summary:
+        if a.json:
+            print(json.dumps({"search_result": s}), flush=True)
+        elif s.get("largest_layers") is None:
+            print(f"largest z2_cpu model (block={'yes' if s['fp4'] else 'no'}): none ({s['note']})")
+        else:
+            print(f"largest z2_cpu model (block={'yes' if s['fp4'] else 'no'}) under {a.budget / 2**30:.2f} GiB: "
+                  f"{s['largest_layers']} layers x hidden {a.hidden} = {s['largest_params'] / 1e9:.3f}B params "
+                  f"(peak {s['peak_rss'] / 2**30:.2f} GiB; {s['first_exceeding_layers']} layers exceed)")
+    return summary
 
 
 def main() -> None:
@@ -168,12 +416,26 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--small-layers", type=int, default=4, help="second size for the RSS fit (0: skip the fit)")
+    ap.add_argument("--no-same-allocator", action="store_true",
+                    help="skip the baseline run with the block's allocator setting")
+    ap.add_argument("--search", action="store_true", help="measure the largest z2_cpu model under --budget")
+    ap.add_argument("--budget", type=parse_size, default=parse_size("20GiB"),
+                    help="--search: RSS at which a try is killed and reported as exceeding (default 20GiB)")
+    ap.add_argument("--min-available", type=parse_size, default=parse_size("1GiB"),
+                    help="--search: also kill a try when the machine's available memory falls below this")
+    ap.add_argument("--probe-layers", type=lambda t: tuple(int(x) for x in t.split(",")), default=(2, 4),
+                    help="--search: the two sizes (layers) the projection is fitted on (default 2,4)")
+    ap.add_argument("--baseline-allocator", choices=("default", "fixed"), default="default",
+                    help="--search: run the baseline with glibc's default (plain DeepSpeed) or with the block's "
+                         "allocator setting")
     ap.add_argument("--nvme-root", default=None, help="folder on the disk to test (default: the temp dir)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--fp4", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--allocator", default="default", choices=("default", "fixed"), help=argparse.SUPPRESS)
+    ap.add_argument("--bf16-build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--nvme-dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29701, help=argparse.SUPPRESS)
@@ -181,20 +443,30 @@ def main() -> None:
     if a.child:
         Path(a.out).write_text(json.dumps(child(a)))
         return
+    if a.search:
+        search(a)
+        return
     import psutil
 
     rows = []
     for config in a.configs.split(","):
         pair = {}
-        for fp4 in (False, True):
-            pair[fp4] = r = run_child(config, fp4, a)
+        variants = [(False, "default")] + ([] if a.no_same_allocator else [(False, "fixed")]) + [(True, "default")]
+        for fp4, alloc in variants:
+            pair[(fp4, alloc)] = r = run_child(config, fp4, a, allocator=alloc)
+            r["variant"] = "block" if fp4 else ("baseline" if alloc == "default" else "baseline, same allocator")
             rows.append(r)
             if a.json:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("step_times",)}), flush=True)
-        b, f = pair[False], pair[True]
+        b, f = pair[(False, "default")], pair[(True, "default")]
+        bs = pair.get((False, "fixed"))
         ratio = {"config": config, "params": b["params"],
                  "step_time_ratio": f["s_per_step"] / b["s_per_step"],
                  "peak_rss_reduction": 1 - f["peak_rss"] / b["peak_rss"],
+                 "peak_rss_reduction_same_allocator": 1 - f["peak_rss"] / bs["peak_rss"] if bs else None,
+                 "peak_rss_host_side_reduction": 1 - f["peak_rss_host_side"] / b["peak_rss_host_side"],
+                 "peak_rss_host_side_reduction_same_allocator":
+                     1 - f["peak_rss_host_side"] / bs["peak_rss_host_side"] if bs else None,
                  "optimizer_host_reduction": (1 - f["optimizer_host_bytes"] / b["optimizer_host_bytes"]
                                               if b["optimizer_host_bytes"] else None),
                  "nvme_bytes_ratio": (b["nvme_bytes_per_step"] / f["nvme_bytes_per_step"]
@@ -208,7 +480,8 @@ def main() -> None:
         ram = psutil.virtual_memory().total
         for fp4 in (False, True):
             s = run_child("z2_cpu", fp4, small)
-            big = next(r for r in rows if r.get("config") == "z2_cpu" and r.get("fp4") is fp4 and "peak_rss" in r)
+            big = next(r for r in rows if r.get("config") == "z2_cpu" and r.get("fp4") is fp4 and "peak_rss" in r
+                       and r.get("variant") in ("baseline", "block"))
             per = (big["peak_rss"] - s["peak_rss"]) / (big["params"] - s["params"])
             fixed = big["peak_rss"] - per * big["params"]
             usable = 0.9 * ram
@@ -217,20 +490,32 @@ def main() -> None:
             if a.json:
                 print(json.dumps(fit[-1]), flush=True)
     if not a.json:
-        print(f"{'config':10} {'block':5} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'opt host':>10} "
-              f"{'B/param':>8} {'NVMe B/step':>12}")
+        print(f"{'config':10} {'variant':25} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'host-side':>10} "
+              f"{'opt host':>10} {'B/param':>8} {'NVMe B/step':>12}")
         for r in rows:
             if "fp4" in r:
-                print(f"{r['config']:10} {'yes' if r['fp4'] else 'no':5} {r['params'] / 1e6:7.1f}M "
-                      f"{r['s_per_step']:8.2f} {r['peak_rss'] / 2**30:9.2f}G {r['optimizer_host_bytes'] / 2**30:9.2f}G "
+                print(f"{r['config']:10} {r['variant']:25} {r['params'] / 1e6:7.1f}M "
+                      f"{r['s_per_step']:8.2f} {r['peak_rss'] / 2**30:9.2f}G {r['peak_rss_host_side'] / 2**30:9.2f}G "
+                      f"{r['optimizer_host_bytes'] / 2**30:9.2f}G "
                       f"{r['optimizer_host_B_per_param']:8.2f} {r['nvme_bytes_per_step'] / 2**20:10.1f}Mi")
+        for r in rows:
+            if "fp4" in r:
+                print(f"  {r['config']} {r['variant']}: buffers (B/param; device = in GPU memory on a GPU machine): "
+                      + ", ".join(f"{k} {v['bytes'] / r['params']:.2f} [{v['side']}]" for k, v in r["buffers"].items()))
         for r in rows:
             if "step_time_ratio" in r:
                 nv = f"{r['nvme_bytes_ratio']:.1f}x fewer" if r["nvme_bytes_ratio"] else "n/a"
                 oh = r["optimizer_host_reduction"]
                 oh = f"{-100 * oh:+.0f}%" if oh is not None else "n/a (baseline keeps them on NVMe)"
+                same = r["peak_rss_reduction_same_allocator"]
+                same_h = r["peak_rss_host_side_reduction_same_allocator"]
                 print(f"{r['config']}: step time x{r['step_time_ratio']:.2f}, peak RSS "
-                      f"{-100 * r['peak_rss_reduction']:+.0f}%, optimizer host bytes change {oh}, NVMe bytes/step {nv}")
+                      f"{-100 * r['peak_rss_reduction']:+.0f}%"
+                      + (f" ({-100 * same:+.0f}% against the baseline with the same allocator setting)"
+                         if same is not None else "")
+                      + f", host-side peak {-100 * r['peak_rss_host_side_reduction']:+.0f}%"
+                      + (f" ({-100 * same_h:+.0f}%)" if same_h is not None else "")
+                      + f", optimizer host bytes change {oh}, NVMe bytes/step {nv}")
         for r in fit:
             print(f"largest z2_cpu model (fp4={r['fp4']}): {r['largest_params_at_90pct_ram'] / 1e9:.2f}B params "
                   f"({r['rss_bytes_per_param']:.1f} B/param RSS + {r['fixed_bytes'] / 2**30:.2f} GiB fixed, 90% of "

@@ -15,6 +15,12 @@ config carries the block it, in this order, before DeepSpeed builds anything:
 then calls the real ``deepspeed.initialize`` and attaches what needs the engine: packed ZeRO-3 weight
 shards (``ds_weights``), saved-activation packing, and the metrics writer (``ds_monitor``).
 
+With ``optimizer_states`` set it also fixes glibc's mmap threshold (:func:`control_host_allocator`): the
+offloaded fp32 master, gradient partition and packed states live in host RAM, and glibc's default (a
+threshold that rises to 32 MiB after the first large free) keeps the memory freed during each backward in
+its heap, ~5 B/param of host RSS that the packed states would otherwise save. ``FP4OFFLOAD_MMAP_THRESHOLD``
+sets the threshold in bytes, or ``off`` to leave the allocator alone.
+
 ``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
 go through here; a config without the block is passed through untouched.
 """
@@ -37,7 +43,7 @@ from . import ds_optim
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "Prepared", "read_config",
-           "SUPPORTED_DEEPSPEED"]
+           "SUPPORTED_DEEPSPEED", "control_host_allocator", "release_free_host_memory"]
 
 SUPPORTED_DEEPSPEED = (">=0.19.8", "<0.20")
 BLOCK_KEY = "fp4offload"
@@ -207,6 +213,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if block.optimizer_states is not None:
         kwargs["optimizer"], kwargs["lr_scheduler"] = _client_optimizer(prepared, optimizer, lr_scheduler, model,
                                                                         model_parameters)
+    allocator = control_host_allocator() if block.optimizer_states is not None else None
     acts = None
     if block.activations is not None:
         acts = _attach_activations(model, block)
@@ -224,7 +231,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         for name, v in saved.items():
             setattr(args, name, v)
     engine = result[0]
-    attached = Attached(prepared=prepared, activations=acts)
+    if allocator is not None and allocator.get("mmap_threshold"):
+        release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
+    attached = Attached(prepared=prepared, activations=acts, allocator=allocator)
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import ds_weights
 
@@ -245,6 +254,7 @@ class Attached:
     activations: Any = None
     weights: Any = None
     monitor: Any = None
+    allocator: dict | None = None
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
@@ -287,6 +297,79 @@ def _attach_activations(model: Any, block: Fp4OffloadConfig) -> Any:
     policy = ActivationPolicy(format=a.format, device=a.device, nvme_path=a.nvme_path, min_numel=max(1, a.min_numel),
                               modules=tuple(a.modules), exclude=tuple(a.exclude))
     return wrap_modules(model, policy)
+
+
+# ----------------------------------------------------------------------------------------------
+# host allocator
+
+MMAP_THRESHOLD_ENV = "FP4OFFLOAD_MMAP_THRESHOLD"
+DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+_allocator_state: dict | None = None
+
+
+def _libc():
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 - both must exist
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def control_host_allocator(threshold: int | str | None = None) -> dict:
+    """Fix glibc's mmap threshold so that freed tensors go back to the OS (process-wide, once).
+
+    glibc serves blocks below its mmap threshold from its heap. The threshold starts at 128 KiB and, each
+    time an mmapped block is freed, rises to that block's size (up to 32 MiB); after the first backward every
+    gradient, bucket slice and activation below 32 MiB comes from the heap, which then holds the backward's
+    transient memory after it is freed (measured: ~0.8 GB of a 155M-parameter ZeRO-2 offload run, ~5 B/param,
+    in the RSS peak and, once a long-lived block lands on top of the heap, between steps too). Setting the
+    threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free.
+
+    Args:
+        threshold: bytes; None reads ``FP4OFFLOAD_MMAP_THRESHOLD`` (default 128 KiB); ``"off"`` or 0 leaves
+            the allocator alone.
+
+    Returns ``{"mmap_threshold": bytes or None, "reason": str}``. Does nothing when the user already tuned
+    glibc (``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc`` tunable), off glibc, or when called again.
+    """
+    global _allocator_state
+    if _allocator_state is not None:
+        return dict(_allocator_state)
+    raw = threshold if threshold is not None else os.environ.get(MMAP_THRESHOLD_ENV, "")
+    raw = str(raw).strip().lower()
+    if raw in ("off", "0", "none", "false"):
+        return {"mmap_threshold": None, "reason": f"{MMAP_THRESHOLD_ENV}=off"}
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return {"mmap_threshold": None, "reason": "glibc malloc already tuned by the environment"}
+    try:
+        value = int(raw) if raw else DEFAULT_MMAP_THRESHOLD
+    except ValueError:
+        raise ConfigError(MMAP_THRESHOLD_ENV, raw, "a size in bytes, or 'off'") from None
+    libc = _libc()
+    if libc is None:
+        return {"mmap_threshold": None, "reason": "not glibc"}
+    if libc.mallopt(_M_MMAP_THRESHOLD, int(value)) != 1:
+        return {"mmap_threshold": None, "reason": f"mallopt(M_MMAP_THRESHOLD, {value}) refused"}
+    log.info("fp4offload: glibc mmap threshold fixed at %d bytes (%s=off to keep glibc's default)", value,
+             MMAP_THRESHOLD_ENV)
+    _allocator_state = {"mmap_threshold": int(value), "reason": "set"}
+    return dict(_allocator_state)
+
+
+def release_free_host_memory() -> bool:
+    """``malloc_trim(0)``: hand the free pages of glibc's heaps back to the OS. False off glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Host memory of the DeepSpeed block: no full-size transient in FP4AdamW's step, the allocator control.
+
+benchmarks/e2e_deepspeed.py measures the RSS; these tests guard the two mechanisms behind it, counted
+from tensors (FP4AdamW) and from glibc's own counters (the allocator), so they stay fast and exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fp4offload.optim import FP4AdamW
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class NewStorages(TorchDispatchMode):
+    """Records the bytes of every storage an op creates (outputs that alias no input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                st = t.untyped_storage()
+                if st.data_ptr() not in ins:
+                    self.sizes.append((str(func), st.nbytes()))
+        return out
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_step_on_a_zero_partition_allocates_no_fp32_copy(backend):
+    """ZeRO-Offload hands FP4AdamW one flat fp32 partition with an fp32 .grad: states are created packed
+    (no fp32 zeros first) and neither the first nor a later step copies the gradient or the weights."""
+    seg = 1 << 20  # reference_step.SEGMENT: the reference step's temporaries are one segment's
+    n = seg if backend == "auto" else 3 * seg + 4096
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = FP4AdamW([p], lr=1e-3, state_device="cpu", backend=backend, metrics_every=0)
+    with NewStorages() as first:
+        opt.step()
+    with NewStorages() as later:
+        opt.step()
+    st = opt.state[p]
+    assert "master" not in st and "exp_avg" not in st  # the partition itself is the master; states packed
+    packed = sum(t.numel() * t.element_size() for t in st.values() if isinstance(t, torch.Tensor) and t.numel() > 1)
+    assert packed <= 1.2 * n
+    if backend == "auto":  # the fused step: the packed states at init, then nothing but scalars
+        big = [(f, b) for f, b in first.sizes if b > n // 2]  # m and v codes are n/2 bytes each
+        assert not big, big
+        assert sum(b for _, b in first.sizes) <= packed + 64 * 1024, first.sizes
+        assert sum(b for _, b in later.sizes) <= 64 * 1024, later.sizes
+    else:  # the reference step (no compiler): temporaries of one segment at a time, never of the whole tensor
+        for sizes in (first.sizes, later.sizes):
+            assert max(b for _, b in sizes) <= 8 * seg < 4 * n, max(sizes, key=lambda fb: fb[1])  # <= fp64 segment
+
+
+_PROBE = textwrap.dedent("""
+    import ctypes, json, os, torch
+    from fp4offload.integrations import deepspeed as d
+    got = d.control_host_allocator()
+    libc = ctypes.CDLL("libc.so.6")
+    class MI2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+    libc.mallinfo2.restype = MI2
+    big = torch.empty(8 << 20, dtype=torch.uint8).fill_(1)
+    del big  # freeing an mmapped 8 MiB block: glibc's default now serves up to 8 MiB from its heap
+    m0 = libc.mallinfo2()
+    keep = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]
+    m = libc.mallinfo2()
+    print(json.dumps({"got": got, "heap": m.arena - m0.arena, "mmapped": m.hblkhd - m0.hblkhd}))
+""")
+
+
+def _probe(env_value: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
+    env.pop("FP4OFFLOAD_MMAP_THRESHOLD", None)
+    if env_value is not None:
+        env["FP4OFFLOAD_MMAP_THRESHOLD"] = env_value
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_allocator_control_keeps_freed_tensors_out_of_the_heap():
+    on, off = _probe(None), _probe("off")
+    assert off["got"]["mmap_threshold"] is None
+    assert on["got"]["mmap_threshold"] == 128 * 1024
+    # 64 MiB of 1 MiB tensors: mmapped (given back on free) with the control, in glibc's heap without it
+    assert on["mmapped"] >= 64 << 20 and on["heap"] < 8 << 20, on
+    assert off["heap"] >= 60 << 20 and off["mmapped"] < 8 << 20, off
