@@ -10,11 +10,19 @@ Two tasks, both reading Shakespeare's plays through benchmarks/harness.py (Hamle
 Optimizer variants (``--variants``):
 
 - ``adamw``: torch.optim.AdamW, fp32 states (the reference);
-- ``fp4``: FP4AdamW defaults (m NVFP4 nearest, sqrt(v) in ufp4);
-- ``fp4_sr``: m with stochastic rounding;
-- ``fp4_nvfp4v``: v itself in NVFP4 (the zero-point problem: small v flush to 0);
-- ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit (skipped when not installed
-  or without a usable backend).
+- ``fp4``: FP4AdamW with m in NVFP4 rounded to nearest, sqrt(v) in ufp4;
+- ``fp4_sr``: the same with m stochastically rounded (FP4AdamW's default since the 1200-step ablation);
+- ``fp4_nvfp4v``: v itself in NVFP4, m nearest (the zero-point problem: small v flush to 0);
+- ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit (blockwise 8-bit m and v; it
+  runs on CPU with bitsandbytes >= 0.48's CPU backend; tensors under 4096 elements keep fp32 states, as in
+  bitsandbytes' default; skipped when not installed or without a usable backend).
+
+A run counts as diverged (and stops) when its training loss is not finite or exceeds twice the first step's loss
+(the first step's loss is the uniform-guess loss, ln 256 = 5.5 for the byte-level task).
+
+Every variant of a seed starts from the same initialization and sees the same batches, so the table also gives the
+paired gap: the mean (± std over seeds) of each seed's gap to fp32 AdamW of the same seed, which removes most of the
+seed-to-seed spread of the final loss.
 
 ``--activations none|nvfp4|mxfp8`` wraps every forward + backward in
 ``fp4offload.offload_activations(fp4offload.ActivationPolicy(format=..., device="cpu"))`` (the offload engine's API).
@@ -23,6 +31,8 @@ Reusable from other benchmarks: ``train_run(variant, seed=..., steps=..., activa
 ``{"curve": [(step, train_loss, val_loss or None)], "val_loss": final validation loss, ...}``.
 
     python benchmarks/accuracy.py --task llama --steps 300 --seeds 0,1,2 --out benchmarks/out/accuracy
+    python benchmarks/accuracy.py --task llama --steps 1200 --seeds 0,1,2,3,4 --threads 1 \
+        --variants adamw,fp4,fp4_sr,torchao4bit,bnb8bit,fp4_nvfp4v
     python benchmarks/accuracy.py --task smollm2 --steps 20 --seeds 0 --variants adamw,fp4
 """
 
@@ -61,7 +71,9 @@ def make_optimizer(variant: str, params, lr: float, weight_decay: float):
     if variant.startswith("fp4"):
         from fp4offload import FP4AdamW
 
-        kw = {"fp4": {}, "fp4_sr": {"m_rounding": "stochastic"}, "fp4_nvfp4v": {"v_format": "nvfp4"}}[variant]
+        # explicit m_rounding everywhere, so a variant means the same thing whatever FP4AdamW's default is
+        kw = {"fp4": {"m_rounding": "nearest"}, "fp4_sr": {"m_rounding": "stochastic"},
+              "fp4_nvfp4v": {"m_rounding": "nearest", "v_format": "nvfp4"}}[variant]
         return FP4AdamW(params, lr=lr, weight_decay=weight_decay, **kw)
     if variant == "torchao4bit":
         try:
@@ -74,7 +86,10 @@ def make_optimizer(variant: str, params, lr: float, weight_decay: float):
             import bitsandbytes as bnb
         except Exception as e:
             raise Unavailable(f"bitsandbytes: {e}") from None
-        return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+        try:
+            return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+        except Exception as e:  # e.g. a build without a backend for this device
+            raise Unavailable(f"bitsandbytes AdamW8bit: {e}") from None
     raise ValueError(f"variant={variant!r} is not one of {VARIANTS}")
 
 
@@ -173,7 +188,7 @@ def train_run(variant: str, *, seed: int = 0, steps: int = 400, activations: str
     g = torch.Generator().manual_seed(10_000 + seed)
     b, t = spec["batch"], spec["seq"]
     every = eval_every or spec["eval_every"]
-    curve, t0, diverged = [], time.perf_counter(), False
+    curve, t0, diverged, first = [], time.perf_counter(), False, None
     for step in range(1, steps + 1):
         tokens = _batch(train, b, t, g)
         with ctx():
@@ -183,7 +198,8 @@ def train_run(variant: str, *, seed: int = 0, steps: int = 400, activations: str
         opt.step()
         sched.step()
         lv = float(loss.detach())
-        if not math.isfinite(lv):
+        first = lv if first is None else first
+        if not math.isfinite(lv) or lv > 2 * first:  # see the module docstring
             diverged = True
         vl = _evaluate(model, val, b, t, spec["eval_batches"]) if (step % every == 0 or step == steps) else None
         curve.append((step, lv, vl))
@@ -194,7 +210,7 @@ def train_run(variant: str, *, seed: int = 0, steps: int = 400, activations: str
         opt.close()
     return {"variant": variant, "seed": seed, "task": task, "steps": steps, "activations": activations or "none",
             "curve": curve, "val_loss": final if not diverged else float("nan"), "diverged": diverged,
-            "seconds": time.perf_counter() - t0}
+            "diverged_at": curve[-1][0] if diverged else None, "seconds": time.perf_counter() - t0}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -202,17 +218,26 @@ def summarize(runs: list[dict]) -> list[dict]:
     by = {}
     for r in runs:
         by.setdefault((r["variant"], r["activations"]), []).append(r)
-    base = [r["val_loss"] for r in runs if r["variant"] == "adamw" and r["activations"] == "none"]
+    base_by_seed = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "adamw" and r["activations"] == "none"}
+    base = list(base_by_seed.values())
     base_mean = statistics.mean(base) if base else None
     rows = []
     for (variant, act), rs in by.items():
         vals = [r["val_loss"] for r in rs]
         finite = [v for v in vals if math.isfinite(v)]
         mean = statistics.mean(finite) if finite else float("nan")
+        # paired: each seed against fp32 AdamW of the same seed (same init, same batches)
+        paired = [(r["val_loss"] - base_by_seed[r["seed"]]) / base_by_seed[r["seed"]] for r in rs
+                  if r["seed"] in base_by_seed and math.isfinite(r["val_loss"])]
         rows.append({"variant": variant, "activations": act, "seeds": len(rs), "val_loss_mean": mean,
                      "val_loss_std": statistics.stdev(finite) if len(finite) > 1 else 0.0,
                      "diverged": sum(r["diverged"] for r in rs),
-                     "gap_to_adamw": (mean - base_mean) / base_mean if base_mean else None,
+                     "gap_to_adamw": (mean - base_mean) / base_mean if base_mean and finite else None,
+                     "paired_gap_mean": statistics.mean(paired) if paired else None,
+                     "paired_gap_std": statistics.stdev(paired) if len(paired) > 1 else None,
+                     "paired_seeds": len(paired),
+                     "per_seed": {r["seed"]: r["val_loss"] for r in rs},
+                     "diverged_at": [r.get("diverged_at") for r in rs if r["diverged"]],
                      "seconds_per_run": statistics.mean(r["seconds"] for r in rs)})
     return rows
 
@@ -223,7 +248,9 @@ def plot(runs: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.5))
+    base = {r["seed"]: r["val_loss"] for r in runs if r["variant"] == "adamw" and r["activations"] == "none"}
+    paired = len(base) > 0 and any(r["variant"] != "adamw" for r in runs)
+    fig, ax = plt.subplots(1, 3 if paired else 2, figsize=(18 if paired else 12, 4.5))
     colors = {}
     for r in runs:
         key = f"{r['variant']}" + ("" if r["activations"] == "none" else f"+act:{r['activations']}")
@@ -239,7 +266,26 @@ def plot(runs: list[dict], path: Path) -> None:
     ax[0].set_title("training loss (smoothed)")
     ax[1].set_title("validation loss (held-out play)")
     finite = [v for r in runs for _, _, v in r["curve"] if v is not None and math.isfinite(v)]
-    for a in ax:
+    if paired:  # each seed's final loss against fp32 AdamW of the same seed (same init, same batches)
+        keys = [k for k in colors if k != "adamw"]
+        for i, key in enumerate(keys):
+            rs = [r for r in runs if (f"{r['variant']}" + ("" if r["activations"] == "none"
+                                                          else f"+act:{r['activations']}")) == key]
+            gaps = [100 * (r["val_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs
+                     if r["seed"] in base and math.isfinite(r["val_loss"])]
+            nd = sum(r["diverged"] for r in rs)
+            if gaps:
+                ax[2].scatter([i] * len(gaps), gaps, color=colors[key], alpha=0.7)
+                ax[2].errorbar([i + 0.15], [statistics.mean(gaps)], color="k", fmt="D", markersize=5,
+                               yerr=[statistics.stdev(gaps) / math.sqrt(len(gaps))] if len(gaps) > 1 else None)
+            if nd:
+                ax[2].annotate(f"diverged\n{nd}/{len(rs)}", (i, 0), ha="center", va="center", color=colors[key])
+        ax[2].axhline(0, color="k", lw=0.8)
+        ax[2].set_xticks(range(len(keys)), keys, rotation=20)
+        ax[2].set_ylabel("final val loss vs fp32 AdamW, same seed (%)")
+        ax[2].set_title("paired gap per seed (diamond: mean ± sem)")
+        ax[2].grid(alpha=0.3)
+    for a in ax[:2]:
         a.set_yscale("log")  # a diverging variant (plain NVFP4 v) would flatten the others on a linear axis
         if finite:
             a.set_ylim(min(finite) * 0.95, min(max(finite), 3 * min(finite)) * 1.05)
@@ -267,11 +313,17 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/out/accuracy")
     ap.add_argument("--json", action="store_true", help="print one JSON object per summary row")
-    ap.add_argument("--replot", default=None, help="redraw the PNG (and print the table) of a saved JSON and exit")
+    ap.add_argument("--replot", default=None, help="redraw the PNG (and print the table) of a saved JSON and exit; "
+                    "several comma-separated JSONs are merged (with --merge OUT.json: written there, with its PNG)")
+    ap.add_argument("--merge", default=None, help="with --replot A.json,B.json: where the merged runs go")
     a = ap.parse_args(argv)
     if a.replot:
-        runs = json.loads(Path(a.replot).read_text())["runs"]
-        plot(runs, Path(a.replot).with_suffix(".png"))
+        files = [Path(f) for f in a.replot.split(",")]
+        runs = [r for f in files for r in json.loads(f.read_text())["runs"]]
+        if a.merge:
+            _save(runs, Path(a.merge).parent, Path(a.merge).stem)
+        else:
+            plot(runs, files[0].with_suffix(".png"))
         _print_table(summarize(runs))
         return
     torch.set_num_threads(a.threads)
@@ -303,12 +355,32 @@ def main(argv=None) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print(f"| variant | activations | seeds | final val loss (mean ± std) | gap to fp32 AdamW | diverged | s/run |")
-    print("|---|---|---|---|---|---|---|")
+    print("| variant | activations | seeds | final val loss (mean ± std) | gap of the means to fp32 AdamW "
+          "| paired gap (mean ± std of per-seed gaps) | diverged | s/run |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         gap = f"{100 * r['gap_to_adamw']:+.2f}%" if r["gap_to_adamw"] is not None else "-"
+        if r["variant"] == "adamw" and r["activations"] == "none":
+            pg = "(reference)"
+        elif r.get("paired_gap_mean") is None:
+            pg = "-"
+        else:
+            pg = f"{100 * r['paired_gap_mean']:+.2f}%"
+            if r.get("paired_gap_std") is not None:
+                pg += f" ± {100 * r['paired_gap_std']:.2f}%"
+        dv = f"{r['diverged']}/{r['seeds']}"
+        if r.get("diverged_at"):
+            dv += " (step " + ", ".join(str(s) for s in r["diverged_at"]) + ")"
         print(f"| {r['variant']} | {r['activations']} | {r['seeds']} | {r['val_loss_mean']:.4f} ± "
-              f"{r['val_loss_std']:.4f} | {gap} | {r['diverged']} | {r['seconds_per_run']:.0f} |")
+              f"{r['val_loss_std']:.4f} | {gap} | {pg} | {dv} | {r['seconds_per_run']:.0f} |")
+    seeds = sorted({s for r in rows for s in r.get("per_seed", {})})
+    if seeds:
+        print("\nper seed (final val loss):\n")
+        print("| variant | " + " | ".join(f"seed {s}" for s in seeds) + " |")
+        print("|---|" + "---|" * len(seeds))
+        for r in rows:
+            ps = r.get("per_seed", {})
+            print(f"| {r['variant']} | " + " | ".join(f"{ps[s]:.4f}" if s in ps else "" for s in seeds) + " |")
 
 
 if __name__ == "__main__":

@@ -271,21 +271,21 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * ((1024 if m.group(3) or unit else 1000) ** unit))
 
 
-def _tree_rss(proc) -> int:
+def _own_rss(proc) -> int:
+    """RSS of the training process itself. Its children are left out: a child it forks (a build step's
+    ``ninja``, a ``subprocess`` probe) shares the parent's pages until it execs, so summing RSS over the
+    tree counts them twice (a 15 GiB trainer read as 31 GiB); the available-memory guard covers the rest."""
     import psutil
 
-    total = 0
-    for q in [proc] + proc.children(recursive=True):
-        try:
-            total += q.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
+    try:
+        return proc.memory_info().rss
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
 
 
 def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
               min_available: int = 0) -> dict:
-    """One configuration in a child process. With ``budget``, the child (and its children) is killed as soon
+    """One configuration in a child process. With ``budget``, the child (with its children) is killed as soon
     as its RSS passes it, or the machine's available memory falls below ``min_available``: raises Exceeds."""
     import psutil
 
@@ -304,7 +304,7 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
         proc, peak, killed, t0 = psutil.Process(p.pid), 0, None, time.monotonic()
         while p.poll() is None:
             if budget is not None:
-                rss = _tree_rss(proc)
+                rss = _own_rss(proc)
                 peak = max(peak, rss)
                 avail = psutil.virtual_memory().available
                 if rss > budget:
@@ -359,7 +359,7 @@ def search(a) -> list[dict]:
         return row
 
     summary = []
-    for fp4 in (False, True):
+    for fp4 in [arm == "block" for arm in a.search_arms.split(",")]:
         lo_l, hi_l = a.probe_layers
         lo, hi = attempt(fp4, lo_l), attempt(fp4, hi_l)
         if not lo["fits"]:
@@ -425,6 +425,7 @@ def main() -> None:
                     help="--search: also kill a try when the machine's available memory falls below this")
     ap.add_argument("--probe-layers", type=lambda t: tuple(int(x) for x in t.split(",")), default=(2, 4),
                     help="--search: the two sizes (layers) the projection is fitted on (default 2,4)")
+    ap.add_argument("--search-arms", default="baseline,block", help="--search: which runs (baseline, block)")
     ap.add_argument("--baseline-allocator", choices=("default", "fixed"), default="default",
                     help="--search: run the baseline with glibc's default (plain DeepSpeed) or with the block's "
                          "allocator setting")

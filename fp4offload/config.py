@@ -9,7 +9,7 @@ DeepSpeed JSON::
 
     "fp4offload": {
       "optimizer_states": {"format": "nvfp4", "device": "cpu", "nvme_path": null,
-                           "rounding": "nearest", "min_numel": 4096},
+                           "rounding": "stochastic", "min_numel": 4096},
       "activations": {"format": "nvfp4", "device": "cpu", "nvme_path": null, "min_numel": 65536,
                       "modules": ["*.mlp"], "exclude": []},
       "weights": {"format": "nvfp4", "device": "cpu",
@@ -136,14 +136,14 @@ class OptimizerStatesConfig:
             ``offload_optimizer.device`` is ``"cpu"``). ``"cpu"``: pinned host RAM. ``"nvme"``:
             files under ``nvme_path``, staged through pinned host buffers.
         nvme_path: directory for the state files; required when device is ``"nvme"``. Default None.
-        rounding: rounding of m, ``"nearest"`` (default) or ``"stochastic"``; v always rounds to nearest.
+        rounding: rounding of m, ``"stochastic"`` (default) or ``"nearest"``; v always rounds to nearest.
         min_numel: tensors with fewer elements keep fp32 states. Elements; default 4096.
     """
 
     format: str = "nvfp4"
     device: str = "same"
     nvme_path: str | None = None
-    rounding: str = "nearest"
+    rounding: str = "stochastic"
     min_numel: int = 4096
 
     def __post_init__(self) -> None:

@@ -43,7 +43,7 @@ def ds_config(**overrides) -> dict:
 
 def test_defaults_are_the_documented_values():
     o, a, w, m = OptimizerStatesConfig(), ActivationsConfig(), WeightsConfig(), MonitorConfig()
-    assert (o.format, o.device, o.nvme_path, o.rounding, o.min_numel) == ("nvfp4", "same", None, "nearest", 4096)
+    assert (o.format, o.device, o.nvme_path, o.rounding, o.min_numel) == ("nvfp4", "same", None, "stochastic", 4096)
     assert (a.format, a.device, a.min_numel, a.modules, a.exclude) == ("nvfp4", "cpu", 65536, ("*",), ())
     assert (w.format, w.device) == ("nvfp4", "cpu")
     assert w.keep_bf16 == ("embed", "lm_head", "norm", "bias", "first:1", "last:1")

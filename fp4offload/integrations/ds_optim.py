@@ -58,7 +58,7 @@ class StatePlacement:
         format: ``"nvfp4"`` or ``"fp32"``.
         device: ``"same"``, ``"cpu"`` or ``"nvme"``.
         nvme_path: directory of the state files when device is ``"nvme"``.
-        rounding: rounding of m (``"nearest"``/``"stochastic"``).
+        rounding: rounding of m (``"stochastic"``, the default, or ``"nearest"``).
         min_numel: tensors with fewer elements keep fp32 states (elements).
         nvme_io: I/O engine of FP4AdamW's NVMe tier (``"auto"``, ``"aio"``, ``"threads"``; the config block
             has no key for it yet, so it stays ``"auto"``: DeepSpeed's async_io when it loads).
@@ -67,7 +67,7 @@ class StatePlacement:
     format: str = "nvfp4"
     device: str = "same"
     nvme_path: str | None = None
-    rounding: str = "nearest"
+    rounding: str = "stochastic"
     min_numel: int = 4096
     nvme_io: str = "auto"
 
