@@ -264,3 +264,38 @@ def test_host_bytes_per_param_and_metrics():
     snap = metrics.snapshot("optim.")
     assert 0 < snap["optim.qerr.m"] < 0.3 and 0 < snap["optim.qerr.v"] < 0.3, snap
     assert snap["optim.time.step.calls"] >= 1 and snap["optim.state_bytes.host"] == b["host"]
+
+
+def test_tensor_key_gives_swapped_in_tensors_their_own_random_streams():
+    """ZeRO-3 steps each sub-group alone at position 0 of its param group. Without a tensor_key two such
+    tensors with the same data draw the same stochastic-rounding bits; with one, each draws its own, numbered
+    by name in the order of first steps (so a fresh optimizer stepping the same names repeats the draws)."""
+
+    def run(key_fn, names):
+        codes = []
+        opt = None
+        for name in names:
+            p = torch.nn.Parameter(torch.linspace(-1, 1, 8192))
+            p.name_for_test = name
+            p.grad = torch.linspace(1, -1, 8192) * 1e-3
+            if opt is None:
+                opt = FP4AdamW([p], lr=1e-3, m_rounding="stochastic", tensor_key=key_fn, min_numel=1)
+            else:
+                opt.param_groups[0]["params"] = [p]  # swapped in, as ZeRO-3 does per sub-group
+            opt.step()
+            codes.append(opt.state[p]["m_codes"].clone())
+        return codes
+
+    same = run(None, ["a", "b"])
+    assert torch.equal(same[0], same[1])
+    keyed = run(lambda t: getattr(t, "name_for_test", None), ["a", "b"])
+    assert not torch.equal(keyed[0], keyed[1])
+    assert torch.equal(keyed[0], run(lambda t: getattr(t, "name_for_test", None), ["a"])[0])
+    default = FP4AdamW([torch.nn.Parameter(torch.ones(8))], tensor_key=lambda t: "x")
+    assert default.param_groups[0]["m_rounding"] == "stochastic"
+
+
+def test_tensor_key_must_be_callable():
+    with pytest.raises(ConfigError) as e:
+        FP4AdamW([torch.nn.Parameter(torch.ones(8))], tensor_key="ds1")
+    assert e.value.key == "tensor_key"

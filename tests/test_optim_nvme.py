@@ -277,11 +277,12 @@ def test_sub_groups_stepped_one_at_a_time_keep_their_own_files(tmp_path, engine)
         return [torch.randn(n) * 0.1 for n in (SEGMENT + 5000, 70_000, 9000)]
 
     fa, fb = flats(), flats()
-    ram = FP4AdamW([{"params": []}], lr=1e-2)
-    for i, t in enumerate(fb):
-        t.ds_id = f"{10 * i}_{10 * i + 3}"  # as DeepSpeed names its fp32 sub-group partitions
+    for i, (ta, tb) in enumerate(zip(fa, fb)):
+        ta.ds_id = tb.ds_id = f"{10 * i}_{10 * i + 3}"  # as DeepSpeed names its fp32 sub-group partitions
+    key = lambda t: getattr(t, "ds_id", None)  # noqa: E731 - also picks each tensor's random stream
+    ram = FP4AdamW([{"params": []}], lr=1e-2, tensor_key=key)
     disk = FP4AdamW([{"params": []}], lr=1e-2, state_device="nvme", nvme_path=tmp_path, nvme_io=engine,
-                    nvme_key=lambda t: getattr(t, "ds_id", None))
+                    tensor_key=key)
     _subgroup_run(ram, fa, 3)
     _subgroup_run(disk, fb, 3)
     for a, b in zip(fa, fb):
@@ -310,18 +311,18 @@ def test_sub_groups_stepped_one_at_a_time_keep_their_own_files(tmp_path, engine)
 
 def test_two_live_tensors_cannot_share_a_key(tmp_path):
     a, b = torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(5000))
-    opt = FP4AdamW([a, b], state_device="nvme", nvme_path=tmp_path, nvme_io="threads", nvme_key=lambda t: "same")
+    opt = FP4AdamW([a, b], state_device="nvme", nvme_path=tmp_path, nvme_io="threads", tensor_key=lambda t: "same")
     a.grad, b.grad = torch.randn(5000), torch.randn(5000)
     with pytest.raises(ConfigError) as e:
         opt.step()
-    assert e.value.key == "nvme_key"
+    assert e.value.key == "tensor_key"
     opt.close()
 
 
 def test_odd_keys_are_made_safe_file_names(tmp_path):
     a = torch.nn.Parameter(torch.randn(5000))
     a.grad = torch.randn(5000)
-    opt = FP4AdamW([a], state_device="nvme", nvme_path=tmp_path, nvme_io="threads", nvme_key=lambda t: "../x y")
+    opt = FP4AdamW([a], state_device="nvme", nvme_path=tmp_path, nvme_io="threads", tensor_key=lambda t: "../x y")
     opt.step()
     (f,) = opt._nvme.dir.glob("*.fp4s")
     assert f.parent == opt._nvme.dir and "/" not in opt._nvme_key(a) and " " not in f.name

@@ -102,13 +102,14 @@ def _fp4adamw(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.opt
         from fp4offload.optim import FP4AdamW
     except Exception as exc:  # pragma: no cover - depends on the tree's state
         raise ImportError(f"fp4offload.FP4AdamW does not import ({exc}); the optimizer_states block needs it") from exc
-    nvme = {"nvme_key": ds_tensor_key, "nvme_io": where.nvme_io} if where.device == "nvme" else {}
+    nvme = {"nvme_io": where.nvme_io} if where.device == "nvme" else {}
     return FP4AdamW(params, **hp.as_dict(), m_rounding=where.rounding, min_numel=max(1, where.min_numel),
-                    state_device=where.device, nvme_path=where.nvme_path, **nvme)
+                    state_device=where.device, nvme_path=where.nvme_path, tensor_key=ds_tensor_key, **nvme)
 
 
 def ds_tensor_key(t: Any) -> str | None:
-    """The name of a tensor's NVMe state files under DeepSpeed: ``ds<ds_id>``, or None (FP4AdamW numbers it).
+    """FP4AdamW's ``tensor_key`` under DeepSpeed: ``ds<ds_id>``, or None (FP4AdamW falls back to positions).
+    It names the tensor's NVMe state files and picks its stochastic-rounding stream.
 
     ZeRO-3 hands FP4AdamW one fp32 flat partition per sub-group, each alone in its param group for its step,
     and names it ``"<first ds_id>_<last ds_id>"`` of the parameters it holds (stage3's

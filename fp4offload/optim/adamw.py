@@ -21,6 +21,7 @@ from .state import PACKED_KEYS, V_FORMATS, decode_state, encode_state, packed_fr
 STATE_DEVICES = ("same", "cpu", "nvme")
 BACKENDS = ("auto", "fused", "reference")
 M_ROUNDINGS = ("nearest", "stochastic")
+KEYED_STREAM0 = 1 << 15  # stochastic-rounding stream ids of tensors named by tensor_key start here
 WORKING_COPIES = (None, "bf16", "nvfp4", "both")
 
 
@@ -49,11 +50,13 @@ class FP4AdamW(Optimizer):
         nvme_io: I/O engine of the NVMe tier: ``"auto"`` (default: DeepSpeed's async_io handle when it loads and
             works in `nvme_path`, else the thread pool, with one warning), ``"aio"`` (require it) or ``"threads"``.
             :attr:`nvme_io` tells which one runs (see fp4offload/optim/nvme.py).
-        nvme_key: ``f(tensor) -> str | None``, the name of a tensor's NVMe files (None: ``t<n>``, numbered in
-            order of first step). A tensor keeps its key while it lives, wherever it sits in ``param_groups``;
-            two tensors holding states may not share a key (ConfigError). The DeepSpeed block passes DeepSpeed's
-            ``ds_id``, so ZeRO-3 sub-groups (stepped one at a time, each alone in its group) keep their own files,
-            also across a re-created tensor.
+        tensor_key: ``f(tensor) -> str | None``, a name for a tensor that does not depend on where it sits in
+            ``param_groups``. It names the tensor's NVMe files (without it, or when it returns None: ``t<n>``,
+            numbered in order of first step) and picks its stochastic-rounding stream (numbered by name in order
+            of first step, in place of the position; see reference_step). A tensor keeps its NVMe key while it lives; two tensors holding
+            states may not share one (ConfigError). The DeepSpeed block passes DeepSpeed's ``ds_id``, so ZeRO-3
+            sub-groups (stepped one at a time, each alone in its group) keep their own files and their own
+            random streams, also across a re-created tensor.
         backend: ``"auto"`` (the fused C++/CUDA step when it builds, else the torch reference step),
             ``"fused"`` (require it) or ``"reference"`` (the torch-op step; same bits, slower).
         working_copy: also produce the new weight as ``"bf16"``, ``"nvfp4"`` (16x16, per-tensor scale),
@@ -80,7 +83,7 @@ class FP4AdamW(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  m_rounding: str = "stochastic", v_format: str = "ufp4", min_numel: int = 4096,
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
-                 nvme_io: str = "auto", nvme_key: Callable[[torch.Tensor], str | None] | None = None,
+                 nvme_io: str = "auto", tensor_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
                  skip_nonfinite: bool = True, metrics_every: int = 100):
         if not 0.0 <= lr:
@@ -102,8 +105,8 @@ class FP4AdamW(Optimizer):
             raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
         if nvme_io not in ("auto", "aio", "threads"):
             raise ConfigError("nvme_io", nvme_io, "'auto' | 'aio' | 'threads'")
-        if nvme_key is not None and not callable(nvme_key):
-            raise ConfigError("nvme_key", nvme_key, "None or a function tensor -> str | None")
+        if tensor_key is not None and not callable(tensor_key):
+            raise ConfigError("tensor_key", tensor_key, "None or a function tensor -> str | None")
         if backend not in BACKENDS:
             raise ConfigError("backend", backend, "'auto' | 'fused' | 'reference'")
         if working_copy not in WORKING_COPIES:
@@ -124,7 +127,8 @@ class FP4AdamW(Optimizer):
         self._copy_stream = None
         self._nvme = None
         self.nvme_io = None
-        self._nvme_key_fn = nvme_key
+        self._tensor_key_fn = tensor_key
+        self._stream_numbers: dict[str, int] = {}  # tensor_key name -> its stochastic-rounding stream number
         self._nvme_keys = WeakIdKeyDictionary()  # tensor -> key of its NVMe files
         self._nvme_key_owner: dict[str, weakref.ref] = {}
         self._nvme_counter = 0
@@ -186,12 +190,22 @@ class FP4AdamW(Optimizer):
                     st[k] = t
         return st
 
+    def _stream_id(self, p, pid: int) -> int:
+        """The stochastic-rounding stream id of p: its position, or for a tensor named by ``tensor_key``
+        ``KEYED_STREAM0`` + the number of names stepped before its name first was. The order of first steps
+        repeats in a resumed process even where the names do not (DeepSpeed's ds_ids count every parameter
+        the process has made), so a resumed run draws the same bits."""
+        raw = self._tensor_key_fn(p) if self._tensor_key_fn is not None else None
+        if raw is None:
+            return pid
+        return KEYED_STREAM0 + self._stream_numbers.setdefault(str(raw), len(self._stream_numbers))
+
     def _nvme_key(self, p) -> str:
-        """The key of p's NVMe files: given once, kept while p lives (see ``nvme_key``)."""
+        """The key of p's NVMe files: given once, kept while p lives (see ``tensor_key``)."""
         key = self._nvme_keys.get(p)
         if key is not None:
             return key
-        raw = self._nvme_key_fn(p) if self._nvme_key_fn is not None else None
+        raw = self._tensor_key_fn(p) if self._tensor_key_fn is not None else None
         if raw is None:
             while True:
                 key = f"t{self._nvme_counter:05d}"
@@ -207,7 +221,7 @@ class FP4AdamW(Optimizer):
             other = holder() if holder is not None else None
             if other is not None and other is not p:
                 if "step" in self.state.get(other, {}):
-                    raise ConfigError("nvme_key", raw, "a key no other tensor with states in this optimizer has",
+                    raise ConfigError("tensor_key", raw, "a key no other tensor with states in this optimizer has",
                                       f"two tensors ({tuple(other.shape)} and {tuple(p.shape)}) would share NVMe "
                                       "files")
                 self._nvme_keys.pop(other, None)  # a tensor without states hands its key over (re-created tensor)
@@ -316,7 +330,7 @@ class FP4AdamW(Optimizer):
             m, v = self._states(st)
             check = self._sampler(w, p.grad.reshape(-1), m, v, args) if sample else None
             with metrics.timer("optim.time.compute"):
-                self._compute(w, p.grad.reshape(-1), m, v, args, R.sr_stream(pid, 0), bf)
+                self._compute(w, p.grad.reshape(-1), m, v, args, R.sr_stream(self._stream_id(p, pid), 0), bf)
             if check is not None:
                 check(m, v)
                 sample = False
@@ -413,7 +427,7 @@ class FP4AdamW(Optimizer):
                 m, v = R.segment_view(m_v[0], s0, s1), R.segment_view(m_v[1], s0, s1)
             check = self._sampler(w[s0:s1], g, m, v, args) if (sample and s == 0) else None
             with metrics.timer("optim.time.compute"):
-                self._compute(w[s0:s1], g, m, v, args, R.sr_stream(pid, s), None if bf is None else bf[s0:s1])
+                self._compute(w[s0:s1], g, m, v, args, R.sr_stream(self._stream_id(p, pid), s), None if bf is None else bf[s0:s1])
             if check is not None:
                 check(m, v)
                 sample = False

@@ -2,7 +2,7 @@
 
 Keys: a file is named by the key of the tensor it belongs to (``<key>.s<segment>.fp4s``), not by the
 tensor's position in ``param_groups``: FP4AdamW gives every tensor a key the first time it steps it (the
-caller's ``nvme_key(tensor)`` when given and not None, else ``t<n>`` in order of first use) and keeps it as
+caller's ``tensor_key(tensor)`` when given and not None, else ``t<n>`` in order of first use) and keeps it as
 long as the tensor lives, so a caller that swaps tensors in and out of its param groups (DeepSpeed ZeRO-3
 steps one sub-group at a time, each alone in its group) still finds each tensor's own files.
 

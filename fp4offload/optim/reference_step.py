@@ -35,10 +35,12 @@ tiers and of the stochastic-rounding streams. Tensors with fewer than ``min_nume
 keep fp32 m and v and take steps 1-8 on fp32 states.
 
 Stochastic rounding of m (DESIGN.md 3.9) draws the 32 random bits of element ``i`` of segment ``s`` of the
-parameter with stream id ``pid`` (its position in the optimizer's parameter order) as
+parameter with stream id ``pid`` (its position in the optimizer's parameter order; for a tensor FP4AdamW's
+``tensor_key`` names, ``2**15`` + the number of names first stepped before its own) as
 ``random_bits(seed, stream, i - s * SEGMENT)`` with ``seed = (base_seed * 0x01000193 + t) mod 2**32`` and
 ``stream = (pid * 2**16 + s) mod 2**32``. Every input is saved in the state dict (``step``, the base seed,
-the parameter order), so a resumed run draws the same bits.
+the parameter order; named tensors are numbered in the order they are first stepped, which a resumed run
+repeats), so a resumed run draws the same bits.
 """
 
 from __future__ import annotations
