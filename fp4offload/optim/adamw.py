@@ -344,24 +344,14 @@ class FP4AdamW(Optimizer):
     def _compute(self, w, g, m: R.Packed, v: R.Packed, args: dict, stream0: int, bf) -> None:
         """The step over w (a whole flat parameter or a run of whole segments starting at one)."""
         sc = args["sc"]
-        if w.device.type == "cpu":
-            ext = self._cpu_ext()
-            if ext is not None:
-                if g.dtype not in (torch.float32, torch.bfloat16):
-                    g = g.float()
-                ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
-                               sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"], args["v_format"] == "nvfp4",
-                               args["stochastic"], args["seed"], stream0, bf)
-                return
-        elif w.is_cuda:
-            ext = self._cuda_ext()
-            if ext is not None:
-                if g.dtype not in (torch.float32, torch.bfloat16):
-                    g = g.float()
-                ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
-                               sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"], args["v_format"] == "nvfp4",
-                               args["stochastic"], args["seed"], stream0, bf)
-                return
+        ext = self._cpu_ext() if w.device.type == "cpu" else self._cuda_ext() if w.is_cuda else None
+        if ext is not None:  # the fused step (C++ on the CPU, CUDA kernel on the GPU): same signature, same bits
+            if g.dtype not in (torch.float32, torch.bfloat16):
+                g = g.float()
+            ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
+                           sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"], args["v_format"] == "nvfp4",
+                           args["stochastic"], args["seed"], stream0, bf)
+            return
         kern = backend_for(w.device)
         n = w.numel()
         for k, s0 in enumerate(range(0, n, R.SEGMENT)):
