@@ -69,17 +69,17 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 from fp4offload import FP4AdamW
 
                 p = param()
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused"), p)
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused"), p)  # the defaults: stochastic m, checked
+            elif name == "fp4adamw_nearest":
+                from fp4offload import FP4AdamW
+
+                p = param()
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused", m_rounding="nearest"), p)
             elif name == "fp4adamw_nocheck":  # without the non-finite gradient pass (DeepSpeedCPUAdam has none)
                 from fp4offload import FP4AdamW
 
                 p = param()
                 out[name] = (FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p)
-            elif name == "fp4adamw_sr":
-                from fp4offload import FP4AdamW
-
-                p = param()
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", m_rounding="stochastic"), p)
             elif name == "deepspeed_cpu_adam":
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     ap.add_argument("--numel", default="64M", help="parameters in the flat fp32 tensor (default 64M = 2^26)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--optimizers", default="fp4adamw,fp4adamw_nocheck,fp4adamw_sr,deepspeed_cpu_adam,"
+    ap.add_argument("--optimizers", default="fp4adamw,fp4adamw_nearest,fp4adamw_nocheck,deepspeed_cpu_adam,"
                                             "torch_adamw_fused,torchao_adamw4bit")
     ap.add_argument("--nvme-numel", default="16M", help="parameters for the NVMe-tier comparison (0: skip)")
     ap.add_argument("--nvme-path", default=None, help="folder for the NVMe tier (default: a temporary folder)")

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 
 def codec_data(shape, dtype, seed):
-    """Gaussian values over a wide dynamic range, with an exact 0, a -0 and a tiny value up front."""
+    """Gaussian values over a wide dynamic range, with an exact 0, a -0 and a tiny value up front.
+
+    `seed`: an int, or any other key (e.g. the test case), seeded by a stable digest of its repr: Python's
+    str hashes change from process to process, so a failing case would not come back."""
+    if not isinstance(seed, int):
+        seed = zlib.crc32(repr(seed).encode()) % 1000
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g) * torch.exp(torch.randn(shape, generator=g) * 2)
     if x.numel() > 3:

@@ -380,21 +380,15 @@ def attach(engine: Any, weights_cfg: Any) -> PackedWeights:
     opt._reassign_or_swap_out_partitioned_parameters = reassign
     # Loading restores the fp32 masters and copies them into the bf16 partitions without passing through
     # the write-back above: pack again afterwards (both entry points, either may be called alone).
-    orig_load_sd = opt.load_state_dict
+    def then_refresh(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            refresh(pw)
+            return out
 
-    def load_state_dict(*args, **kwargs):
-        out = orig_load_sd(*args, **kwargs)
-        refresh(pw)
-        return out
+        return wrapped
 
-    opt.load_state_dict = load_state_dict
-    orig_load_ckpt = engine.load_checkpoint
-
-    def load_checkpoint(*args, **kwargs):
-        out = orig_load_ckpt(*args, **kwargs)
-        refresh(pw)
-        return out
-
-    engine.load_checkpoint = load_checkpoint
+    opt.load_state_dict = then_refresh(opt.load_state_dict)
+    engine.load_checkpoint = then_refresh(engine.load_checkpoint)
     log.info("fp4offload: %d weight partitions packed NVFP4 16x16, %d kept", len(pw.shards), len(kept))
     return pw
