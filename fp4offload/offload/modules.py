@@ -87,7 +87,33 @@ def plan(model: torch.nn.Module, policy: ActivationPolicy, *, root: bool = True)
     return out
 
 
-class ModuleOffload:
+class _ContextPerCall:
+    """Hooks that enter a context in a module's forward pre-hook and leave it in its forward hook, a stack
+    per module (a module can run inside itself: recursion, or a checkpointed block's recompute)."""
+
+    def __init__(self):
+        self._handles: list = []
+        self._stacks: dict[int, list] = {}
+
+    def _enter(self, mod, ctx) -> None:
+        if ctx is not None:
+            ctx.__enter__()
+        self._stacks.setdefault(id(mod), []).append(ctx)
+
+    def _leave(self, mod) -> None:
+        stack = self._stacks.get(id(mod))
+        if stack:
+            ctx = stack.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class ModuleOffload(_ContextPerCall):
     """Hooks installed on a model's modules by ``wrap_modules``; ``remove()`` takes them off.
 
     Attributes:
@@ -97,12 +123,11 @@ class ModuleOffload:
 
     def __init__(self, model: torch.nn.Module, policy: ActivationPolicy, offloader: ActivationOffloader | None,
                  root: bool = True):
+        super().__init__()
         self.policy = policy
         self._own = offloader is None
         self.offloader = offloader or ActivationOffloader(policy)
         self.plan = plan(model, policy, root=root)
-        self._handles = []
-        self._stacks: dict[int, list] = {}
         mods = dict(model.named_modules())
         for name, what in self.plan.items():
             mod = mods[name]
@@ -117,24 +142,16 @@ class ModuleOffload:
                 ctx = self.offloader.shield_hooks("excluded" if what == "exclude" else "norm")
             else:
                 ctx = self.offloader.hooks(what)
-            if ctx is not None:
-                ctx.__enter__()
-            self._stacks.setdefault(id(mod), []).append(ctx)
+            self._enter(mod, ctx)
 
         return pre
 
     def _post(self, mod, args, output):
-        stack = self._stacks.get(id(mod))
-        if stack:
-            ctx = stack.pop()
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+        self._leave(mod)
 
     def remove(self) -> None:
         """Take the hooks off (and, if this object made its offloader, seal it)."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._remove_hooks()
         if self._own:
             self.offloader.seal()
 
@@ -162,7 +179,7 @@ def wrap_modules(model: torch.nn.Module, policy: ActivationPolicy, *, offloader:
     return ModuleOffload(model, policy, offloader, root=root)
 
 
-class NormShield:
+class NormShield(_ContextPerCall):
     """While installed, the forward of every module whose class name matches `patterns` stores its saved
     tensors in `fmt` (or leaves them alone for ``"keep"``): ``offload_activations`` without a model.
 
@@ -171,9 +188,9 @@ class NormShield:
     """
 
     def __init__(self, offloader: ActivationOffloader, patterns: tuple[str, ...], fmt: str):
+        super().__init__()
         self.offloader, self.patterns, self.fmt = offloader, patterns, fmt
         self._is_norm: dict[type, bool] = {}
-        self._stacks: dict[int, list] = {}
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         self._handles = [register_module_forward_pre_hook(self._pre),
@@ -194,19 +211,11 @@ class NormShield:
                 ctx = self.offloader.shield_hooks("norm")
             else:
                 ctx = self.offloader.hooks(self.fmt)
-            if ctx is not None:
-                ctx.__enter__()
-            self._stacks.setdefault(id(mod), []).append(ctx)
+            self._enter(mod, ctx)
 
     def _post(self, mod, args, output):
         if self._norm(mod):
-            stack = self._stacks.get(id(mod))
-            if stack:
-                ctx = stack.pop()
-                if ctx is not None:
-                    ctx.__exit__(None, None, None)
+            self._leave(mod)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        self._remove_hooks()
