@@ -85,19 +85,14 @@ FP4_HD uint8_t e2m1_encode_mag(float a) {
   return (uint8_t)(c > 7 ? 7 : c);
 }
 
-// Largest magnitude code whose value is <= a.
-FP4_HD uint8_t e2m1_floor_code(float a) {
-  int32_t c = a < 1.0f ? (int32_t)(a * 2.0f) : (int32_t)(f2u(a) >> 22) - (126 << 1);
-  return (uint8_t)(c > 7 ? 7 : c);
-}
-
-// Stochastic rounding (3.9): up when the fraction, scaled to 2^24, exceeds the top 24 random bits.
+// Stochastic rounding (3.9) of a in [0, 6]: the position of a on the E2M1 grid as a fixed-point number
+// with 22 fraction bits per grid step, X = (code below a) * 2^22 + floor(fraction * 2^22), plus the top 22
+// random bits; the carry out of the fraction is the round-up (probability fraction, to within 2^-22).
+// a >= 1: X is the fp32 pattern less (126 << 23) (one kept mantissa bit, so the 22 bits below it are the
+// fraction); a < 1: the grid is k * 0.5 and X = trunc(a * 2^23). a = 6 has a zero fraction, so X + r < 8 * 2^22.
 FP4_HD uint8_t e2m1_encode_mag_sr(float a, uint32_t rnd) {
-  const uint8_t lo = e2m1_floor_code(a);
-  if (lo >= 7) return 7;
-  const float step_inv24 = lo < 4 ? 33554432.0f : (lo < 6 ? 16777216.0f : 8388608.0f);  // 2^24 / step
-  const float frac24 = (a - fabs_(e2m1_value(lo))) * step_inv24;
-  return (uint8_t)(lo + (frac24 > (float)(rnd >> 8) ? 1 : 0));
+  const int32_t x = a < 1.0f ? (int32_t)(a * 8388608.0f) : (int32_t)(f2u(a) - (126u << 23));
+  return (uint8_t)((x + (int32_t)(rnd >> 10)) >> 22);
 }
 
 // Signed code of y (already scaled): clamp to +-6, sign from the sign bit (so -0 -> 8).

@@ -78,8 +78,9 @@ def rand_bits(seed: int, stream: int, index: int) -> int:
 def e2m1_code(y: np.float32, rnd: int | None = None) -> int:
     """Signed E2M1 code of a scaled fp32 value: clamp to 6, nearest-even or stochastic, sign bit kept.
 
-    Stochastic: with lo the largest code value <= |y| and step the distance to the next one, round
-    up when (|y| - lo) / step * 2^24 > (the top 24 of the 32 random bits).
+    Stochastic: with lo the largest code value <= |y|, step the distance to the next one and
+    frac = (|y| - lo) / step, round up when floor(frac * 2^22) + (the top 22 of the 32 random bits)
+    reaches 2^22.
     """
     a = min(abs(float(y)), 6.0)
     if rnd is None:
@@ -90,8 +91,8 @@ def e2m1_code(y: np.float32, rnd: int | None = None) -> int:
             mag = 7
         else:
             step = e2m1_value(lo + 1) - e2m1_value(lo)
-            frac24 = Fraction(a) - Fraction(e2m1_value(lo))
-            mag = lo + int(frac24 / Fraction(step) * 2 ** 24 > (rnd >> 8))
+            frac = (Fraction(a) - Fraction(e2m1_value(lo))) / Fraction(step)
+            mag = lo + int(math.floor(frac * 2 ** 22) + (rnd >> 10) >= 2 ** 22)
     return mag | (8 if negative(y) else 0)
 
 

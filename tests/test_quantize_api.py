@@ -460,3 +460,26 @@ def test_nbytes(fmt, block, per_elem):
     # against bf16: 3.56x smaller for nvfp4 1x16
     if (fmt, block) == ("nvfp4", "1x16"):
         assert abs(2 / (p.nbytes / 2 ** 20) - 3.5556) < 1e-3
+
+
+def test_sr_rule_edges():
+    """The stochastic rule at its edges (fixed-point grid position + the top 22 random bits, DESIGN 3.9 as
+    docs/numerics.md states it): grid values never move whatever the bits; a point p of the way to the
+    next value rounds up for exactly the bit patterns whose top 22 bits reach (1 - p) * 2^22; 6 stays 6."""
+    from fp4offload.formats import bits as B
+
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    ones = torch.full((8,), 0xFFFFFFFF, dtype=torch.int64)
+    assert B.e2m1_encode_magnitude_sr(grid, ones).tolist() == list(range(8))
+    assert B.e2m1_encode_magnitude_sr(grid, torch.zeros(8, dtype=torch.int64)).tolist() == list(range(8))
+    # a quarter of the way from each value to the next (exact in fp32): up iff rnd >> 10 >= 3/4 * 2^22
+    a = grid[:7] + (grid[1:] - grid[:7]) / 4
+    edge = 3 << 20
+    below = torch.full((7,), ((edge - 1) << 10) | 0x3FF, dtype=torch.int64)
+    at = torch.full((7,), edge << 10, dtype=torch.int64)
+    assert B.e2m1_encode_magnitude_sr(a, below).tolist() == list(range(7))
+    assert B.e2m1_encode_magnitude_sr(a, at).tolist() == list(range(1, 8))
+    # below 2^-23 of a step the fraction truncates to 0: never up (the rule's only bias, < 2^-22 of a step)
+    tiny = torch.tensor([2.0 ** -24, 0.5 + 2.0 ** -24])  # both exact in fp32
+    assert tiny[1].item() != 0.5
+    assert B.e2m1_encode_magnitude_sr(tiny, ones[:2]).tolist() == [0, 1]

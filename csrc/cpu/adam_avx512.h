@@ -67,44 +67,6 @@ static inline __m256i to_bf16x16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-static inline __m512i fmix32x16(__m512i h) {
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
-  h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
-  h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0xC2B2AE35u));
-  return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-}
-
-// fp4::sr_bits(key, index0 + lane) for 16 lanes.
-static inline __m512i sr_bits16(uint32_t key, uint32_t index0) {
-  const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32((int)index0),
-                                       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  const __m512i h = _mm512_add_epi32(_mm512_mullo_epi32(idx, _mm512_set1_epi32((int)0x9E3779B1u)),
-                                     _mm512_set1_epi32((int)key));
-  return fmix32x16(h);
-}
-
-// fp4::e2m1_encode(y, stochastic=true, rnd) on 16 lanes.
-static inline __m512i e2m1_codes16_sr(__m512 y, __m512i rnd) {
-  const __m512i yi = _mm512_castps_si512(y);
-  const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(yi, _mm512_set1_epi32(0x7FFFFFFF))),
-                                 _mm512_set1_ps(6.0f));
-  const __m512i ai = _mm512_castps_si512(a);
-  const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)));
-  const __m512i nrm = _mm512_sub_epi32(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(126 << 1));
-  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
-  const __m512i lo = _mm512_min_epi32(_mm512_mask_blend_epi32(small, nrm, sub), _mm512_set1_epi32(7));
-  const __m512 mags = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 inv = _mm512_setr_ps(33554432.0f, 33554432.0f, 33554432.0f, 33554432.0f, 16777216.0f, 16777216.0f,
-                                    8388608.0f, 8388608.0f, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 frac24 = _mm512_mul_ps(_mm512_sub_ps(a, _mm512_permutexvar_ps(lo, mags)), _mm512_permutexvar_ps(lo, inv));
-  const __m512 r = _mm512_cvtepi32_ps(_mm512_srli_epi32(rnd, 8));
-  const __mmask16 up = _mm512_cmp_ps_mask(frac24, r, _CMP_GT_OQ) & _mm512_cmplt_epi32_mask(lo, _mm512_set1_epi32(7));
-  const __m512i mag = _mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1));
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(yi, 28), _mm512_set1_epi32(8));
-  return _mm512_or_si512(mag, sign);
-}
-
 // fp4::ufp4_encode(|y|) on 16 lanes.
 static inline __m512i ufp4_codes16(__m512 y) {
   const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y),
@@ -229,7 +191,7 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
         if (unsigned_)
           c = ufp4_codes16(y);
         else if (stochastic)
-          c = e2m1_codes16_sr(y, sr_bits16(key, index0 + (uint32_t)(b * 16)));
+          c = fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16)));
         else
           c = fp4cpu::e2m1_codes16(y);
         packed = pack16_q(c);
@@ -341,7 +303,7 @@ FP4_INLINE __m512i enc_codes16(const EncJob& j, int b) {
   const __m512 x = _mm512_load_ps(j.buf + b * 16);
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(j.kb[b]));
   if (Kind == kUfp4) return ufp4_codes16_pos(y);
-  if (Kind == kE2M1SR) return e2m1_codes16_sr(y, sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
+  if (Kind == kE2M1SR) return fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
   const __m512 a = _mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A);  // min(|y|, 6), sign cleared
   const __m512i mag = e2m1_mag16(a);
   if (Kind == kE2M1Pos) return mag;

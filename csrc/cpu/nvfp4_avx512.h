@@ -56,11 +56,14 @@ static inline __m512i e2m1_codes16(__m512 y) {
 }
 
 // fp4::sr_bits on 16 consecutive element indices idx0 .. idx0 + 15 (idx0 is the low 32 bits; blocks never
-// straddle 2^32, so the lanes do not wrap).
+// straddle 2^32, so the lanes do not wrap). (idx0 + k) * G + key = (idx0 * G + key) + k * G modulo 2^32, so
+// the per-lane multiply is a broadcast and an add of the constant k * G.
 static inline __m512i sr_bits16(uint32_t key, uint32_t idx0) {
-  __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int)idx0),
-                               _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-  h = _mm512_add_epi32(_mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x9E3779B1u)), _mm512_set1_epi32((int)key));
+  constexpr uint32_t G = 0x9E3779B1u;
+  const __m512i kg = _mm512_setr_epi32(0, (int)G, (int)(2 * G), (int)(3 * G), (int)(4 * G), (int)(5 * G),
+                                       (int)(6 * G), (int)(7 * G), (int)(8 * G), (int)(9 * G), (int)(10 * G),
+                                       (int)(11 * G), (int)(12 * G), (int)(13 * G), (int)(14 * G), (int)(15 * G));
+  __m512i h = _mm512_add_epi32(_mm512_set1_epi32((int)(idx0 * G + key)), kg);
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
   h = _mm512_mullo_epi32(h, _mm512_set1_epi32((int)0x85EBCA6Bu));
   h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 13));
@@ -68,24 +71,18 @@ static inline __m512i sr_bits16(uint32_t key, uint32_t idx0) {
   return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
 
-// Stochastic E2M1 codes of 16 scaled values (fp4::e2m1_encode_mag_sr on every lane, sign from y).
+// Stochastic E2M1 codes of 16 scaled values (fp4::e2m1_encode_mag_sr on every lane, sign from y): the
+// fixed-point grid position X plus the top 22 random bits, shifted down by 22. Lanes where y is not finite
+// get junk codes; the callers zero those blocks.
 static inline __m512i e2m1_codes16_sr(__m512 y, __m512i rnd) {
-  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(6.0f));
-  const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)));
-  const __m512i nrm = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(a), 22), _mm512_set1_epi32(126 << 1));
+  const __m512 a = _mm512_range_ps(y, _mm512_set1_ps(6.0f), 0x0A);  // min(|y|, 6), sign cleared
+  const __m512i nrm = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(126 << 23));
+  const __m512i sub = _mm512_cvttps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(8388608.0f)));
   const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
-  __m512i lo = _mm512_mask_blend_epi32(small, nrm, sub);
-  lo = _mm512_min_epi32(_mm512_max_epi32(lo, _mm512_setzero_si512()), _mm512_set1_epi32(7));
-  const __m512 values = _mm512_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 inv24 = _mm512_setr_ps(33554432.0f, 33554432.0f, 33554432.0f, 33554432.0f, 16777216.0f, 16777216.0f,
-                                      8388608.0f, 8388608.0f, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m512 frac24 = _mm512_mul_ps(_mm512_sub_ps(a, _mm512_permutexvar_ps(lo, values)),
-                                      _mm512_permutexvar_ps(lo, inv24));
-  const __m512 r24 = _mm512_cvtepi32_ps(_mm512_srli_epi32(rnd, 8));
-  const __mmask16 up = _mm512_cmp_ps_mask(frac24, r24, _CMP_GT_OQ);
-  const __m512i mag = _mm512_min_epi32(_mm512_mask_add_epi32(lo, up, lo, _mm512_set1_epi32(1)), _mm512_set1_epi32(7));
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8));
-  return _mm512_or_si512(mag, sign);
+  const __m512i x = _mm512_mask_blend_epi32(small, nrm, sub);
+  const __m512i mag = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_srli_epi32(rnd, 10)), 22);
+  // mag | ((y >> 28) & 8)
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8), mag, 0xEA);
 }
 
 // 16 codes (int32 lanes, 0..15) -> 8 packed bytes, element 2i in the low nibble.

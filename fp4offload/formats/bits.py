@@ -52,29 +52,15 @@ def e2m1_encode_magnitude(a: torch.Tensor) -> torch.Tensor:
     return torch.where(a < 1.0, sub.to(torch.int32), nrm).clamp_(0, 7)
 
 
-def e2m1_floor_code(a: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude code whose value is <= a (a in [0, 6])."""
-    sub = torch.floor(a * 2.0).to(torch.int32)
-    nrm = (_bits(a) >> 22) - (126 << 1)
-    return torch.where(a < 1.0, sub, nrm).clamp_(0, 7)
-
-
-_E2M1_STEP = (0.5, 0.5, 0.5, 0.5, 1.0, 1.0, 2.0, 2.0)  # distance from code k to code k+1 (k=7 unused)
-
-
 def e2m1_encode_magnitude_sr(a: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of a in [0, 6]: up with probability (a - lo) / step (DESIGN.md 3.9).
+    """Stochastic rounding of a in [0, 6] (fp32): up with probability (a - lo) / step (DESIGN.md 3.9).
 
-    The fraction is scaled to 2^24 (exact in fp32) and compared with the top 24 of the 32 random bits.
+    The position of a on the grid in fixed point, 22 fraction bits per grid step (the fp32 pattern less
+    126 << 23 for a >= 1, trunc(a * 2^23) for a < 1), plus the top 22 of the 32 random bits; the carry out of
+    the fraction rounds up. Same integer steps as fp4_codec.h's e2m1_encode_mag_sr.
     """
-    lo_code = e2m1_floor_code(a)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=a.device)
-    steps = torch.tensor(_E2M1_STEP, dtype=torch.float32, device=a.device)
-    lo = table[lo_code.long()]
-    inv_step_scaled = (2.0 ** 24) / steps[lo_code.long()]  # exact: powers of two
-    frac24 = (a - lo) * inv_step_scaled
-    up = frac24 > (rand >> 8).to(torch.float32)
-    return (lo_code + up.to(torch.int32)).clamp_(0, 7)
+    x = torch.where(a < 1.0, (a * 8388608.0).to(torch.int64), _bits(a).to(torch.int64) - (126 << 23))
+    return ((x + (rand.to(torch.int64) >> 10)) >> 22).to(torch.int32)
 
 
 def e2m1_decode_magnitude(code: torch.Tensor) -> torch.Tensor:
