@@ -46,11 +46,13 @@ import os
 import re
 import resource
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,6 +285,17 @@ def _own_rss(proc) -> int:
         return 0
 
 
+def _child_port(key: str) -> int:
+    """A port for the child's torch.distributed rendezvous: one the OS reports free on 127.0.0.1 (the socket
+    is closed before the child starts), else one fixed by the crc32 of ``key`` (stable across processes)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    except OSError:
+        return 29700 + zlib.crc32(key.encode()) % 200
+
+
 def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
               min_available: int = 0) -> dict:
     """One configuration in a child process. With ``budget``, the child (with its children) is killed as soon
@@ -295,7 +308,7 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
                "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads),
                "--intermediate", str(a.intermediate), "--seq", str(a.seq), "--steps", str(a.steps),
                "--allocator", allocator,
-               "--port", str(29700 + (hash((config, fp4, allocator)) % 200))] + (["--fp4"] if fp4 else []) + \
+               "--port", str(_child_port(f"{config}/{int(fp4)}/{allocator}"))] + (["--fp4"] if fp4 else []) + \
               (["--bf16-build"] if getattr(a, "bf16_build", False) else [])
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))

@@ -30,6 +30,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,7 @@ __all__ = ["save", "load"]
 VERSION = 1
 _SKIP_STATE = ("master",)
 _PG = "optim.param_groups."
+_STR, _NUMEL = ".__str", ".__numel"  # suffixes: a string as UTF-8 bytes; the true length of a per-rank row
 
 
 def _dtensor_cls():
@@ -86,6 +88,33 @@ def _names(model: nn.Module, opt) -> list[tuple[str, nn.Parameter, torch.Tensor]
     return out
 
 
+def _state_key(name: str, key: str) -> str:
+    """The flat key of optimizer state ``key`` of parameter ``name``."""
+    return f"optim.{name}.{key}"
+
+
+class _Entry(NamedTuple):
+    name: str  # the parameter's qualified name
+    p: torch.Tensor  # the model parameter
+    proxy: torch.Tensor  # the optimizer's parameter
+    st: dict  # the optimizer's state of proxy
+    key: str
+    v: object  # st[key]
+    full: str  # _state_key(name, key)
+    kind: str  # _state_kind(v, proxy, key)
+
+
+def _state_entries(model: nn.Module, opt) -> Iterator[_Entry]:
+    """Every optimizer state that save writes and load reads, in the same order on both sides (and on
+    every rank): the optimizer's parameters in turn, each one's state keys sorted, ``master`` left out."""
+    for name, p, proxy in _names(model, opt):
+        st = opt.state.get(proxy, {})
+        for key in sorted(st):
+            if key not in _SKIP_STATE:
+                v = st[key]
+                yield _Entry(name, p, proxy, st, key, v, _state_key(name, key), _state_kind(v, proxy, key))
+
+
 def _like_param(v: torch.Tensor, p: torch.Tensor):
     """``v`` (shaped like p's local shard) as a DTensor with p's placement, sharing v's storage."""
     DTensor = _dtensor_cls()
@@ -110,6 +139,11 @@ def _rows(v: torch.Tensor, p, length: int):
         return DTensor.from_local(row, p.device_mesh, [Shard(0)], run_check=False, shape=(_mesh_world(p), length),
                                   stride=(length, 1))
     return row
+
+
+def _rows_and_numel(v: torch.Tensor, p, length: int):
+    """``v`` as a row of [world, length] (:func:`_rows`) and its true length as a row of [world, 1]."""
+    return _rows(v, p, length), _rows(torch.tensor([v.numel()], dtype=torch.int64, device=v.device), p, 1)
 
 
 def _max_over_ranks(n: int, p) -> int:
@@ -151,7 +185,7 @@ def _hyper(opt) -> dict[str, torch.Tensor]:
             if k == "params":
                 continue
             if isinstance(v, str):
-                out[key + ".__str"] = _str_tensor(v)
+                out[key + _STR] = _str_tensor(v)
             elif isinstance(v, (bool, int, float)) or (torch.is_tensor(v) and v.numel() == 1):
                 out[key] = torch.tensor([float(v)], dtype=torch.float64)
             elif isinstance(v, (tuple, list)) and v and all(isinstance(x, (int, float)) for x in v):
@@ -161,8 +195,8 @@ def _hyper(opt) -> dict[str, torch.Tensor]:
 
 def _restore_hyper(opt, sd: dict, keys: list[str]) -> None:
     for k in keys:
-        is_str = k.endswith(".__str")
-        i, key = k[len(_PG):].removesuffix(".__str").split(".", 1)
+        is_str = k.endswith(_STR)
+        i, key = k[len(_PG):].removesuffix(_STR).split(".", 1)
         g = opt.param_groups[int(i)]
         old = g.get(key)
         if is_str:
@@ -183,25 +217,17 @@ def _restore_hyper(opt, sd: dict, keys: list[str]) -> None:
 
 def _optim_save_tensors(model: nn.Module, opt) -> dict[str, torch.Tensor]:
     entries: dict[str, torch.Tensor] = {}
-    for name, p, proxy in _names(model, opt):
-        st = opt.state.get(proxy, {})
-        for key in sorted(st):
-            if key in _SKIP_STATE:
-                continue
-            v, full = st[key], f"optim.{name}.{key}"
-            kind = _state_kind(v, proxy, key)
-            if kind == "str":
-                entries[full + ".__str"] = _str_tensor(v)
-            elif kind == "number":
-                entries[full] = torch.tensor([float(v)], dtype=torch.float64)
-            elif kind == "replicated":
-                entries[full] = v
-            elif kind == "like_param":
-                entries[full] = _like_param(v, p)
-            elif kind == "rows":
-                length = _max_over_ranks(v.numel(), p)
-                entries[full] = _rows(v, p, length)
-                entries[full + ".__numel"] = _rows(torch.tensor([v.numel()], dtype=torch.int64, device=v.device), p, 1)
+    for e in _state_entries(model, opt):
+        if e.kind == "str":
+            entries[e.full + _STR] = _str_tensor(e.v)
+        elif e.kind == "number":
+            entries[e.full] = torch.tensor([float(e.v)], dtype=torch.float64)
+        elif e.kind == "replicated":
+            entries[e.full] = e.v
+        elif e.kind == "like_param":
+            entries[e.full] = _like_param(e.v, e.p)
+        elif e.kind == "rows":
+            entries[e.full], entries[e.full + _NUMEL] = _rows_and_numel(e.v, e.p, _max_over_ranks(e.v.numel(), e.p))
     entries.update(_hyper(opt))
     return entries
 
@@ -252,8 +278,8 @@ class _Resharder:
         self.params[name] = (p, proxy)
         t = torch.zeros(size, dtype=torch.uint8)
         n = torch.zeros((size[0], 1), dtype=torch.int64)
-        self.rows[full], self.rows[full + ".__numel"] = t, n
-        return {full: t, full + ".__numel": n}
+        self.rows[full], self.rows[full + _NUMEL] = t, n
+        return {full: t, full + _NUMEL: n}
 
     def finish(self) -> None:
         from ..optim.state import PACKED_KEYS, decode_state, packed_from_entry
@@ -274,8 +300,8 @@ class _Resharder:
                     continue
                 entry = {}
                 for k in PACKED_KEYS:
-                    full = f"optim.{name}.{k}"
-                    ln = int(self.rows[full + ".__numel"][r, 0])
+                    full = _state_key(name, k)
+                    ln = int(self.rows[full + _NUMEL][r, 0])
                     entry[k] = self.rows[full][r, :ln]
                 m, v = decode_state(*packed_from_entry(entry, n), n, v_format)
                 ms.append(m)
@@ -316,40 +342,34 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
         sizes = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size")}
         hyper = [k for k in list(meta) if k.startswith(_PG)]
         for k in hyper:
-            sd[k] = torch.zeros(sizes[k], dtype=torch.uint8 if k.endswith(".__str") else torch.float64)
-        for name, p, proxy in _names(model, optimizer):
-            st = optimizer.state.get(proxy, {})
-            for key in sorted(st):
-                if key in _SKIP_STATE:
-                    continue
-                v, full = st[key], f"optim.{name}.{key}"
-                kind = _state_kind(v, proxy, key)
-                if kind == "str":
-                    continue  # re-derived from the (restored) param group
-                if kind == "number":
-                    t = torch.zeros(1, dtype=torch.float64)
-                    sd[full] = t
-                    after.append(lambda st=st, key=key, t=t, typ=type(v): st.__setitem__(key, typ(t.item())))
-                elif kind == "replicated":
-                    sd[full] = v
-                elif kind == "like_param":
-                    sd[full] = _like_param(v, p)
-                elif kind == "rows":
-                    if full not in sizes:
-                        raise ConfigError(full, "missing", "a state saved by fp4offload.fsdp.save",
-                                          "was the checkpoint written with another optimizer_states format?")
-                    size = sizes[full]
-                    if size[0] == _mesh_world(p):
-                        row = _rows(v, p, size[1])
-                        n = _rows(torch.tensor([v.numel()], dtype=torch.int64, device=v.device), p, 1)
-                        sd[full], sd[full + ".__numel"] = row, n
-                        after.append(lambda v=v, row=row, n=n, full=full: _copy_row_back(v, row, n, full))
-                    else:
-                        if key not in _packed_keys():
-                            raise ConfigError(full, f"saved on {size[0]} ranks", f"{_mesh_world(p)} ranks",
-                                              "this optimizer's per-shard state cannot be resharded")
-                        resharder = resharder or _Resharder(optimizer, size[0])
-                        sd.update(resharder.targets(name, p, proxy, full, size))
+            sd[k] = torch.zeros(sizes[k], dtype=torch.uint8 if k.endswith(_STR) else torch.float64)
+        for e in _state_entries(model, optimizer):
+            full = e.full
+            if e.kind == "str":
+                continue  # re-derived from the (restored) param group
+            if e.kind == "number":
+                t = torch.zeros(1, dtype=torch.float64)
+                sd[full] = t
+                after.append(lambda st=e.st, key=e.key, t=t, typ=type(e.v): st.__setitem__(key, typ(t.item())))
+            elif e.kind == "replicated":
+                sd[full] = e.v
+            elif e.kind == "like_param":
+                sd[full] = _like_param(e.v, e.p)
+            elif e.kind == "rows":
+                if full not in sizes:
+                    raise ConfigError(full, "missing", "a state saved by fp4offload.fsdp.save",
+                                      "was the checkpoint written with another optimizer_states format?")
+                size = sizes[full]
+                if size[0] == _mesh_world(e.p):
+                    row, n = _rows_and_numel(e.v, e.p, size[1])
+                    sd[full], sd[full + _NUMEL] = row, n
+                    after.append(lambda v=e.v, row=row, n=n, full=full: _copy_row_back(v, row, n, full))
+                else:
+                    if e.key not in _packed_keys():
+                        raise ConfigError(full, f"saved on {size[0]} ranks", f"{_mesh_world(e.p)} ranks",
+                                          "this optimizer's per-shard state cannot be resharded")
+                    resharder = resharder or _Resharder(optimizer, size[0])
+                    sd.update(resharder.targets(e.name, e.p, e.proxy, full, size))
     missing = [k for k in sd if k not in meta]
     if missing:
         raise ConfigError("path", str(path), f"a checkpoint holding {missing[0]!r}",

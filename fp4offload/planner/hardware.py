@@ -31,7 +31,10 @@ _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 #: CPU optimizer step rate per core (parameters/s) when nothing was measured: fp32 Adam (fused,
 #: AVX-512, as DeepSpeedCPUAdam or torch's fused AdamW) and the FP4 step, which is compute-bound
 #: in the encode on few cores (DESIGN 4). `fp4offload bench` measures the real rates.
-DEFAULT_CPU_ADAM_PER_CORE: dict[str, float] = {"fp32": 4.0e8, "nvfp4": 2.5e8}
+#: Measured 2026-11-29 on a 2-core AMD EPYC VM, AVX-512, with `python benchmarks/optimizer.py --numel 16M
+#: --threads 1 --rounds 5 --optimizers fp4adamw,deepspeed_cpu_adam`: DeepSpeedCPUAdam 1611 M/s, FP4AdamW
+#: (defaults) 738 M/s; rounded down. On a many-core node the memory-bandwidth cap below binds first.
+DEFAULT_CPU_ADAM_PER_CORE: dict[str, float] = {"fp32": 1.6e9, "nvfp4": 7.0e8}
 #: Host memory traffic per parameter of one step: fp32 Adam reads/writes master, m, v and reads
 #: the gradient (28 B); the FP4 step moves packed m and v instead (14.25 B).
 CPU_ADAM_BYTES_PER_PARAM: dict[str, float] = {"fp32": 28.0, "nvfp4": 14.25}
