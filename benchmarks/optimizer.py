@@ -52,16 +52,32 @@ def _state_bytes(opt) -> int:
     return total
 
 
+class _StepThenEncode:
+    """An optimizer step followed by the codec's NVFP4 16x16 encode of the new weight (a separate pass)."""
+
+    def __init__(self, opt, p):
+        self.opt, self.p = opt, p
+        self.state = opt.state
+
+    def step(self):
+        from fp4offload import quantize
+
+        self.opt.step()
+        self.copy = quantize(self.p.detach(), "nvfp4", block="16x16")
+
+
 def make_optimizers(n: int, lr: float, which: list[str]):
     """name -> (optimizer, param) with its own copy of the same data."""
     out = {}
     base = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02
     grad = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
 
-    def param():
-        p = torch.nn.Parameter(base.clone())
-        p.grad = grad.clone()
+    def param(shape=None):
+        p = torch.nn.Parameter(base.clone() if shape is None else base.clone().view(shape))
+        p.grad = grad.clone() if shape is None else grad.clone().view(shape)
         return p
+
+    mat = (n // 8192, 8192) if n % 8192 == 0 else (n // 64, 64)  # a weight matrix for the working-copy variants
 
     for name in which:
         try:
@@ -80,6 +96,16 @@ def make_optimizers(n: int, lr: float, which: list[str]):
 
                 p = param()
                 out[name] = (FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p)
+            elif name == "fp4adamw_wcopy":  # + the NVFP4 16x16 working copy, written inside the fused step
+                from fp4offload import FP4AdamW
+
+                p = param(mat)
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused", working_copy="nvfp4"), p)
+            elif name == "fp4adamw_wcopy_separate":  # the same copy made by a pass of its own after the step
+                from fp4offload import FP4AdamW
+
+                p = param(mat)
+                out[name] = (_StepThenEncode(FP4AdamW([p], lr=lr, backend="fused"), p), p)
             elif name == "deepspeed_cpu_adam":
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 

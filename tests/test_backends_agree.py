@@ -103,19 +103,31 @@ def test_extremes_bytes_equal(simd):
 
 
 @pytest.mark.parametrize("tile,scope", [(1, 0), (1, 32), (16, 0)])
-def test_amax_override_bytes_equal(tile, scope, cpu_ext):
-    """An amax given from outside (e.g. max-reduced across ranks) sets the tensor scale in both backends."""
+@pytest.mark.parametrize("factor", [3.0, 0.5], ids=["above", "below"])
+@pytest.mark.parametrize("variant", ["nearest", "stochastic", "ufp4", "bf16", "nan-propagate"])
+def test_amax_override_bytes_equal(tile, scope, factor, variant, simd):
+    """An amax given from outside (e.g. max-reduced across ranks) sets the tensor scale in both backends (the
+    CPU encodes in one pass then); below the data's amax the largest values saturate alike."""
     x = _data((40, 48), torch.float32, 11)
+    if variant == "bf16":
+        x = x.bfloat16()
+    if variant == "nan-propagate":
+        x[3, 5] = float("nan")
+    ufp4 = variant == "ufp4"
+    if ufp4:
+        x = x.abs()
     nscopes = 1 if not scope else -(-x.numel() // scope)
-    amax = torch.full((nscopes,), float(x.abs().max()) * 3.0)
-    args = (x, 40, 48, tile, scope, False, False, 0, 0, False)
+    amax = torch.full((nscopes,), float(x.float().nan_to_num().abs().max()) * factor)
+    args = (x, 40, 48, tile, scope, ufp4, variant == "stochastic", 7, 2, variant == "nan-propagate")
     ref = reference.nvfp4_encode(*args, amax=amax)
     got = cpu.nvfp4_encode(*args, amax=amax)
     for a, b in zip(ref, got):
         _eq(a, b)
     own = reference.nvfp4_encode(*args)
     assert not torch.equal(ref[2], own[2])  # the override really changed the tensor scale
-    assert torch.allclose(ref[2], (amax / 2688.0), rtol=1e-6)
+    elem_max = 1.5 if ufp4 else 6.0
+    assert torch.allclose(ref[2], (amax / (elem_max * 448.0)), rtol=1e-6)
+    assert int(got[3]) == (1 if variant == "nan-propagate" else 0)
 
 
 def test_overflowing_block_multiplier_bytes_equal(cpu_ext):

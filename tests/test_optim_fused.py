@@ -171,3 +171,44 @@ def test_optimizer_fused_equals_reference_backend():
         for key, t in sa["state"][k].items():
             if torch.is_tensor(t):
                 assert torch.equal(t.reshape(-1).view(torch.uint8), sb["state"][k][key].reshape(-1).view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("shape", [(40, 128), (16, 64), (300, 192), (3, 5, 64)], ids=str)
+def test_fused_nvfp4_working_copy(ext, simd, shape):
+    """The fused step's NVFP4 16x16 working copy is the codec's encode with the amax it records (the last
+    step's amax with headroom), byte for byte; the step's own result (weights, states) is unchanged by it;
+    a weight whose amax outgrew the scale is re-encoded with its exact amax."""
+    from fp4offload import FP4AdamW, metrics, quantize
+
+    def run(copy):
+        torch.manual_seed(1)
+        p = torch.nn.Parameter(torch.randn(shape) * 0.05)
+        opt = FP4AdamW([p], lr=1e-4, backend="fused", min_numel=16, working_copy="nvfp4" if copy else None)
+        g = torch.Generator().manual_seed(2)
+        out = []
+        for step in range(5):
+            p.grad = torch.randn(shape, generator=g)
+            if step == 3:
+                with torch.no_grad():
+                    p.mul_(1.5)  # the amax jumps past the headroom: this step re-encodes
+            before = metrics.counter("optim.wcopy_reencodes").value
+            opt.step()
+            wc = opt.working_copy(p).get("nvfp4")
+            out.append((p.detach().clone(), wc, metrics.counter("optim.wcopy_reencodes").value - before))
+        return out, opt.state_dict()
+
+    with_copy, sd_a = run(True)
+    without, sd_b = run(False)
+    for step, ((pa, wc, reenc), (pb, _, _)) in enumerate(zip(with_copy, without)):
+        assert torch.equal(pa.view(torch.int32), pb.view(torch.int32)), step
+        amax = wc.meta["amax"]
+        assert (amax is None) == (step in (0, 3)), (step, amax)  # first step and the jump: encoded after
+        assert reenc == (1 if step == 3 else 0), step
+        if amax is not None:
+            assert amax >= float(pa.abs().max())
+        ref = quantize(pa, "nvfp4", block="16x16", amax=amax)
+        assert torch.equal(wc.data, ref.data) and torch.equal(wc.scales, ref.scales), step
+        assert torch.equal(wc.tensor_scale, ref.tensor_scale), step
+    for key, t in sd_a["state"][0].items():
+        if torch.is_tensor(t):
+            assert torch.equal(t.reshape(-1).view(torch.uint8), sd_b["state"][0][key].reshape(-1).view(torch.uint8))

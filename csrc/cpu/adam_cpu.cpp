@@ -11,10 +11,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <vector>
 
 #include "fp4_codec.h"
 #include "cpu/nvfp4_avx512.h"
 #include "cpu/adam_avx512.h"
+#include "cpu/nvfp4_rows.h"
 
 namespace {
 
@@ -141,11 +144,19 @@ uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
 
 // One AdamW step over a flat fp32 tensor (a whole parameter or a segment of one that starts at a segment
 // boundary) with packed states; everything is updated in place.
-void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales,
+//
+// With w_data / w_scales, the step also writes the NVFP4 16x16 working copy of the new weight, viewed as
+// (w_rows, w_cols) with w_cols a multiple of 64 (so a band of 16 rows is whole chunks): threads take whole
+// bands, update a group of bands' chunks, then encode those bands' tiles while they are still in cache,
+// with the tensor scale of `w_amax` (fp4::tensor_scale(w_amax, 6)), exactly as the codec encodes with that
+// amax override. Returns {finite amax of the new weight (NaN if any element is not finite), s_dec}; a
+// caller whose amax grew past w_amax re-encodes (the tiles above w_amax saturated).
+std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales,
                 torch::Tensor m_ts, torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_ts, double b1,
                 double omb1, double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
                 bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed, int64_t stream0,
-                c10::optional<torch::Tensor> bf16_out) {
+                c10::optional<torch::Tensor> bf16_out, c10::optional<torch::Tensor> w_data,
+                c10::optional<torch::Tensor> w_scales, int64_t w_rows, int64_t w_cols, double w_amax) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
               "fused_step: param must be a contiguous fp32 CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() &&
@@ -153,7 +164,7 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
               "fused_step: grad must be a contiguous fp32 or bf16 CPU tensor");
   const int64_t n = param.numel();
   TORCH_CHECK(grad.numel() == n, "fused_step: grad has ", grad.numel(), " elements, param ", n);
-  if (n == 0) return;
+  if (n == 0) return {0.0, 0.0};
   const int64_t nb = (n + 15) / 16, nchunks = (n + kChunk - 1) / kChunk;
   ChunkArgs a;
   a.n = n;
@@ -181,7 +192,7 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
   const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
-  at::parallel_for(0, nchunks, 8, [&](int64_t c0, int64_t c1) {
+  auto step_chunks = [&](int64_t c0, int64_t c1) {
     if (simd) {  // chunks pipelined: the encode of chunk c-1 runs inside the update loop of chunk c
       if (bf16_grad)
         fp4adam::step_range_avx512(a, gb, c0, c1);
@@ -195,7 +206,51 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
       else
         chunk_scalar(a, gf, c);
     }
+  };
+  const bool want_w = w_data.has_value() && w_data->defined();
+  if (!want_w) {
+    at::parallel_for(0, nchunks, 8, step_chunks);
+    return {0.0, 0.0};
+  }
+  TORCH_CHECK(w_scales.has_value() && w_scales->defined(), "fused_step: w_data needs w_scales");
+  TORCH_CHECK(w_rows > 0 && w_cols > 0 && w_cols % 64 == 0 && w_rows * w_cols == n,
+              "fused_step: the NVFP4 working copy needs (w_rows, w_cols) covering the param with w_cols % 64 == 0");
+  TORCH_CHECK(std::isfinite(w_amax) && w_amax >= 0, "fused_step: w_amax must be finite and >= 0");
+  const int64_t nbands = (w_rows + 15) / 16, band = 16 * w_cols, C = w_cols / 16;
+  uint8_t* wd = u8ptr(*w_data, "w_data", nbands * band / 2);
+  uint8_t* ws = u8ptr(*w_scales, "w_scales", nbands * C);
+  const fp4::TensorScale ts = fp4::tensor_scale((float)w_amax, fp4::kE2M1Max);
+  // bands per group: about 32 chunks (128 KiB of fp32 weight, inside L2) between a band's update and its encode
+  const int64_t group = std::max<int64_t>(1, 32 * kChunk / band);
+  float amax_all = 0.0f;
+  int64_t bad_all = 0;
+  std::mutex mu;
+  at::parallel_for(0, nbands, group, [&](int64_t b0, int64_t b1) {
+    float amax = 0.0f;
+    int64_t bad = 0;
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+      const int64_t g1 = std::min(b1, g0 + group);
+      step_chunks(g0 * band / kChunk, std::min(nchunks, (g1 * band + kChunk - 1) / kChunk));
+      for (int64_t t = g0 * C; t < g1 * C; ++t) {
+        const int64_t r0 = (t / C) * 16, c0 = (t % C) * 16;
+        float amax_b;
+        int32_t bad_b;
+        fp4cpu::amax_rows(a.param + r0 * w_cols + c0, w_cols, (int)std::min<int64_t>(16, w_rows - r0), 16, simd,
+                          amax_b, bad_b);
+        const uint8_t sc = fp4::block_scale_code(amax_b, fp4::kE2M1Max, ts.enc);
+        const bool live = sc != 0 && bad_b == 0;
+        ws[t] = sc;
+        fp4cpu::encode_tile(a.param, w_rows, w_cols, w_cols, r0, c0,
+                            live ? fp4::block_encode_scale(sc, ts.dec) : 0.0f, live, false, false, 0u, 0u, simd, wd);
+        amax = fp4::fmax_(amax, amax_b);
+        bad += bad_b;
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    amax_all = fp4::fmax_(amax_all, amax);
+    bad_all += bad;
   });
+  return {bad_all ? std::nan("") : (double)amax_all, (double)ts.dec};
 }
 
 // True when every element of a fp32/bf16/fp16 CPU tensor is finite.
@@ -237,7 +292,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_tscale"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"),
         py::arg("decay"), py::arg("step_size"), py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"),
         py::arg("v_nvfp4"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
-        py::arg("bf16_out") = py::none());
+        py::arg("bf16_out") = py::none(), py::arg("w_data") = py::none(), py::arg("w_scales") = py::none(),
+        py::arg("w_rows") = 0, py::arg("w_cols") = 0, py::arg("w_amax") = 0.0);
   m.def("all_finite", &all_finite, "whether every element is finite");
   m.def("have_avx512", &have_avx512, "whether the AVX-512 path is compiled in and enabled");
   m.def("set_avx512", &set_avx512, "enable/disable the AVX-512 path; returns the state");

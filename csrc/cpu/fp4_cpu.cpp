@@ -9,6 +9,7 @@
 
 #include "fp4_codec.h"
 #include "cpu/nvfp4_avx512.h"
+#include "cpu/nvfp4_rows.h"
 
 // fp32, bf16 and fp16: the dtypes fp4offload quantizes from and decodes to.
 #define FP4_DISPATCH(TYPE, NAME, ...)                                                   \
@@ -23,57 +24,11 @@ using fp4::kNvBlock;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-template <typename T>
-inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
-
-// Finite amax and non-finite count over `nrows` rows of `cnt` (<= 16) values, `stride` elements apart.
-template <typename T>
-inline void amax_rows(const T* p, int64_t stride, int nrows, int cnt, bool simd, float& amax, int32_t& bad) {
-#if FP4_HAVE_AVX512
-  if (simd) return fp4cpu::amax_rows16(p, stride, nrows, cnt, amax, bad);
-#endif
-  float m = 0.0f;
-  int32_t nb = 0;
-  for (int r = 0; r < nrows; ++r)
-    for (int j = 0; j < cnt; ++j) {
-      const float v = load(p + r * stride, j);
-      const bool fin = fp4::is_finite(v);
-      nb += fin ? 0 : 1;
-      m = fp4::fmax_(m, fin ? fp4::fabs_(v) : 0.0f);
-    }
-  amax = m;
-  bad = nb;
-}
-
-// Codes of one row of 16 (the first `cnt` from p, the rest zero) times the block multiplier k, packed.
-template <typename T>
-inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic, uint32_t key, uint64_t index0,
-                       bool simd, uint8_t* out) {
-#if FP4_HAVE_AVX512
-  if (simd) return fp4cpu::encode_row16(p, cnt, k, ufp4, stochastic, key, (uint32_t)index0, out);
-#endif
-  uint8_t codes[16];
-  for (int j = 0; j < 16; ++j) {
-    const float y = (j < cnt ? load(p, j) : 0.0f) * k;
-    if (ufp4)
-      codes[j] = fp4::ufp4_encode(fp4::fabs_(y));
-    else
-      codes[j] = fp4::e2m1_encode(y, stochastic, stochastic ? fp4::sr_bits(key, index0 + j) : 0u);
-  }
-  for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
-}
-
-template <typename T>
-inline void decode_row(const uint8_t* in, bool ufp4, float scale_b, float s_dec, int cnt, bool simd, T* out) {
-#if FP4_HAVE_AVX512
-  if (simd) return fp4cpu::decode_row16(in, fp4cpu::decode_table16(ufp4, scale_b, s_dec), cnt, out);
-#endif
-  for (int j = 0; j < cnt; ++j) {
-    const uint8_t code = (in[j >> 1] >> ((j & 1) * 4)) & 0xF;
-    const float v = ufp4 ? fp4::ufp4_value(code) : fp4::e2m1_value(code);
-    out[j] = static_cast<T>((v * scale_b) * s_dec);
-  }
-}
+using fp4cpu::amax_rows;
+using fp4cpu::decode_row;
+using fp4cpu::encode_row;
+using fp4cpu::encode_tile;
+using fp4cpu::load;
 
 // Geometry shared by encode and decode: 1x16 blocks of the flat tensor, or 16x16 tiles of (rows, cols).
 struct NvGeom {
@@ -99,19 +54,58 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
   const bool tiled = g.tile == 16;
   std::vector<float> amax_b(g.nb);
   std::vector<int32_t> bad_b(g.nb);
-  // pass 1: per-block finite amax and non-finite count
-  at::parallel_for(0, g.nb, tiled ? 64 : 2048, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      if (tiled) {
-        const int64_t r0 = (b / g.C) * 16, c0 = (b % g.C) * 16;
-        const int nrows = (int)std::max<int64_t>(std::min<int64_t>(16, g.rows - r0), 0);
-        const int cnt = (int)std::max<int64_t>(std::min<int64_t>(16, g.cols - c0), 0);
-        amax_rows(x + r0 * g.cols + c0, g.cols, nrows, cnt, simd, amax_b[b], bad_b[b]);
-      } else {
-        const int64_t i0 = b * kNvBlock;
-        amax_rows(x + i0, 0, 1, (int)std::min<int64_t>(kNvBlock, g.n - i0), simd, amax_b[b], bad_b[b]);
-      }
+  auto block_amax = [&](int64_t b) {  // per-block finite amax and non-finite count
+    if (tiled) {
+      const int64_t r0 = (b / g.C) * 16, c0 = (b % g.C) * 16;
+      const int nrows = (int)std::max<int64_t>(std::min<int64_t>(16, g.rows - r0), 0);
+      const int cnt = (int)std::max<int64_t>(std::min<int64_t>(16, g.cols - c0), 0);
+      amax_rows(x + r0 * g.cols + c0, g.cols, nrows, cnt, simd, amax_b[b], bad_b[b]);
+    } else {
+      const int64_t i0 = b * kNvBlock;
+      amax_rows(x + i0, 0, 1, (int)std::min<int64_t>(kNvBlock, g.n - i0), simd, amax_b[b], bad_b[b]);
     }
+  };
+  std::vector<fp4::TensorScale> ts(g.nscopes);
+  auto encode_block = [&](int64_t b) {  // block scale, codes, packing
+    const fp4::TensorScale& s = ts[b / g.per];
+    uint8_t sc = fp4::block_scale_code(amax_b[b], elem_max, s.enc);
+    const bool live = sc != 0 && bad_b[b] == 0;
+    const float k = live ? fp4::block_encode_scale(sc, s.dec) : 0.0f;
+    scales[b] = bad_b[b] ? fp4::kE4M3NaN : sc;  // a caller without propagate raises, and drops all of this
+    if (!tiled) {
+      const int64_t i0 = b * kNvBlock;
+      uint8_t* out = data + b * (kNvBlock / 2);
+      if (!live) {
+        memset(out, 0, kNvBlock / 2);
+        return;
+      }
+      const uint32_t key = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
+      encode_row(x + i0, (int)std::min<int64_t>(kNvBlock, g.n - i0), k, ufp4, stochastic, key, (uint64_t)i0, simd,
+                 out);
+    } else {
+      encode_tile(x, g.rows, g.cols, g.cp, (b / g.C) * 16, (b % g.C) * 16, k, live, ufp4, stochastic, seed, stream,
+                  simd, data);
+    }
+  };
+  s_dec_out.resize(g.nscopes);
+  if (amax_in) {  // the tensor scales are given: one pass, each block encoded right after its amax (in L1)
+    for (int64_t s = 0; s < g.nscopes; ++s) {
+      ts[s] = fp4::tensor_scale(amax_in[s], elem_max);
+      s_dec_out[s] = ts[s].dec;
+    }
+    at::parallel_for(0, g.nb, tiled ? 16 : 1024, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        block_amax(b);
+        encode_block(b);
+      }
+    });
+    nonfinite = 0;
+    for (int64_t b = 0; b < g.nb; ++b) nonfinite += bad_b[b];
+    return;
+  }
+  // pass 1: every block's amax, for the scopes' amax
+  at::parallel_for(0, g.nb, tiled ? 64 : 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) block_amax(b);
   });
   std::vector<float> amax_s(g.nscopes, 0.0f);
   int64_t bad_total = 0;
@@ -122,47 +116,13 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
   }
   nonfinite = bad_total;
   if (bad_total && !propagate) return;  // the caller raises; nothing else to do
-  if (amax_in)
-    for (int64_t s = 0; s < g.nscopes; ++s) amax_s[s] = amax_in[s];
-  std::vector<fp4::TensorScale> ts(g.nscopes);
-  s_dec_out.resize(g.nscopes);
   for (int64_t s = 0; s < g.nscopes; ++s) {
     ts[s] = fp4::tensor_scale(amax_s[s], elem_max);
     s_dec_out[s] = ts[s].dec;
   }
-  // pass 2: block scale, codes, packing
+  // pass 2
   at::parallel_for(0, g.nb, tiled ? 16 : 1024, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const fp4::TensorScale& s = ts[b / g.per];
-      uint8_t sc = fp4::block_scale_code(amax_b[b], elem_max, s.enc);
-      const bool live = sc != 0 && bad_b[b] == 0;
-      const float k = live ? fp4::block_encode_scale(sc, s.dec) : 0.0f;
-      scales[b] = bad_b[b] ? fp4::kE4M3NaN : sc;  // a bad block only gets here with propagate
-      if (!tiled) {
-        const int64_t i0 = b * kNvBlock;
-        uint8_t* out = data + b * (kNvBlock / 2);
-        if (!live) {
-          memset(out, 0, kNvBlock / 2);
-          continue;
-        }
-        const uint32_t key = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
-        encode_row(x + i0, (int)std::min<int64_t>(kNvBlock, g.n - i0), k, ufp4, stochastic, key, (uint64_t)i0, simd,
-                   out);
-      } else {
-        const int64_t r0 = (b / g.C) * 16, c0 = (b % g.C) * 16;
-        const int cnt = (int)std::max<int64_t>(std::min<int64_t>(16, g.cols - c0), 0);
-        for (int64_t r = r0; r < r0 + 16; ++r) {
-          const int64_t pos = r * g.cp + c0;  // padded row-major position of this tile row
-          uint8_t* out = data + pos / 2;
-          if (!live || r >= g.rows) {
-            memset(out, 0, 8);
-            continue;
-          }
-          const uint32_t key = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)pos >> 32)) : 0u;
-          encode_row(x + r * g.cols + c0, cnt, k, ufp4, stochastic, key, (uint64_t)pos, simd, out);
-        }
-      }
-    }
+    for (int64_t b = b0; b < b1; ++b) encode_block(b);
   });
 }
 

@@ -60,7 +60,11 @@ class FP4AdamW(Optimizer):
         backend: ``"auto"`` (the fused C++/CUDA step when it builds, else the torch reference step),
             ``"fused"`` (require it) or ``"reference"`` (the torch-op step; same bits, slower).
         working_copy: also produce the new weight as ``"bf16"``, ``"nvfp4"`` (16x16, per-tensor scale),
-            ``"both"`` or ``None`` (default); read it with :meth:`working_copy`.
+            ``"both"`` or ``None`` (default); read it with :meth:`working_copy`. The fused CPU step writes
+            both inside its pass (NVFP4: for weights whose last dimension is a multiple of 64), and takes the
+            NVFP4 tensor scale from the previous step's amax with 25% headroom, so the copy is
+            ``quantize(w, "nvfp4", block="16x16", amax=copy.meta["amax"])``; when the amax outgrew it, that
+            step re-encodes with the exact amax (``optim.wcopy_reencodes`` counts those).
         seed: base seed of stochastic rounding (see reference_step's docstring for the streams).
         skip_nonfinite: skip the whole step when any gradient holds Inf/NaN (default True); states and
             weights stay untouched and ``optim.skipped_steps`` counts it.
@@ -329,29 +333,36 @@ class FP4AdamW(Optimizer):
         if self._nvme is None and not (p.is_cuda and w.device.type == "cpu"):
             m, v = self._states(st)
             check = self._sampler(w, p.grad.reshape(-1), m, v, args) if sample else None
+            wq = self._fused_nvfp4_plan(p, w) if "nvfp4" in wc else None
             with metrics.timer("optim.time.compute"):
-                self._compute(w, p.grad.reshape(-1), m, v, args, R.sr_stream(self._stream_id(p, pid), 0), bf)
+                res = self._compute(w, p.grad.reshape(-1), m, v, args, R.sr_stream(self._stream_id(p, pid), 0), bf,
+                                    wq)
             if check is not None:
                 check(m, v)
                 sample = False
-            self._finish(p, w, master, bf, wc)
+            self._finish(p, w, master, bf, wc, nvfp4=self._fused_nvfp4_result(p, w, wq, res))
         else:
             sample = self._segment_loop(p, pid, w, m_v=None if self._nvme is not None else self._states(st),
                                         args=args, bf=bf, sample=sample, v_format=v_format)
             self._finish(p, w, master, bf, wc, uploaded=p.is_cuda and w.device.type == "cpu")
         return sample
 
-    def _compute(self, w, g, m: R.Packed, v: R.Packed, args: dict, stream0: int, bf) -> None:
-        """The step over w (a whole flat parameter or a run of whole segments starting at one)."""
+    def _compute(self, w, g, m: R.Packed, v: R.Packed, args: dict, stream0: int, bf, wq: dict | None = None):
+        """The step over w (a whole flat parameter or a run of whole segments starting at one).
+
+        `wq` (CPU fused step only, from _fused_nvfp4_plan): buffers and scale of the NVFP4 working copy the
+        step writes as it goes; returns the kernel's (new amax, s_dec) then.
+        """
         sc = args["sc"]
         ext = self._cpu_ext() if w.device.type == "cpu" else self._cuda_ext() if w.is_cuda else None
         if ext is not None:  # the fused step (C++ on the CPU, CUDA kernel on the GPU): same signature, same bits
             if g.dtype not in (torch.float32, torch.bfloat16):
                 g = g.float()
-            ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
-                           sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"], args["v_format"] == "nvfp4",
-                           args["stochastic"], args["seed"], stream0, bf)
-            return
+            extra = {} if wq is None else dict(w_data=wq["data"], w_scales=wq["scales"], w_rows=wq["rows"],
+                                                w_cols=wq["cols"], w_amax=wq["amax"])
+            return ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
+                                  sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"],
+                                  args["v_format"] == "nvfp4", args["stochastic"], args["seed"], stream0, bf, **extra)
         kern = backend_for(w.device)
         n = w.numel()
         for k, s0 in enumerate(range(0, n, R.SEGMENT)):
@@ -458,8 +469,56 @@ class FP4AdamW(Optimizer):
         f = self.working_copy_format
         return () if f is None else (("bf16", "nvfp4") if f == "both" else (f,))
 
-    def _finish(self, p, w, master, bf, wc, uploaded: bool = False) -> None:
-        """Write the fp32 master back into the parameter and produce the working copies."""
+    # The NVFP4 working copy inside the fused CPU step. Its tensor scale must be known before the step, so it
+    # comes from the amax the last step measured, raised by WCOPY_HEADROOM: weights move by about lr per
+    # step, so the new amax almost always stays under it (a synthetic constant gradient at lr 1e-3 jumped 13%
+    # in one early step), and the copy is then exactly the codec's encode with that amax override. The
+    # headroom costs nothing measurable: block scales use E4M3's range below 448 / 1.25. When it does not (or on the first step, with no amax yet), _finish encodes
+    # the new weight in a pass of its own, as before.
+    WCOPY_HEADROOM = 1.25
+
+    def _fused_nvfp4_shape(self, p, w) -> tuple[int, int] | None:
+        """(rows, cols) when the fused CPU step can write p's NVFP4 copy (cols a multiple of 64), else None."""
+        from ..codec import _rows_cols
+
+        if w.device.type != "cpu" or p.is_cuda or self._cpu_ext() is None:
+            return None
+        rows, cols = _rows_cols(p.shape)
+        if not (rows and cols and cols % 64 == 0):
+            return None
+        # threads split the bands of 16 rows: too few bands for the threads would serialize a large step
+        if p.numel() >= 1 << 20 and -(-rows // 16) < 4 * torch.get_num_threads():
+            return None
+        return rows, cols
+
+    def _fused_nvfp4_plan(self, p, w) -> dict | None:
+        amax = self._working.get(id(p), {}).get("nvfp4_amax")
+        shape = self._fused_nvfp4_shape(p, w) if amax is not None else None
+        if shape is None:
+            return None
+        rows, cols = shape
+        amax = float(torch.tensor(amax * self.WCOPY_HEADROOM, dtype=torch.float32))  # what the kernel gets
+        rp = -(-rows // 16) * 16
+        return dict(rows=rows, cols=cols, amax=amax, data=torch.empty(rp * cols // 2, dtype=torch.uint8),
+                    scales=torch.empty(rp // 16 * (cols // 16), dtype=torch.uint8))
+
+    def _fused_nvfp4_result(self, p, w, wq: dict | None, res):
+        """The PackedTensor the fused step wrote, or None when _finish must encode (grown amax, non-finite)."""
+        if wq is None:
+            return None
+        new_amax, s_dec = res
+        if not new_amax <= wq["amax"]:  # grown past the scale (tiles saturated) or NaN: encode in _finish
+            metrics.counter("optim.wcopy_reencodes").add(1)
+            return None
+        from ..formats.packed import PackedTensor
+
+        self._working.setdefault(id(p), {})["nvfp4_amax"] = new_amax
+        return PackedTensor(wq["data"], wq["scales"], torch.tensor([s_dec], dtype=torch.float32), p.shape,
+                            w.dtype, "nvfp4", "16x16", 0, meta={"amax": wq["amax"]})
+
+    def _finish(self, p, w, master, bf, wc, uploaded: bool = False, nvfp4=None) -> None:
+        """Write the fp32 master back into the parameter and produce the working copies (`nvfp4`: made by the
+        fused step already)."""
         if master is not None and not uploaded:
             if p.dtype == torch.bfloat16 and bf is not None and bf.device == p.device:
                 p.data.copy_(bf.view(p.shape))
@@ -471,13 +530,18 @@ class FP4AdamW(Optimizer):
         if "bf16" in wc:
             slot["bf16"] = bf if bf is not None else w.to(torch.bfloat16)
         if "nvfp4" in wc:
-            from ..codec import quantize
+            if nvfp4 is None:
+                from ..codec import quantize
 
-            slot["nvfp4"] = quantize(w.view(p.shape), "nvfp4", block="16x16")
+                nvfp4 = quantize(w.view(p.shape), "nvfp4", block="16x16")
+                if self._fused_nvfp4_shape(p, w) is not None:  # the next step's fused encode starts from it
+                    slot["nvfp4_amax"] = float(w.abs().amax())
+                nvfp4.meta["amax"] = None  # the measured amax
+            slot["nvfp4"] = nvfp4
 
     def working_copy(self, p) -> dict:
         """The working copies of `p` made by the last step: ``{"bf16": Tensor (flat), "nvfp4": PackedTensor}``."""
-        return dict(self._working.get(id(p), {}))
+        return {k: v for k, v in self._working.get(id(p), {}).items() if k in ("bf16", "nvfp4")}
 
     # ---- introspection ----------------------------------------------------------------------------------
 

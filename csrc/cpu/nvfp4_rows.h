@@ -1,0 +1,88 @@
+// Row-level NVFP4/ufp4 helpers shared by the codec (fp4_cpu.cpp) and the fused optimizer step
+// (adam_cpu.cpp, which encodes the NVFP4 16x16 working copy of the weight band by band): the scalar rule of
+// fp4_codec.h, or its AVX-512 form from nvfp4_avx512.h when `simd` is set; both give the same bytes.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "fp4_codec.h"
+#include "cpu/nvfp4_avx512.h"
+
+namespace fp4cpu {
+
+template <typename T>
+inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+// Finite amax and non-finite count over `nrows` rows of `cnt` (<= 16) values, `stride` elements apart.
+template <typename T>
+inline void amax_rows(const T* p, int64_t stride, int nrows, int cnt, bool simd, float& amax, int32_t& bad) {
+#if FP4_HAVE_AVX512
+  if (simd) return fp4cpu::amax_rows16(p, stride, nrows, cnt, amax, bad);
+#endif
+  float m = 0.0f;
+  int32_t nb = 0;
+  for (int r = 0; r < nrows; ++r)
+    for (int j = 0; j < cnt; ++j) {
+      const float v = load(p + r * stride, j);
+      const bool fin = fp4::is_finite(v);
+      nb += fin ? 0 : 1;
+      m = fp4::fmax_(m, fin ? fp4::fabs_(v) : 0.0f);
+    }
+  amax = m;
+  bad = nb;
+}
+
+// Codes of one row of 16 (the first `cnt` from p, the rest zero) times the block multiplier k, packed.
+template <typename T>
+inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic, uint32_t key, uint64_t index0,
+                       bool simd, uint8_t* out) {
+#if FP4_HAVE_AVX512
+  if (simd) return fp4cpu::encode_row16(p, cnt, k, ufp4, stochastic, key, (uint32_t)index0, out);
+#endif
+  uint8_t codes[16];
+  for (int j = 0; j < 16; ++j) {
+    const float y = (j < cnt ? load(p, j) : 0.0f) * k;
+    if (ufp4)
+      codes[j] = fp4::ufp4_encode(fp4::fabs_(y));
+    else
+      codes[j] = fp4::e2m1_encode(y, stochastic, stochastic ? fp4::sr_bits(key, index0 + j) : 0u);
+  }
+  for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+}
+
+template <typename T>
+inline void decode_row(const uint8_t* in, bool ufp4, float scale_b, float s_dec, int cnt, bool simd, T* out) {
+#if FP4_HAVE_AVX512
+  if (simd) return fp4cpu::decode_row16(in, fp4cpu::decode_table16(ufp4, scale_b, s_dec), cnt, out);
+#endif
+  for (int j = 0; j < cnt; ++j) {
+    const uint8_t code = (in[j >> 1] >> ((j & 1) * 4)) & 0xF;
+    const float v = ufp4 ? fp4::ufp4_value(code) : fp4::e2m1_value(code);
+    out[j] = static_cast<T>((v * scale_b) * s_dec);
+  }
+}
+
+// One 16x16 tile of a (rows, cols) matrix whose codes sit at padded row-major positions r * cp + c: rows
+// r0..r0+15 from column c0, times the block multiplier k; rows past `rows` and dead tiles (`live` false) are
+// zero codes.
+template <typename T>
+inline void encode_tile(const T* x, int64_t rows, int64_t cols, int64_t cp, int64_t r0, int64_t c0, float k,
+                        bool live, bool ufp4, bool stochastic, uint32_t seed, uint32_t stream, bool simd,
+                        uint8_t* data) {
+  const int cnt = (int)std::max<int64_t>(std::min<int64_t>(16, cols - c0), 0);
+  for (int64_t r = r0; r < r0 + 16; ++r) {
+    const int64_t pos = r * cp + c0;
+    uint8_t* out = data + pos / 2;
+    if (!live || r >= rows) {
+      memset(out, 0, 8);
+      continue;
+    }
+    const uint32_t key = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)pos >> 32)) : 0u;
+    encode_row(x + r * cols + c0, cnt, k, ufp4, stochastic, key, (uint64_t)pos, simd, out);
+  }
+}
+
+}  // namespace fp4cpu
