@@ -143,3 +143,24 @@ def test_overflowing_block_multiplier_bytes_equal(cpu_ext):
         assert not torch.isnan(dec).any()
     zero = reference.nvfp4_encode(x, 1, x.numel(), 1, 0, False, False, 0, 0, False, amax=torch.zeros(1))
     assert int(zero[1].sum()) == 0 and int(zero[0].sum()) == 0  # amax 0: every scale and code is 0
+
+
+@pytest.mark.parametrize("scope", [0, 32, 512])
+@pytest.mark.parametrize("variant", ["nearest", "stochastic", "ufp4"])
+def test_grouped_block_paths_bytes_equal(scope, variant, simd):
+    """The CPU encodes whole 1x16 blocks 16 and 4 at a time: groups holding dead (all-zero) blocks, a block
+    with NaN (propagated), a tiny block, scopes that cut a group, and the ragged end all match the reference."""
+    x = _data((4096 + 37,), torch.float32, ("grouped", scope, variant))
+    x[16 * 5:16 * 6] = 0.0  # a dead block inside the first group of 16 and the second group of 4
+    x[16 * 37:16 * 40] = 0.0  # three dead blocks in one group of 4
+    x[16 * 70:16 * 71] *= 1e-30  # a block far below the others: its scale underflows
+    x[16 * 200 + 3] = float("nan")  # propagated: that block decodes to NaN, its group goes block by block
+    if variant == "ufp4":
+        x = x.abs()
+    for propagate, amax in ((True, None), (True, torch.full((1 if not scope else -(-x.numel() // scope),), 3.0))):
+        args = (x, 1, x.numel(), 1, scope, variant == "ufp4", variant == "stochastic", 99, 5, propagate)
+        ref = reference.nvfp4_encode(*args, amax=amax)
+        got = cpu.nvfp4_encode(*args, amax=amax)
+        for a, b in zip(ref, got):
+            _eq(a, b)
+        assert int(got[3]) == 1

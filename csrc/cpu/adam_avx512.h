@@ -80,71 +80,6 @@ static inline __m512i ufp4_codes16(__m512 y) {
   return _mm512_maskz_mov_epi32((__mmask16)~tiny, c);
 }
 
-// Lane b = max over the 16 lanes of v[b], for 16 vectors (a transpose tree: 15 max + 30 shuffles instead of
-// 16 horizontal reductions). Max is exact, so any order of comparisons gives the same result.
-static inline __m512 block_max16x16(const __m512* v) {
-  __m512 t[8], u[4], w[2];
-  for (int i = 0; i < 8; ++i) {  // t[i]: lanes 0-7 partial maxes of v[2i], lanes 8-15 of v[2i+1]
-    const __m512 x = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 y = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
-    t[i] = _mm512_max_ps(x, y);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[i]: 128-bit lane q holds 4 partial maxes of block 4i + q
-    const __m512 x = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 y = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
-    u[i] = _mm512_max_ps(x, y);
-  }
-  for (int i = 0; i < 2; ++i) {  // w[i]: lane q, elements 0-1 block 8i + q, elements 2-3 block 8i + 4 + q
-    const __m512 x = _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
-    const __m512 y = _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
-    w[i] = _mm512_max_ps(x, y);
-  }
-  const __m512 x = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0));
-  const __m512 y = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
-  const __m512 r = _mm512_max_ps(x, y);  // element 4q + j holds block 4j + q
-  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
-}
-
-// fp4::e4m3_encode(x) for 16 lanes of x >= 0 (not NaN).
-static inline __m512i e4m3_codes16_pos(__m512 x) {
-  const __m512 a = _mm512_min_ps(x, _mm512_set1_ps(fp4::kE4M3Max));
-  const __m512i ai = _mm512_castps_si512(a);
-  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
-                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 20), _mm512_set1_epi32(1));
-  __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
-  nrm = _mm512_sub_epi32(nrm, _mm512_set1_epi32(120 << 3));
-  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
-  return _mm512_min_epi32(_mm512_mask_blend_epi32(small, nrm, sub), _mm512_set1_epi32(0x7E));
-}
-
-// fp4::e4m3_value(code) for 16 lanes of codes 0..0x7E.
-static inline __m512 e4m3_values16_pos(__m512i c) {
-  const __m512i e = _mm512_srli_epi32(c, 3), m = _mm512_and_si512(c, _mm512_set1_epi32(7));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
-  const __m512i nrm = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
-                                      _mm512_slli_epi32(m, 20));
-  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-  return _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
-}
-
-// The E4M3 scales of 16 blocks, E4M3(min((amax_b / elem_max) * s_enc, 448)), stored for the first `cnt`
-// blocks; kb[b] = 1 / (scale * s_dec) clamped as fp4::block_encode_scale does, 0 where the block is dead
-// (a zero scale, or not in `ok`). Returns the live blocks.
-static inline __mmask16 block_scales16(__m512 amax16, __m512 vmax, __m512 venc, __m512 vdec, __mmask16 ok, int cnt,
-                                       uint8_t* scales, float* kb) {
-  const __m512i sc = e4m3_codes16_pos(_mm512_mul_ps(_mm512_div_ps(amax16, vmax), venc));
-  const __mmask16 live = _mm512_cmpneq_epi32_mask(sc, _mm512_setzero_si512()) & ok;
-  const __m512 k = _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f), _mm512_mul_ps(e4m3_values16_pos(sc), vdec));
-  _mm512_store_ps(kb, _mm512_min_ps(k, _mm512_set1_ps(fp4::kF32Max)));
-  const __m128i sc8 = _mm512_cvtepi32_epi8(sc);
-  if (cnt == 16)
-    _mm_storeu_si128((__m128i*)scales, sc8);
-  else
-    _mm_mask_storeu_epi8(scales, (__mmask16)((1u << cnt) - 1), sc8);
-  return live;
-}
-
 // Encodes buf[0..16*nb) (zeros past the data) as one chunk: one fp32 scale, an E4M3 scale per 16 elements,
 // codes. Same rules as encode_chunk_scalar in adam_cpu.cpp, 16 blocks at a time.
 static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_, bool stochastic, uint32_t key,
@@ -169,7 +104,7 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
         a[j] = _mm512_setzero_ps();
       }
     }
-    const __m512 mx = block_max16x16(a);
+    const __m512 mx = fp4cpu::block_max16x16(a);
     _mm512_store_ps(amax_b + q * 16, mx);
     amax_v = _mm512_max_ps(amax_v, mx);
     bad_g[q] = (uint16_t)bad;
@@ -179,7 +114,7 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
   const __m512 vmax = _mm512_set1_ps(elem_max), venc = _mm512_set1_ps(ts.enc), vdec = _mm512_set1_ps(ts.dec);
   for (int q = 0; q < ngroups; ++q) {
     alignas(64) float kb[16];
-    const __mmask16 live = block_scales16(_mm512_load_ps(amax_b + q * 16), vmax, venc, vdec, (__mmask16)~bad_g[q],
+    const __mmask16 live = fp4cpu::block_scales16(_mm512_load_ps(amax_b + q * 16), vmax, venc, vdec, (__mmask16)~bad_g[q],
                                           std::min(16, nb - q * 16), scales + q * 16, kb);
     const int cnt = std::min(16, nb - q * 16);
     for (int j = 0; j < cnt; ++j) {
@@ -239,8 +174,6 @@ inline const Tables& tables() {
 
 enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3 };
 
-#define FP4_INLINE static inline __attribute__((always_inline))
-
 // 8 packed code bytes of one block -> 16 lanes whose low nibble is the code (the other bits are junk; the
 // table permute reads only the low 4 bits). One broadcast load and one multishift.
 FP4_INLINE __m512i nibbles16(const uint8_t* codes8) {
@@ -254,18 +187,6 @@ FP4_INLINE __m512i nibbles16(const uint8_t* codes8) {
   return _mm512_multishift_epi64_epi8(sel, data);
 }
 
-// E2M1 magnitude codes, round to nearest even, of a = min(|y|, 6) (a finite): the integer rounding of the
-// fp32 pattern for a >= 1 (the "- (126 << 1)" folded into the rounding constant), rint(2a) below 1.
-FP4_INLINE __m512i e2m1_mag16(__m512 a) {
-  const __m512i ai = _mm512_castps_si512(a);
-  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_add_ps(a, a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
-  const __m512i nrm = _mm512_srli_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF - (252 << 22))), lsb), 22);
-  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
-  return _mm512_mask_blend_epi32(small, nrm, sub);  // <= 7 since a <= 6
-}
-
 // ufp4 codes of y >= +0 (finite): 0 below 2^-7 (the rounded code is then <= 0: clamp at 0), else the
 // pattern rounded to one mantissa bit minus (120 << 1); y <= 1.5 keeps it <= 15.
 FP4_INLINE __m512i ufp4_codes16_pos(__m512 y) {
@@ -274,18 +195,6 @@ FP4_INLINE __m512i ufp4_codes16_pos(__m512 y) {
   const __m512i c = _mm512_srai_epi32(
       _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF - (240 << 22))), lsb), 22);
   return _mm512_max_epi32(c, _mm512_setzero_si512());
-}
-
-// 4 vectors of 16 codes (int32 lanes 0..15, blocks b..b+3) -> 32 packed bytes (element 2i low nibble), in
-// the low 256 bits. packus twice gives bytes [blk0 4L..4L+3, blk1 .., blk2 .., blk3 ..] per 128-bit lane L;
-// maddubs merges neighbour pairs into one byte per word; vpermb puts the words' low bytes in order.
-FP4_INLINE __m256i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
-  const __m512i p = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
-  const __m512i w = _mm512_maddubs_epi16(p, _mm512_set1_epi16(0x1001));
-  // output byte 8k + j (block k, byte j) <- word (16*(j>>1) + 4k + 2*(j&1)) / 2 -> its byte index
-  const __m512i idx = _mm512_set_epi64(0, 0, 0, 0, 0x3E3C2E2C1E1C0E0CLL, 0x3A382A281A180A08LL,
-                                       0x3634262416140604LL, 0x3230222012100200LL);
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi8(idx, w));
 }
 
 // Pending pass-2 work of one chunk buffer (block multipliers already known).
@@ -304,17 +213,15 @@ FP4_INLINE __m512i enc_codes16(const EncJob& j, int b) {
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(j.kb[b]));
   if (Kind == kUfp4) return ufp4_codes16_pos(y);
   if (Kind == kE2M1SR) return fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
-  const __m512 a = _mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A);  // min(|y|, 6), sign cleared
-  const __m512i mag = e2m1_mag16(a);
-  if (Kind == kE2M1Pos) return mag;
-  // mag | ((y >> 28) & 8)
-  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8), mag, 0xEA);
+  if (Kind == kE2M1Pos)  // y >= +0: the magnitude is the code
+    return fp4cpu::e2m1_mag16(_mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A));
+  return fp4cpu::e2m1_codes16(y);
 }
 
 // Pass 2 of blocks b..b+3 (b a multiple of 4, b < j.nb).
 template <int Kind>
 FP4_INLINE void enc4(const EncJob& j, int b) {
-  const __m256i packed = pack64(enc_codes16<Kind>(j, b), enc_codes16<Kind>(j, b + 1), enc_codes16<Kind>(j, b + 2),
+  const __m256i packed = fp4cpu::pack64(enc_codes16<Kind>(j, b), enc_codes16<Kind>(j, b + 1), enc_codes16<Kind>(j, b + 2),
                                 enc_codes16<Kind>(j, b + 3));
   const uint32_t live4 = (uint32_t)(j.live >> b) & 0xF;
   const int left = j.nb - b;
@@ -381,7 +288,7 @@ static inline bool enc_prepare(const float* buf, int nb, float elem_max, uint8_t
   const __m512 vmax = _mm512_set1_ps(elem_max), venc = _mm512_set1_ps(ts.enc), vdec = _mm512_set1_ps(ts.dec);
   uint64_t live = 0;
   for (int q = 0; q < ngroups; ++q) {
-    const __mmask16 lv = block_scales16(_mm512_castsi512_ps(bm[q]), vmax, venc, vdec, (__mmask16)0xFFFF,
+    const __mmask16 lv = fp4cpu::block_scales16(_mm512_castsi512_ps(bm[q]), vmax, venc, vdec, (__mmask16)0xFFFF,
                                         std::min(16, nb - q * 16), scales + q * 16, j.kb + q * 16);
     live |= (uint64_t)lv << (q * 16);
   }

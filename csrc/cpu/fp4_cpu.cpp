@@ -65,6 +65,15 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
       amax_rows(x + i0, 0, 1, (int)std::min<int64_t>(kNvBlock, g.n - i0), simd, amax_b[b], bad_b[b]);
     }
   };
+  auto amax_range = [&](int64_t b0, int64_t b1) {  // block_amax on [b0, b1), 16 whole 1x16 blocks at a time
+    int64_t b = b0;
+#if FP4_HAVE_AVX512
+    if (simd && !tiled)
+      for (; b + 16 <= b1 && (b + 16) * kNvBlock <= g.n; b += 16)
+        fp4cpu::amax_blocks16(x + b * kNvBlock, amax_b.data() + b, bad_b.data() + b);
+#endif
+    for (; b < b1; ++b) block_amax(b);
+  };
   std::vector<fp4::TensorScale> ts(g.nscopes);
   auto encode_block = [&](int64_t b) {  // block scale, codes, packing
     const fp4::TensorScale& s = ts[b / g.per];
@@ -87,6 +96,65 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
                   simd, data);
     }
   };
+  // blocks [b0, b1): 1x16 blocks four at a time where all four are whole and live (one pack, one store)
+  auto encode_blocks = [&](int64_t b0, int64_t b1) {
+    int64_t b = b0;
+#if FP4_HAVE_AVX512
+    if (simd && !tiled) {
+      for (; b < b1 && b % 16; ++b) encode_block(b);
+      // 16 blocks of one scope at a time: their scales in vector form, codes four blocks to a pack
+      for (; b + 16 <= b1 && (b + 16) * kNvBlock <= g.n; b += 16) {
+        int32_t anybad = 0;
+        for (int q = 0; q < 16; ++q) anybad |= bad_b[b + q];
+        const int64_t sc0 = b / g.per;
+        if (anybad || (b + 15) / g.per != sc0) {
+          for (int q = 0; q < 16; ++q) encode_block(b + q);
+          continue;
+        }
+        const fp4::TensorScale& s = ts[sc0];
+        alignas(64) float kb[16];
+        const uint32_t live = fp4cpu::block_scales16(
+            _mm512_loadu_ps(amax_b.data() + b), _mm512_set1_ps(elem_max), _mm512_set1_ps(s.enc),
+            _mm512_set1_ps(s.dec), (__mmask16)0xFFFF, 16, scales + b, kb);
+        const int64_t i0 = b * kNvBlock;
+        const uint32_t key = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
+        for (int q = 0; q < 16; q += 4) {
+          const int64_t iq = i0 + q * kNvBlock;
+          if (((live >> q) & 0xF) == 0xF) {
+            fp4cpu::encode_rows4(x + iq, kb + q, ufp4, stochastic, key, (uint32_t)iq, data + iq / 2);
+            continue;
+          }
+          for (int j = q; j < q + 4; ++j) {
+            const int64_t ij = i0 + j * kNvBlock;
+            if ((live >> j) & 1)
+              encode_row(x + ij, (int)kNvBlock, kb[j], ufp4, stochastic, key, (uint64_t)ij, true, data + ij / 2);
+            else
+              memset(data + ij / 2, 0, kNvBlock / 2);
+          }
+        }
+      }
+      for (; b + 4 <= b1 && (b + 4) * kNvBlock <= g.n; b += 4) {
+        float k[4];
+        bool all_live = true;
+        for (int q = 0; q < 4; ++q) {
+          const fp4::TensorScale& s = ts[(b + q) / g.per];
+          const uint8_t sc = fp4::block_scale_code(amax_b[b + q], elem_max, s.enc);
+          all_live = all_live && sc != 0 && bad_b[b + q] == 0;
+          k[q] = all_live ? fp4::block_encode_scale(sc, s.dec) : 0.0f;
+          scales[b + q] = sc;
+        }
+        if (!all_live) {
+          for (int q = 0; q < 4; ++q) encode_block(b + q);
+          continue;
+        }
+        const int64_t i0 = b * kNvBlock;
+        const uint32_t key = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
+        fp4cpu::encode_rows4(x + i0, k, ufp4, stochastic, key, (uint32_t)i0, data + b * (kNvBlock / 2));
+      }
+    }
+#endif
+    for (; b < b1; ++b) encode_block(b);
+  };
   s_dec_out.resize(g.nscopes);
   if (amax_in) {  // the tensor scales are given: one pass, each block encoded right after its amax (in L1)
     for (int64_t s = 0; s < g.nscopes; ++s) {
@@ -94,9 +162,11 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
       s_dec_out[s] = ts[s].dec;
     }
     at::parallel_for(0, g.nb, tiled ? 16 : 1024, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
-        block_amax(b);
-        encode_block(b);
+      const int64_t step = tiled ? 8 : 64;  // a few KiB of blocks: their amax, then their codes (from L1)
+      for (int64_t c0 = b0; c0 < b1; c0 += step) {
+        const int64_t c1 = std::min(b1, c0 + step);
+        amax_range(c0, c1);
+        encode_blocks(c0, c1);
       }
     });
     nonfinite = 0;
@@ -104,9 +174,7 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
     return;
   }
   // pass 1: every block's amax, for the scopes' amax
-  at::parallel_for(0, g.nb, tiled ? 64 : 2048, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) block_amax(b);
-  });
+  at::parallel_for(0, g.nb, tiled ? 64 : 2048, [&](int64_t b0, int64_t b1) { amax_range(b0, b1); });
   std::vector<float> amax_s(g.nscopes, 0.0f);
   int64_t bad_total = 0;
   for (int64_t b = 0; b < g.nb; ++b) {
@@ -121,9 +189,7 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
     s_dec_out[s] = ts[s].dec;
   }
   // pass 2
-  at::parallel_for(0, g.nb, tiled ? 16 : 1024, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) encode_block(b);
-  });
+  at::parallel_for(0, g.nb, tiled ? 16 : 1024, [&](int64_t b0, int64_t b1) { encode_blocks(b0, b1); });
 }
 
 std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t cols, int64_t tile, int64_t scope,

@@ -34,25 +34,39 @@ inline bool set_avx512(bool on) {
 
 #if FP4_HAVE_AVX512
 
-// Magnitude+sign E2M1 codes of 16 scaled values y (nearest, ties to even): the integer rounding of
-// fp4::e2m1_encode_mag on every lane.
-static inline __m512i e2m1_codes16(__m512 y) {
-  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
-  const __m512i yi = _mm512_castps_si512(y);
-  const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(yi, absmask)), _mm512_set1_ps(6.0f));
+#define FP4_INLINE static inline __attribute__((always_inline))
+
+// E2M1 magnitude codes, round to nearest even, of a = min(|y|, 6) (a finite): the integer rounding of the
+// fp32 pattern for a >= 1 (the "- (126 << 1)" folded into the rounding constant), rint(2a) below 1.
+FP4_INLINE __m512i e2m1_mag16(__m512 a) {
   const __m512i ai = _mm512_castps_si512(a);
-  // a < 1: round(a * 2) on the integer grid, ties to even
-  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(2.0f)),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // a >= 1: round the fp32 pattern to one mantissa bit, ties to even
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_add_ps(a, a), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
-  __m512i nrm = _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF)), lsb);
-  nrm = _mm512_sub_epi32(_mm512_srli_epi32(nrm, 22), _mm512_set1_epi32(126 << 1));
+  const __m512i nrm = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF - (252 << 22))), lsb), 22);
   const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.0f), _CMP_LT_OQ);
-  __m512i mag = _mm512_mask_blend_epi32(small, nrm, sub);
-  mag = _mm512_min_epi32(mag, _mm512_set1_epi32(7));
-  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(yi, 28), _mm512_set1_epi32(8));
-  return _mm512_or_si512(mag, sign);
+  return _mm512_mask_blend_epi32(small, nrm, sub);  // <= 7 since a <= 6
+}
+
+// Magnitude+sign E2M1 codes of 16 scaled values y (nearest, ties to even): fp4::e2m1_encode on every lane
+// whose y is not NaN (the callers encode finite blocks only).
+FP4_INLINE __m512i e2m1_codes16(__m512 y) {
+  const __m512 a = _mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A);  // min(|y|, 6), sign cleared
+  // mag | ((y >> 28) & 8)
+  return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8), e2m1_mag16(a),
+                                   0xEA);
+}
+
+// 4 vectors of 16 codes (int32 lanes 0..15, blocks b..b+3) -> 32 packed bytes (element 2i low nibble), in
+// the low 256 bits. packus twice gives bytes [blk0 4L..4L+3, blk1 .., blk2 .., blk3 ..] per 128-bit lane L;
+// maddubs merges neighbour pairs into one byte per word; vpermb puts the words' low bytes in order.
+FP4_INLINE __m256i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512i p = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+  const __m512i w = _mm512_maddubs_epi16(p, _mm512_set1_epi16(0x1001));
+  // output byte 8k + j (block k, byte j) <- word (16*(j>>1) + 4k + 2*(j&1)) / 2 -> its byte index
+  const __m512i idx = _mm512_set_epi64(0, 0, 0, 0, 0x3E3C2E2C1E1C0E0CLL, 0x3A382A281A180A08LL,
+                                       0x3634262416140604LL, 0x3230222012100200LL);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi8(idx, w));
 }
 
 // fp4::sr_bits on 16 consecutive element indices idx0 .. idx0 + 15 (idx0 is the low 32 bits; blocks never
@@ -144,6 +158,86 @@ static inline void amax_rows16(const T* p, int64_t stride, int nrows, int cnt, f
   bad = nb;
 }
 
+// Lane b = max over the 16 lanes of v[b], for 16 vectors (a transpose tree: 15 max + 30 shuffles instead of
+// 16 horizontal reductions). Max is exact, so any order of comparisons gives the same result.
+static inline __m512 block_max16x16(const __m512* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i) {  // t[i]: lanes 0-7 partial maxes of v[2i], lanes 8-15 of v[2i+1]
+    const __m512 x = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    t[i] = _mm512_max_ps(x, y);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[i]: 128-bit lane q holds 4 partial maxes of block 4i + q
+    const __m512 x = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 y = _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    u[i] = _mm512_max_ps(x, y);
+  }
+  for (int i = 0; i < 2; ++i) {  // w[i]: lane q, elements 0-1 block 8i + q, elements 2-3 block 8i + 4 + q
+    const __m512 x = _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 y = _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2));
+    w[i] = _mm512_max_ps(x, y);
+  }
+  const __m512 x = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0));
+  const __m512 y = _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1));
+  const __m512 r = _mm512_max_ps(x, y);  // element 4q + j holds block 4j + q
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// fp4::e4m3_encode(x) for 16 lanes of x >= 0 (not NaN).
+static inline __m512i e4m3_codes16_pos(__m512 x) {
+  const __m512 a = _mm512_min_ps(x, _mm512_set1_ps(fp4::kE4M3Max));
+  const __m512i ai = _mm512_castps_si512(a);
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
+                                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 20), _mm512_set1_epi32(1));
+  __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
+  nrm = _mm512_sub_epi32(nrm, _mm512_set1_epi32(120 << 3));
+  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
+  return _mm512_min_epi32(_mm512_mask_blend_epi32(small, nrm, sub), _mm512_set1_epi32(0x7E));
+}
+
+// fp4::e4m3_value(code) for 16 lanes of codes 0..0x7E.
+static inline __m512 e4m3_values16_pos(__m512i c) {
+  const __m512i e = _mm512_srli_epi32(c, 3), m = _mm512_and_si512(c, _mm512_set1_epi32(7));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
+  const __m512i nrm = _mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(120)), 23),
+                                      _mm512_slli_epi32(m, 20));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  return _mm512_mask_blend_ps(is_sub, _mm512_castsi512_ps(nrm), sub);
+}
+
+// The E4M3 scales of 16 blocks, E4M3(min((amax_b / elem_max) * s_enc, 448)), stored for the first `cnt`
+// blocks; kb[b] = 1 / (scale * s_dec) clamped as fp4::block_encode_scale does, 0 where the block is dead
+// (a zero scale, or not in `ok`). Returns the live blocks.
+static inline __mmask16 block_scales16(__m512 amax16, __m512 vmax, __m512 venc, __m512 vdec, __mmask16 ok, int cnt,
+                                       uint8_t* scales, float* kb) {
+  const __m512i sc = e4m3_codes16_pos(_mm512_mul_ps(_mm512_div_ps(amax16, vmax), venc));
+  const __mmask16 live = _mm512_cmpneq_epi32_mask(sc, _mm512_setzero_si512()) & ok;
+  const __m512 k = _mm512_maskz_div_ps(live, _mm512_set1_ps(1.0f), _mm512_mul_ps(e4m3_values16_pos(sc), vdec));
+  _mm512_store_ps(kb, _mm512_min_ps(k, _mm512_set1_ps(fp4::kF32Max)));
+  const __m128i sc8 = _mm512_cvtepi32_epi8(sc);
+  if (cnt == 16)
+    _mm_storeu_si128((__m128i*)scales, sc8);
+  else
+    _mm_mask_storeu_epi8(scales, (__mmask16)((1u << cnt) - 1), sc8);
+  return live;
+}
+
+// Finite amax and non-finite count of each of 16 consecutive whole 1x16 blocks at p (amax_rows16 on each,
+// with one transpose tree instead of 16 horizontal reductions).
+template <typename T>
+static inline void amax_blocks16(const T* p, float* amax, int32_t* bad) {
+  const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), expmask = _mm512_set1_epi32(0x7F800000);
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) {
+    const __m512i v = _mm512_castps_si512(load16(p + 16 * j, 16));
+    const __mmask16 nonfin = _mm512_cmpeq_epi32_mask(_mm512_and_si512(v, expmask), expmask);
+    a[j] = _mm512_castsi512_ps(_mm512_maskz_and_epi32((__mmask16)~nonfin, v, absmask));
+    bad[j] = __builtin_popcount((unsigned)nonfin);
+  }
+  _mm512_storeu_ps(amax, block_max16x16(a));
+}
+
 // ufp4 codes of 16 scaled values: |y| clamped to 1.5, below 2^-7 -> code 0, else one mantissa bit, ties to even.
 static inline __m512i ufp4_codes16(__m512 y) {
   const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(1.5f));
@@ -158,18 +252,8 @@ static inline __m512i ufp4_codes16(__m512 y) {
 
 // E4M3 codes of 16 values (nearest even, saturating at 448, sign kept), as int32 lanes.
 static inline __m512i e4m3_codes16(__m512 y) {
-  const __m512i yi = _mm512_castps_si512(y);
-  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(448.0f));
-  const __m512i ai = _mm512_castps_si512(a);
-  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(512.0f)),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 20), _mm512_set1_epi32(1));
-  __m512i nrm = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x7FFFF)), lsb), 20);
-  nrm = _mm512_sub_epi32(nrm, _mm512_set1_epi32(120 << 3));
-  const __mmask16 small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.015625f), _CMP_LT_OQ);
-  __m512i c = _mm512_mask_blend_epi32(small, nrm, sub);
-  c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(0x7E));
-  return _mm512_or_si512(c, _mm512_and_si512(_mm512_srli_epi32(yi, 24), _mm512_set1_epi32(0x80)));
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(y), 24), _mm512_set1_epi32(0x80));
+  return _mm512_or_si512(e4m3_codes16_pos(_mm512_abs_ps(y)), sign);
 }
 
 // fp32 values of 16 E4M3 codes (int32 lanes): normal, subnormal (m * 2^-9) and NaN (0x7F/0xFF).

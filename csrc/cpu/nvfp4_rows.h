@@ -65,6 +65,21 @@ inline void decode_row(const uint8_t* in, bool ufp4, float scale_b, float s_dec,
   }
 }
 
+#if FP4_HAVE_AVX512
+// Four consecutive 1x16 blocks at p (64 values, all present) times their multipliers k[0..3], packed into the
+// 32 bytes at out: encode_row on each block, with one pack for the four.
+template <typename T>
+inline void encode_rows4(const T* p, const float* k, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0,
+                         uint8_t* out) {
+  __m512i c[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m512 y = _mm512_mul_ps(load16(p + 16 * q, 16), _mm512_set1_ps(k[q]));
+    c[q] = ufp4 ? ufp4_codes16(y) : stochastic ? e2m1_codes16_sr(y, sr_bits16(key, idx0 + 16 * q)) : e2m1_codes16(y);
+  }
+  _mm256_storeu_si256((__m256i*)out, pack64(c[0], c[1], c[2], c[3]));
+}
+#endif
+
 // One 16x16 tile of a (rows, cols) matrix whose codes sit at padded row-major positions r * cp + c: rows
 // r0..r0+15 from column c0, times the block multiplier k; rows past `rows` and dead tiles (`live` false) are
 // zero codes.
@@ -73,7 +88,22 @@ inline void encode_tile(const T* x, int64_t rows, int64_t cols, int64_t cp, int6
                         bool live, bool ufp4, bool stochastic, uint32_t seed, uint32_t stream, bool simd,
                         uint8_t* data) {
   const int cnt = (int)std::max<int64_t>(std::min<int64_t>(16, cols - c0), 0);
-  for (int64_t r = r0; r < r0 + 16; ++r) {
+  int64_t r = r0;
+#if FP4_HAVE_AVX512
+  if (simd && live && !ufp4 && !stochastic && cnt == 16) {  // 4 rows at a time, packed together
+    const __m512 vk = _mm512_set1_ps(k);
+    for (; r + 4 <= std::min<int64_t>(r0 + 16, rows); r += 4) {
+      const T* p = x + r * cols + c0;
+      alignas(32) uint64_t w[4];
+      _mm256_store_si256((__m256i*)w, pack64(e2m1_codes16(_mm512_mul_ps(load16(p, 16), vk)),
+                                             e2m1_codes16(_mm512_mul_ps(load16(p + cols, 16), vk)),
+                                             e2m1_codes16(_mm512_mul_ps(load16(p + 2 * cols, 16), vk)),
+                                             e2m1_codes16(_mm512_mul_ps(load16(p + 3 * cols, 16), vk))));
+      for (int q = 0; q < 4; ++q) memcpy(data + ((r + q) * cp + c0) / 2, &w[q], 8);
+    }
+  }
+#endif
+  for (; r < r0 + 16; ++r) {
     const int64_t pos = r * cp + c0;
     uint8_t* out = data + pos / 2;
     if (!live || r >= rows) {
