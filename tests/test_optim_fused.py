@@ -212,3 +212,59 @@ def test_fused_nvfp4_working_copy(ext, simd, shape):
     for key, t in sd_a["state"][0].items():
         if torch.is_tensor(t):
             assert torch.equal(t.reshape(-1).view(torch.uint8), sd_b["state"][0][key].reshape(-1).view(torch.uint8))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_weight_regions(ext, simd, threads):
+    """Registered regions of a flat parameter (offsets off the chunk grid, ragged rows and columns, bands
+    that straddle the threads' chunk ranges) come out as the codec's encode of each slice with the given
+    amax; the step's weights and states are the same bits as without regions; a region without an amax, or
+    a step that was skipped, writes nothing."""
+    from fp4offload import ConfigError, FP4AdamW, quantize
+    from fp4offload.optim import WeightRegion
+
+    n = 200_003
+    layout = [(1000, 40, 128), (1000 + 40 * 128 + 7, 33, 50), (60_001, 700, 192)]  # (offset, rows, cols)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        def run(with_regions):
+            g = torch.Generator().manual_seed(5)
+            p = torch.nn.Parameter(torch.randn(n, generator=g) * 0.05)
+            opt = FP4AdamW([p], lr=1e-3, backend="fused")
+            regs = [WeightRegion(o, r, c) for o, r, c in layout] + [WeightRegion(195_000, 10, 64)]
+            if with_regions:
+                with pytest.raises(ConfigError, match="non-overlapping"):
+                    opt.register_weight_regions(p, regs + [WeightRegion(194_000, 10, 64)])  # overlaps
+                opt.register_weight_regions(p, regs)
+            out = []
+            for step in range(3):
+                for r in regs[:3]:
+                    r.amax = float(p.detach()[r.offset:r.offset + r.rows * r.cols].abs().max()) * 2
+                p.grad = torch.randn(n, generator=g)
+                if step == 2:
+                    p.grad[12345] = float("inf")  # skipped: states, weights and regions untouched
+                opt.step()
+                out.append((p.detach().clone(), [(r.packed, r.new_amax, r.amax) for r in regs]))
+            return out, opt.state_dict()
+
+        got, sd_a = run(True)
+        plain, sd_b = run(False)
+    finally:
+        torch.set_num_threads(before)
+    for step, ((pa, regs), (pb, _)) in enumerate(zip(got, plain)):
+        assert torch.equal(pa.view(torch.int32), pb.view(torch.int32)), step
+        for i, (packed, new_amax, amax) in enumerate(regs):
+            if step == 2 or i == 3:  # skipped step; region without an amax
+                assert packed is None and new_amax != new_amax
+                continue
+            o, r, c = layout[i]
+            sl = pa[o:o + r * c].view(r, c)
+            ref = quantize(sl, "nvfp4", block="16x16", amax=amax)
+            assert packed.shape == (r, c) and packed.meta["amax"] == amax
+            assert torch.equal(packed.data, ref.data) and torch.equal(packed.scales, ref.scales), (step, i)
+            assert torch.equal(packed.tensor_scale, ref.tensor_scale)
+            assert new_amax == float(sl.abs().max())
+    for key, t in sd_a["state"][0].items():
+        if torch.is_tensor(t):
+            assert torch.equal(t.reshape(-1).view(torch.uint8), sd_b["state"][0][key].reshape(-1).view(torch.uint8))

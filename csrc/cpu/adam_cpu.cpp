@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <mutex>
 #include <vector>
 
 #include "fp4_codec.h"
@@ -145,18 +144,20 @@ uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
 // One AdamW step over a flat fp32 tensor (a whole parameter or a segment of one that starts at a segment
 // boundary) with packed states; everything is updated in place.
 //
-// With w_data / w_scales, the step also writes the NVFP4 16x16 working copy of the new weight, viewed as
-// (w_rows, w_cols) with w_cols a multiple of 64 (so a band of 16 rows is whole chunks): threads take whole
-// bands, update a group of bands' chunks, then encode those bands' tiles while they are still in cache,
-// with the tensor scale of `w_amax` (fp4::tensor_scale(w_amax, 6)), exactly as the codec encodes with that
-// amax override. Returns {finite amax of the new weight (NaN if any element is not finite), s_dec}; a
-// caller whose amax grew past w_amax re-encodes (the tiles above w_amax saturated).
+// With w_data etc. (one entry per region), the step also writes NVFP4 16x16 copies of regions of the new
+// weight: region r is the (w_rows[r], w_cols[r]) matrix at element w_offsets[r] of the flat param, encoded
+// with the tensor scale of w_amax[r] (fp4::tensor_scale(w_amax, 6)), exactly as the codec encodes that
+// matrix with that amax override. Each band of 16 rows is encoded by the thread that updated it, right
+// after the update of its last chunk, while it is in cache; bands that straddle two threads' chunk ranges
+// are encoded after the parallel loop. Returns {finite amax of the region's new values (NaN if one is not
+// finite), s_dec} per region; a caller whose amax grew past w_amax re-encodes (those tiles saturated).
 std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales,
                 torch::Tensor m_ts, torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_ts, double b1,
                 double omb1, double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
                 bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed, int64_t stream0,
-                c10::optional<torch::Tensor> bf16_out, c10::optional<torch::Tensor> w_data,
-                c10::optional<torch::Tensor> w_scales, int64_t w_rows, int64_t w_cols, double w_amax) {
+                c10::optional<torch::Tensor> bf16_out, std::vector<torch::Tensor> w_data,
+                std::vector<torch::Tensor> w_scales, std::vector<int64_t> w_offsets, std::vector<int64_t> w_rows,
+                std::vector<int64_t> w_cols, std::vector<double> w_amax) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
               "fused_step: param must be a contiguous fp32 CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() &&
@@ -164,7 +165,7 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
               "fused_step: grad must be a contiguous fp32 or bf16 CPU tensor");
   const int64_t n = param.numel();
   TORCH_CHECK(grad.numel() == n, "fused_step: grad has ", grad.numel(), " elements, param ", n);
-  if (n == 0) return {0.0, 0.0};
+  if (n == 0) return std::vector<double>(2 * w_data.size(), 0.0);
   const int64_t nb = (n + 15) / 16, nchunks = (n + kChunk - 1) / kChunk;
   ChunkArgs a;
   a.n = n;
@@ -207,50 +208,96 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
         chunk_scalar(a, gf, c);
     }
   };
-  const bool want_w = w_data.has_value() && w_data->defined();
-  if (!want_w) {
+  const size_t R = w_data.size();
+  if (R == 0) {
     at::parallel_for(0, nchunks, 8, step_chunks);
-    return {0.0, 0.0};
+    return {};
   }
-  TORCH_CHECK(w_scales.has_value() && w_scales->defined(), "fused_step: w_data needs w_scales");
-  TORCH_CHECK(w_rows > 0 && w_cols > 0 && w_cols % 64 == 0 && w_rows * w_cols == n,
-              "fused_step: the NVFP4 working copy needs (w_rows, w_cols) covering the param with w_cols % 64 == 0");
-  TORCH_CHECK(std::isfinite(w_amax) && w_amax >= 0, "fused_step: w_amax must be finite and >= 0");
-  const int64_t nbands = (w_rows + 15) / 16, band = 16 * w_cols, C = w_cols / 16;
-  uint8_t* wd = u8ptr(*w_data, "w_data", nbands * band / 2);
-  uint8_t* ws = u8ptr(*w_scales, "w_scales", nbands * C);
-  const fp4::TensorScale ts = fp4::tensor_scale((float)w_amax, fp4::kE2M1Max);
-  // bands per group: about 32 chunks (128 KiB of fp32 weight, inside L2) between a band's update and its encode
-  const int64_t group = std::max<int64_t>(1, 32 * kChunk / band);
-  float amax_all = 0.0f;
-  int64_t bad_all = 0;
-  std::mutex mu;
-  at::parallel_for(0, nbands, group, [&](int64_t b0, int64_t b1) {
+  TORCH_CHECK(w_scales.size() == R && w_offsets.size() == R && w_rows.size() == R && w_cols.size() == R &&
+                  w_amax.size() == R, "fused_step: the w_* lists must have one entry per region");
+  struct Region {
+    int64_t off, rows, cols, cp, C;
+    uint8_t *data, *scales;
+    fp4::TensorScale ts;
+  };
+  struct Band {
+    int64_t start, end;  // flat elements [start, end)
+    int32_t region, band;
+  };
+  std::vector<Region> regs(R);
+  std::vector<Band> bands;
+  int64_t prev_end = 0;
+  for (size_t r = 0; r < R; ++r) {
+    const int64_t off = w_offsets[r], rows = w_rows[r], cols = w_cols[r];
+    TORCH_CHECK(rows > 0 && cols > 0 && off >= prev_end && off + rows * cols <= n,
+                "fused_step: region ", r, " (offset ", off, ", ", rows, " x ", cols,
+                ") must lie inside the param, after the previous region");
+    TORCH_CHECK(std::isfinite(w_amax[r]) && w_amax[r] >= 0, "fused_step: w_amax must be finite and >= 0");
+    prev_end = off + rows * cols;
+    const int64_t rp = (rows + 15) / 16 * 16, cp = (cols + 15) / 16 * 16;
+    regs[r] = Region{off, rows, cols, cp, cp / 16, u8ptr(w_data[r], "w_data", rp * cp / 2),
+                     u8ptr(w_scales[r], "w_scales", rp / 16 * (cp / 16)),
+                     fp4::tensor_scale((float)w_amax[r], fp4::kE2M1Max)};
+    for (int64_t b = 0; b < rp / 16; ++b)
+      bands.push_back(Band{off + 16 * b * cols, off + std::min(16 * (b + 1), rows) * cols, (int32_t)r, (int32_t)b});
+  }
+  const int64_t NB = (int64_t)bands.size();
+  std::vector<float> band_amax(NB, 0.0f);
+  std::vector<int32_t> band_bad(NB, 0);
+  std::vector<uint8_t> done(NB, 0);
+  auto encode_band = [&](int64_t i) {
+    const Band& bd = bands[i];
+    const Region& g = regs[bd.region];
+    const float* x = a.param + g.off;
+    const int64_t r0 = 16 * (int64_t)bd.band;
     float amax = 0.0f;
-    int64_t bad = 0;
-    for (int64_t g0 = b0; g0 < b1; g0 += group) {
-      const int64_t g1 = std::min(b1, g0 + group);
-      step_chunks(g0 * band / kChunk, std::min(nchunks, (g1 * band + kChunk - 1) / kChunk));
-      for (int64_t t = g0 * C; t < g1 * C; ++t) {
-        const int64_t r0 = (t / C) * 16, c0 = (t % C) * 16;
-        float amax_b;
-        int32_t bad_b;
-        fp4cpu::amax_rows(a.param + r0 * w_cols + c0, w_cols, (int)std::min<int64_t>(16, w_rows - r0), 16, simd,
-                          amax_b, bad_b);
-        const uint8_t sc = fp4::block_scale_code(amax_b, fp4::kE2M1Max, ts.enc);
-        const bool live = sc != 0 && bad_b == 0;
-        ws[t] = sc;
-        fp4cpu::encode_tile(a.param, w_rows, w_cols, w_cols, r0, c0,
-                            live ? fp4::block_encode_scale(sc, ts.dec) : 0.0f, live, false, false, 0u, 0u, simd, wd);
-        amax = fp4::fmax_(amax, amax_b);
-        bad += bad_b;
-      }
+    int32_t bad = 0;
+    for (int64_t t = 0; t < g.C; ++t) {
+      const int64_t c0 = 16 * t;
+      float amax_b;
+      int32_t bad_b;
+      fp4cpu::amax_rows(x + r0 * g.cols + c0, g.cols, (int)std::min<int64_t>(16, g.rows - r0),
+                        (int)std::min<int64_t>(16, g.cols - c0), simd, amax_b, bad_b);
+      const uint8_t sc = fp4::block_scale_code(amax_b, fp4::kE2M1Max, g.ts.enc);
+      const bool live = sc != 0 && bad_b == 0;
+      g.scales[bd.band * g.C + t] = sc;
+      fp4cpu::encode_tile(x, g.rows, g.cols, g.cp, r0, c0, live ? fp4::block_encode_scale(sc, g.ts.dec) : 0.0f,
+                          live, false, false, 0u, 0u, simd, g.data);
+      amax = fp4::fmax_(amax, amax_b);
+      bad += bad_b;
     }
-    std::lock_guard<std::mutex> lock(mu);
-    amax_all = fp4::fmax_(amax_all, amax);
-    bad_all += bad;
+    band_amax[i] = amax;
+    band_bad[i] = bad;
+    done[i] = 1;
+  };
+  constexpr int64_t kGroup = 32;  // chunks (128 KiB of fp32) between a band's update and its encode
+  at::parallel_for(0, nchunks, 8, [&](int64_t c0, int64_t c1) {
+    const int64_t lo = c0 * kChunk;
+    int64_t i = std::lower_bound(bands.begin(), bands.end(), lo,
+                                 [](const Band& bd, int64_t v) { return bd.start < v; }) - bands.begin();
+    for (int64_t g0 = c0; g0 < c1; g0 += kGroup) {
+      const int64_t g1 = std::min(c1, g0 + kGroup);
+      step_chunks(g0, g1);
+      const int64_t upto = std::min(g1 * kChunk, n);
+      for (; i < NB && bands[i].end <= upto; ++i) encode_band(i);  // starts >= lo: all of it is this thread's
+    }
   });
-  return {bad_all ? std::nan("") : (double)amax_all, (double)ts.dec};
+  at::parallel_for(0, NB, 1, [&](int64_t i0, int64_t i1) {  // the bands that straddle two threads' ranges
+    for (int64_t i = i0; i < i1; ++i)
+      if (!done[i]) encode_band(i);
+  });
+  std::vector<double> out(2 * R, 0.0);
+  std::vector<int64_t> bad_r(R, 0);
+  for (int64_t i = 0; i < NB; ++i) {
+    const int r = bands[i].region;
+    out[2 * r] = fp4::fmax_((float)out[2 * r], band_amax[i]);
+    bad_r[r] += band_bad[i];
+  }
+  for (size_t r = 0; r < R; ++r) {
+    if (bad_r[r]) out[2 * r] = std::nan("");
+    out[2 * r + 1] = (double)regs[r].ts.dec;
+  }
+  return out;
 }
 
 // True when every element of a fp32/bf16/fp16 CPU tensor is finite.
@@ -292,8 +339,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_tscale"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"),
         py::arg("decay"), py::arg("step_size"), py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"),
         py::arg("v_nvfp4"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
-        py::arg("bf16_out") = py::none(), py::arg("w_data") = py::none(), py::arg("w_scales") = py::none(),
-        py::arg("w_rows") = 0, py::arg("w_cols") = 0, py::arg("w_amax") = 0.0);
+        py::arg("bf16_out") = py::none(), py::arg("w_data") = std::vector<torch::Tensor>{},
+        py::arg("w_scales") = std::vector<torch::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
+        py::arg("w_rows") = std::vector<int64_t>{}, py::arg("w_cols") = std::vector<int64_t>{},
+        py::arg("w_amax") = std::vector<double>{});
   m.def("all_finite", &all_finite, "whether every element is finite");
   m.def("have_avx512", &have_avx512, "whether the AVX-512 path is compiled in and enabled");
   m.def("set_avx512", &set_avx512, "enable/disable the AVX-512 path; returns the state");

@@ -4,7 +4,7 @@
 - state.py: per-parameter state and its state-dict form; nvme.py: the NVMe tier; fused.py: the compiled steps.
 """
 
-from .adamw import FP4AdamW
+from .adamw import FP4AdamW, WeightRegion
 from .reference_step import CHUNK, SEGMENT
 
-__all__ = ["FP4AdamW", "CHUNK", "SEGMENT"]
+__all__ = ["FP4AdamW", "WeightRegion", "CHUNK", "SEGMENT"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 import weakref
 import zlib
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
@@ -27,6 +28,28 @@ WORKING_COPIES = (None, "bf16", "nvfp4", "both")
 
 def _pinned(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(n, dtype=dtype, pin_memory=pin)
+
+
+@dataclass(eq=False)
+class WeightRegion:
+    """A (rows, cols) matrix at element `offset` of a flat parameter whose NVFP4 16x16 copy the fused CPU
+    step writes (FP4AdamW.register_weight_regions).
+
+    Set before a step: ``amax``, the amax the tensor scale comes from (None: the step leaves the region
+    alone). Set by the step: ``packed`` (a PackedTensor of shape (rows, cols), equal to
+    ``quantize(values, "nvfp4", block="16x16", amax=amax)``; None when the step did not write it) and
+    ``new_amax`` (the finite amax of the region's new values; NaN when one is not finite or nothing was
+    written). When ``new_amax > amax`` the largest tiles saturated: encode again with the right amax.
+    """
+
+    offset: int
+    rows: int
+    cols: int
+    amax: float | None = None
+    packed: Any = None
+    new_amax: float = float("nan")
+    _data: Any = field(default=None, repr=False)
+    _scales: Any = field(default=None, repr=False)
 
 
 class FP4AdamW(Optimizer):
@@ -128,6 +151,7 @@ class FP4AdamW(Optimizer):
         self.skipped_steps = 0
         self._steps_taken = 0
         self._working: dict[int, dict] = {}
+        self._regions: dict[int, list[WeightRegion]] = {}  # id(tensor) -> register_weight_regions
         self._copy_stream = None
         self._nvme = None
         self.nvme_io = None
@@ -277,6 +301,9 @@ class FP4AdamW(Optimizer):
         for _, p, _ in todo:
             if p.grad.is_sparse:
                 raise ConfigError("grad", "a sparse gradient", "dense gradients", "FP4AdamW has no sparse path")
+        for _, p, _ in todo:  # region results are per step: unset until this step writes them
+            for r in self._regions.get(id(p), ()):
+                r.packed, r.new_amax = None, float("nan")
         with metrics.timer("optim.time.step"):
             if self.skip_nonfinite and todo and not self._grads_finite([p.grad for _, p, _ in todo]):
                 self.skipped_steps += 1
@@ -333,33 +360,42 @@ class FP4AdamW(Optimizer):
         if self._nvme is None and not (p.is_cuda and w.device.type == "cpu"):
             m, v = self._states(st)
             check = self._sampler(w, p.grad.reshape(-1), m, v, args) if sample else None
-            wq = self._fused_nvfp4_plan(p, w) if "nvfp4" in wc else None
+            regions, own = self._fused_regions(p, w, "nvfp4" in wc) if w.device.type == "cpu" else ([], None)
             with metrics.timer("optim.time.compute"):
                 res = self._compute(w, p.grad.reshape(-1), m, v, args, R.sr_stream(self._stream_id(p, pid), 0), bf,
-                                    wq)
+                                    regions)
             if check is not None:
                 check(m, v)
                 sample = False
-            self._finish(p, w, master, bf, wc, nvfp4=self._fused_nvfp4_result(p, w, wq, res))
+            self._finish(p, w, master, bf, wc, nvfp4=self._region_results(p, w, regions, res, own))
         else:
             sample = self._segment_loop(p, pid, w, m_v=None if self._nvme is not None else self._states(st),
                                         args=args, bf=bf, sample=sample, v_format=v_format)
             self._finish(p, w, master, bf, wc, uploaded=p.is_cuda and w.device.type == "cpu")
         return sample
 
-    def _compute(self, w, g, m: R.Packed, v: R.Packed, args: dict, stream0: int, bf, wq: dict | None = None):
+    def _compute(self, w, g, m: R.Packed, v: R.Packed, args: dict, stream0: int, bf, regions=()):
         """The step over w (a whole flat parameter or a run of whole segments starting at one).
 
-        `wq` (CPU fused step only, from _fused_nvfp4_plan): buffers and scale of the NVFP4 working copy the
-        step writes as it goes; returns the kernel's (new amax, s_dec) then.
+        `regions` (CPU fused step only, from _fused_regions): NVFP4 copies the step writes as it goes, into
+        buffers made here (``region._data``, ``._scales``); returns the kernel's (new amax, s_dec) per region.
         """
         sc = args["sc"]
         ext = self._cpu_ext() if w.device.type == "cpu" else self._cuda_ext() if w.is_cuda else None
         if ext is not None:  # the fused step (C++ on the CPU, CUDA kernel on the GPU): same signature, same bits
             if g.dtype not in (torch.float32, torch.bfloat16):
                 g = g.float()
-            extra = {} if wq is None else dict(w_data=wq["data"], w_scales=wq["scales"], w_rows=wq["rows"],
-                                                w_cols=wq["cols"], w_amax=wq["amax"])
+            extra = {}
+            if regions:
+                for r in regions:
+                    rp, cp = -(-r.rows // 16) * 16, -(-r.cols // 16) * 16
+                    r._data = torch.empty(rp * cp // 2, dtype=torch.uint8)
+                    r._scales = torch.empty(rp // 16 * (cp // 16), dtype=torch.uint8)
+                    # the fp32 value the kernel computes the scale from (and the codec would be given)
+                    r.amax = float(torch.tensor(r.amax, dtype=torch.float32))
+                extra = dict(w_data=[r._data for r in regions], w_scales=[r._scales for r in regions],
+                             w_offsets=[r.offset for r in regions], w_rows=[r.rows for r in regions],
+                             w_cols=[r.cols for r in regions], w_amax=[r.amax for r in regions])
             return ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
                                   sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"],
                                   args["v_format"] == "nvfp4", args["stochastic"], args["seed"], stream0, bf, **extra)
@@ -469,52 +505,76 @@ class FP4AdamW(Optimizer):
         f = self.working_copy_format
         return () if f is None else (("bf16", "nvfp4") if f == "both" else (f,))
 
-    # The NVFP4 working copy inside the fused CPU step. Its tensor scale must be known before the step, so it
-    # comes from the amax the last step measured, raised by WCOPY_HEADROOM: weights move by about lr per
-    # step, so the new amax almost always stays under it (a synthetic constant gradient at lr 1e-3 jumped 13%
-    # in one early step), and the copy is then exactly the codec's encode with that amax override. The
-    # headroom costs nothing measurable: block scales use E4M3's range below 448 / 1.25. When it does not (or on the first step, with no amax yet), _finish encodes
-    # the new weight in a pass of its own, as before.
+    # NVFP4 copies inside the fused CPU step (the working copy, and regions an integration registered). The
+    # tensor scale must be known before the step, so it comes from the amax the last step measured, raised
+    # by WCOPY_HEADROOM: weights move by about lr per step, so the new amax almost always stays under it (a
+    # synthetic constant gradient at lr 1e-3 jumped 13% in one early step), and the copy is then exactly the
+    # codec's encode with that amax override. The headroom costs nothing measurable: block scales use E4M3's
+    # range below 448 / 1.25. When the amax outgrew it (or on the first step, with no amax yet), the copy is
+    # encoded in a pass of its own with the exact amax.
     WCOPY_HEADROOM = 1.25
 
-    def _fused_nvfp4_shape(self, p, w) -> tuple[int, int] | None:
-        """(rows, cols) when the fused CPU step can write p's NVFP4 copy (cols a multiple of 64), else None."""
+    def register_weight_regions(self, tensor: torch.Tensor, regions: list[WeightRegion]) -> None:
+        """Ask the fused CPU step to write an NVFP4 16x16 copy of each region of `tensor` (a parameter this
+        optimizer steps, held in host RAM) as it updates it. Before each step set ``region.amax``; after it,
+        ``region.packed`` and ``region.new_amax`` hold the result (see WeightRegion). Replaces earlier regions
+        of the tensor; an empty list removes them."""
+        end = 0
+        for r in sorted(regions, key=lambda r: r.offset):
+            if r.rows <= 0 or r.cols <= 0 or r.offset < end or r.offset + r.rows * r.cols > tensor.numel():
+                raise ConfigError("regions", f"offset {r.offset}, {r.rows} x {r.cols}",
+                                  f"non-overlapping matrices inside the tensor's {tensor.numel()} elements")
+            end = r.offset + r.rows * r.cols
+        if regions:
+            self._regions[id(tensor)] = sorted(regions, key=lambda r: r.offset)
+        else:
+            self._regions.pop(id(tensor), None)
+
+    def _own_region(self, p, w) -> WeightRegion | None:
+        """p's NVFP4 working copy as a region of the fused step, once an amax is known; else None."""
         from ..codec import _rows_cols
 
-        if w.device.type != "cpu" or p.is_cuda or self._cpu_ext() is None:
+        slot = self._working.get(id(p), {})
+        amax = slot.get("nvfp4_amax")
+        if amax is None or w.device.type != "cpu" or p.is_cuda or self._cpu_ext() is None:
             return None
         rows, cols = _rows_cols(p.shape)
-        if not (rows and cols and cols % 64 == 0):
+        # one band of 16 rows is one thread's work: with too few bands a large copy would be encoded serially
+        if not rows or not cols or (p.numel() >= 1 << 20 and -(-rows // 16) < 4 * torch.get_num_threads()):
             return None
-        # threads split the bands of 16 rows: too few bands for the threads would serialize a large step
-        if p.numel() >= 1 << 20 and -(-rows // 16) < 4 * torch.get_num_threads():
-            return None
-        return rows, cols
+        return WeightRegion(0, rows, cols, amax=amax * self.WCOPY_HEADROOM)
 
-    def _fused_nvfp4_plan(self, p, w) -> dict | None:
-        amax = self._working.get(id(p), {}).get("nvfp4_amax")
-        shape = self._fused_nvfp4_shape(p, w) if amax is not None else None
-        if shape is None:
-            return None
-        rows, cols = shape
-        amax = float(torch.tensor(amax * self.WCOPY_HEADROOM, dtype=torch.float32))  # what the kernel gets
-        rp = -(-rows // 16) * 16
-        return dict(rows=rows, cols=cols, amax=amax, data=torch.empty(rp * cols // 2, dtype=torch.uint8),
-                    scales=torch.empty(rp // 16 * (cols // 16), dtype=torch.uint8))
+    def _fused_regions(self, p, w, want_copy: bool) -> tuple[list[WeightRegion], WeightRegion | None]:
+        """The regions the fused step over p writes this step (registered ones with an amax, and the working
+        copy's), and the working copy's among them."""
+        out = [r for r in self._regions.get(id(p), ()) if r.amax is not None]
+        own = self._own_region(p, w) if want_copy else None
+        if own is not None:
+            if out:  # an integration's regions and a working copy of the same tensor: the copy goes separately
+                own = None
+            else:
+                out = [own]
+        return out, own
 
-    def _fused_nvfp4_result(self, p, w, wq: dict | None, res):
-        """The PackedTensor the fused step wrote, or None when _finish must encode (grown amax, non-finite)."""
-        if wq is None:
-            return None
-        new_amax, s_dec = res
-        if not new_amax <= wq["amax"]:  # grown past the scale (tiles saturated) or NaN: encode in _finish
-            metrics.counter("optim.wcopy_reencodes").add(1)
-            return None
+    def _region_results(self, p, w, regions: list[WeightRegion], res, own: WeightRegion | None):
+        """Stores what the step wrote in each region; returns the working copy's PackedTensor, or None when
+        _finish must encode it (grown amax, non-finite values)."""
         from ..formats.packed import PackedTensor
 
-        self._working.setdefault(id(p), {})["nvfp4_amax"] = new_amax
-        return PackedTensor(wq["data"], wq["scales"], torch.tensor([s_dec], dtype=torch.float32), p.shape,
-                            w.dtype, "nvfp4", "16x16", 0, meta={"amax": wq["amax"]})
+        for i, r in enumerate(regions):
+            r.new_amax = float(res[2 * i])
+            r.packed = PackedTensor(r._data, r._scales, torch.tensor([res[2 * i + 1]], dtype=torch.float32),
+                                    torch.Size((r.rows, r.cols)), w.dtype, "nvfp4", "16x16", 0,
+                                    meta={"amax": r.amax})
+            r._data = r._scales = None
+        if own is None:
+            return None
+        if not own.new_amax <= own.amax:  # grown past the scale (tiles saturated) or NaN: encode in _finish
+            metrics.counter("optim.wcopy_reencodes").add(1)
+            return None
+        self._working.setdefault(id(p), {})["nvfp4_amax"] = own.new_amax
+        pk = own.packed
+        return PackedTensor(pk.data, pk.scales, pk.tensor_scale, p.shape, w.dtype, "nvfp4", "16x16", 0, meta=pk.meta)
 
     def _finish(self, p, w, master, bf, wc, uploaded: bool = False, nvfp4=None) -> None:
         """Write the fp32 master back into the parameter and produce the working copies (`nvfp4`: made by the
@@ -534,8 +594,8 @@ class FP4AdamW(Optimizer):
                 from ..codec import quantize
 
                 nvfp4 = quantize(w.view(p.shape), "nvfp4", block="16x16")
-                if self._fused_nvfp4_shape(p, w) is not None:  # the next step's fused encode starts from it
-                    slot["nvfp4_amax"] = float(w.abs().amax())
+                if w.device.type == "cpu" and not p.is_cuda:  # the next step's fused encode starts from it
+                    slot["nvfp4_amax"] = float(w.abs().amax()) if w.numel() else 0.0
                 nvfp4.meta["amax"] = None  # the measured amax
             slot["nvfp4"] = nvfp4
 
@@ -669,4 +729,4 @@ class FP4AdamW(Optimizer):
         self._load_entry(group, p, pid, entry)
 
 
-__all__ = ["FP4AdamW"]
+__all__ = ["FP4AdamW", "WeightRegion"]
