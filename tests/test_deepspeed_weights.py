@@ -45,16 +45,22 @@ def test_fp4_weight_shards_cut_host_to_device_bytes_and_train(tmp_path):
     assert w["packed_params"] == 4 * 7 and w["kept_params"] == 4 * 2 + 3  # projections packed; norms, embed, head kept
     assert w["fetches_all_gather_coalesced"] >= 2 * 12 * w["packed_params"]  # forward and backward, every step
     assert w["encodes"] >= 12 * w["packed_params"]  # re-packed from the master after every step
+    # mostly inside FP4AdamW's fused step (not the first step, nor where a rounded amax moved)
+    assert w["fused_encodes"] >= 9 * w["packed_params"]
     # 16x16 NVFP4: 0.5 B codes + 1/256 B scales per element against 2 B of bf16
     assert w["h2d_reduction"] > 3.9
     assert w["h2d_all_reduction"] >= 3.0, "all parameter bytes host->device must fall at least 3x"
     probe = fp4["weight_probe"]
     assert 0.01 < probe["rel_err_vs_bf16"] < 0.2  # the fetched weight is a 4-bit image, not the bf16 copy
-    # the hook packs the fp32 master with the master's amax: the gathered weight is exactly its NVFP4 image, and
+    # the copy is the fp32 master packed with its amax, max-reduced and rounded up to a power of two (as
+    # FP4AdamW's fused step encodes it): the gathered weight is exactly that NVFP4 image of the master, and
     # the NVFP4 image of the bf16 copy taken with that amax differs only where bf16 rounding crosses an FP4
     # rounding boundary (with the bf16 copy's own amax the tensor scale moves by up to 2^-9 and shifts every
     # decoded value: see _probe_weights)
     assert probe["frac_equal_to_nvfp4_of_master"] > 0.999
+    from fp4offload import FP4AdamW
+
+    assert probe["amax_encoded"] == FP4AdamW.copy_amax(probe["amax_master"])  # rounded up to a power of two
     assert probe["frac_equal_to_nvfp4_of_bf16"] > 0.95
     b, f = base["losses"], fp4["losses"]
     assert max(abs(x - y) for x, y in zip(b, f)) <= LOSS_ABS

@@ -175,7 +175,8 @@ def _probe_weights(engine, pw) -> dict:
     """Gather one packed weight through the hook; compare it with the NVFP4 image of the fp32 master and of
     DeepSpeed's bf16 partitions.
 
-    The hook packs the fp32 master with the master's tensor-wide amax (ds_weights._encode_from). The bf16
+    The hook packs the fp32 master with its tensor-wide amax rounded up to a power of two (FP4AdamW.copy_amax,
+    ds_weights._after_step); the shard records it. The bf16
     copy's own amax is the master's amax rounded to bf16, a different tensor scale whenever the largest
     master element is not a bf16 value (any element the optimizer has moved off the bf16 grid, e.g. with
     stochastic rounding of m): then every block scale can round differently and most codes shift. So the
@@ -202,7 +203,7 @@ def _probe_weights(engine, pw) -> dict:
     master = gather(engine.optimizer.fp32_partitioned_groups_flat[sg].data.narrow(0, off, n))
     with deepspeed.zero.GatheredParameters([p]):
         got = p.data.float().clone()
-    amax = master.abs().max()  # what the hook uses (max-reduced over the partitions)
+    amax = torch.tensor(pw.shards[id(p)].amax)  # what the copy was encoded with (max-reduced over the partitions)
     want = nvfp4_image(ref, amax)
     want_own = nvfp4_image(ref)
     want_master = nvfp4_image(master, amax)
@@ -211,7 +212,8 @@ def _probe_weights(engine, pw) -> dict:
             "frac_equal_to_nvfp4_of_bf16": float((got == want).float().mean()),
             "frac_equal_to_nvfp4_of_master": float((got == want_master).float().mean()),
             "frac_equal_to_nvfp4_of_bf16_own_amax": float((got == want_own).float().mean()),
-            "amax_master": float(amax), "amax_bf16": float(ref.abs().max()),
+            "amax_master": float(master.abs().max()), "amax_encoded": float(amax),
+            "amax_bf16": float(ref.abs().max()),
             "amax_master_is_bf16": bool(float(amax.to(torch.bfloat16).float()) == float(amax))}
 
 

@@ -173,16 +173,18 @@ def test_optimizer_fused_equals_reference_backend():
                 assert torch.equal(t.reshape(-1).view(torch.uint8), sb["state"][k][key].reshape(-1).view(torch.uint8)), key
 
 
-@pytest.mark.parametrize("shape", [(40, 128), (16, 64), (300, 192), (3, 5, 64)], ids=str)
+@pytest.mark.parametrize("shape", [(40, 128), (16, 64), (300, 192), (3, 5, 64), (37, 50)], ids=str)
 def test_fused_nvfp4_working_copy(ext, simd, shape):
-    """The fused step's NVFP4 16x16 working copy is the codec's encode with the amax it records (the last
-    step's amax with headroom), byte for byte; the step's own result (weights, states) is unchanged by it;
-    a weight whose amax outgrew the scale is re-encoded with its exact amax."""
+    """The NVFP4 16x16 working copy is the codec's encode with the weight's amax rounded up to a power of two,
+    byte for byte, at every step; the fused step writes it, except on the first step and where that rounded
+    amax moved (then a pass of its own does); the step's own result (weights, states) is unchanged by it."""
     from fp4offload import FP4AdamW, metrics, quantize
 
     def run(copy):
         torch.manual_seed(1)
-        p = torch.nn.Parameter(torch.randn(shape) * 0.05)
+        p = torch.nn.Parameter(torch.randn(shape) * 0.02)
+        with torch.no_grad():
+            p.view(-1)[0] = 0.2  # amax 0.2: rounded up, 0.25
         opt = FP4AdamW([p], lr=1e-4, backend="fused", min_numel=16, working_copy="nvfp4" if copy else None)
         g = torch.Generator().manual_seed(2)
         out = []
@@ -190,7 +192,7 @@ def test_fused_nvfp4_working_copy(ext, simd, shape):
             p.grad = torch.randn(shape, generator=g)
             if step == 3:
                 with torch.no_grad():
-                    p.mul_(1.5)  # the amax jumps past the headroom: this step re-encodes
+                    p.mul_(1.5)  # amax 0.3: rounded up, 0.5, so this step's fused copy is dropped
             before = metrics.counter("optim.wcopy_reencodes").value
             opt.step()
             wc = opt.working_copy(p).get("nvfp4")
@@ -201,17 +203,22 @@ def test_fused_nvfp4_working_copy(ext, simd, shape):
     without, sd_b = run(False)
     for step, ((pa, wc, reenc), (pb, _, _)) in enumerate(zip(with_copy, without)):
         assert torch.equal(pa.view(torch.int32), pb.view(torch.int32)), step
-        amax = wc.meta["amax"]
-        assert (amax is None) == (step in (0, 3)), (step, amax)  # first step and the jump: encoded after
-        assert reenc == (1 if step == 3 else 0), step
-        if amax is not None:
-            assert amax >= float(pa.abs().max())
+        amax = FP4AdamW.copy_amax(float(pa.abs().max()))
+        assert wc.meta["amax"] == amax == (0.5 if step >= 3 else 0.25), step
+        assert reenc == (1 if step in (0, 3) else 0), step
         ref = quantize(pa, "nvfp4", block="16x16", amax=amax)
         assert torch.equal(wc.data, ref.data) and torch.equal(wc.scales, ref.scales), step
         assert torch.equal(wc.tensor_scale, ref.tensor_scale), step
     for key, t in sd_a["state"][0].items():
         if torch.is_tensor(t):
             assert torch.equal(t.reshape(-1).view(torch.uint8), sd_b["state"][0][key].reshape(-1).view(torch.uint8))
+
+
+def test_copy_amax():
+    from fp4offload import FP4AdamW
+
+    assert [FP4AdamW.copy_amax(x) for x in (0.0, 0.2, 0.25, 0.2500001, 3.0, 2.0 ** -130, 1e30)] == \
+        [0.0, 0.25, 0.25, 0.5, 4.0, 2.0 ** -130, 2.0 ** 100]
 
 
 @pytest.mark.parametrize("threads", [1, 2])

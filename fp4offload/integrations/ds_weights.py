@@ -12,11 +12,17 @@ Which hook, and why (DeepSpeed 0.19.8):
   bytes (codes + E4M3 scales, 0.5625 B/element) to the device, all-gathers uint8 across the partition
   group, and decodes to the compute dtype on the device. ``partition`` is wrapped so a partition that
   was updated in place (``GatheredParameters(modifier_rank=...)``) is packed again.
-- The packed copy is rewritten from the fp32 master right where stage3.py writes the master back into
-  the partitions (``_reassign_or_swap_out_partitioned_parameters``, called per sub-group after the
-  optimizer step and after checkpoint loads), so it never lags the master. The per-tensor amax is
-  max-reduced across the partition group first (one all-reduce per sub-group), so every rank's shard
-  shares the tensor scale and the gathered codes decode as one tensor (DESIGN 3.8).
+- The packed copy is written inside FP4AdamW's fused step over the sub-group's flat fp32 master: each
+  partition is a region of that flat tensor (``FP4AdamW.register_weight_regions``), encoded band by band
+  as the step updates it. The tensor scale comes from the weight's amax, max-reduced across the
+  partition group (so every rank's shard shares it and the gathered codes decode as one tensor, DESIGN
+  3.8) and rounded up to a power of two (``FP4AdamW.copy_amax``); the step uses the previous step's
+  value. Right where stage3.py writes the master back into the partitions
+  (``_reassign_or_swap_out_partitioned_parameters``, per sub-group after the step), one all-reduce of
+  the new amaxes checks it still holds; the weights whose rounded amax moved (and the first step,
+  checkpoint loads, an optimizer other than FP4AdamW, states on NVMe) are packed from the master by a codec
+  pass. Either way the copy is the master's NVFP4 image with that amax: it never lags the master, and
+  a resumed run rebuilds the same copies.
 
 What is packed: trainable parameters with at least two dimensions whose partition is a whole number of
 16-row bands of the 2-D view (``ds_numel`` divisible by world x 16 x columns), minus ``keep_bf16``
@@ -25,13 +31,13 @@ DeepSpeed unchanged.
 
 Limits of this version: DeepSpeed's bf16 partition is still kept in host RAM beside the packed copy
 (DeepSpeed's own checkpointing and ``GatheredParameters`` read it), so this saves host->device bytes,
-not host memory; the re-encode runs after the optimizer step, not fused into it; ``offload_param``
-on NVMe is not supported.
+not host memory; ``offload_param`` on NVMe is not supported.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +139,7 @@ class _Shard:
     data: torch.Tensor
     scales: torch.Tensor
     tensor_scale: torch.Tensor
+    amax: float = 0.0  # the amax the tensor scale came from (max-reduced over the partition group)
 
 
 @dataclass
@@ -155,6 +162,8 @@ class PackedWeights:
     fetches: int = 0
     fetches_by_entry: dict = field(default_factory=lambda: {"all_gather_coalesced": 0, "all_gather": 0})
     encodes: int = 0
+    fused_encodes: int = 0  # of those, written by FP4AdamW's fused step (the rest: a codec pass of their own)
+    regions: dict = field(default_factory=dict)  # id(param) -> FP4AdamW WeightRegion of its master slice
 
     def counters(self) -> dict[str, float]:
         ratio = self.h2d_bf16_bytes / self.h2d_bytes if self.h2d_bytes else 0.0
@@ -163,7 +172,7 @@ class PackedWeights:
                 "h2d_all_bytes": all_b, "h2d_all_bf16_bytes": all_bf16,
                 "h2d_all_reduction": all_bf16 / all_b if all_b else 0.0,
                 "fetches": self.fetches, **{f"fetches_{k}": v for k, v in self.fetches_by_entry.items()},
-                "encodes": self.encodes, "packed_params": len(self.shards),
+                "encodes": self.encodes, "fused_encodes": self.fused_encodes, "packed_params": len(self.shards),
                 "kept_params": len(self.kept),
                 "host_packed_bytes": sum(s.data.numel() + s.scales.numel() + 4 for s in self.shards.values())}
 
@@ -288,15 +297,78 @@ def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor]) -
     group, world = _group_world(params[0])
     if world > 1:
         torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    amax = torch.tensor([_copy_amax(float(a)) for a in amax], dtype=torch.float32)  # as the fused step encodes
     for i, (p, src) in enumerate(zip(params, sources)):
         sh = pw.shards.get(id(p))
         cols = int(p.ds_shape[-1])
         rows = src.numel() // cols
         pk = quantize(src.reshape(rows, cols), "nvfp4", block="16x16", amax=amax[i], name=getattr(sh, "name", None))
+        region = pw.regions.get(id(p))
+        if region is not None:  # the next step's fused encode starts from this amax
+            region.amax = float(amax[i])
         if sh is None:
             continue
         sh.data, sh.scales, sh.tensor_scale, sh.rows, sh.cols = pk.data, pk.scales, pk.tensor_scale, rows, cols
+        sh.amax = float(amax[i])
         pw.encodes += 1
+
+
+def _copy_amax(amax: float) -> float:
+    from fp4offload.optim.adamw import FP4AdamW
+
+    return FP4AdamW.copy_amax(amax)
+
+
+def _after_step(pw: PackedWeights, params: list, sources: list[torch.Tensor]) -> None:
+    """After a sub-group's step: take the copies FP4AdamW's fused step wrote where the new amax, max-reduced
+    over the ranks and rounded up to a power of two, is the amax they were encoded with (the same on every
+    rank), and pack the rest from the master as _encode_from does. One all-reduce of the new amaxes."""
+    if not params:
+        return
+    regions = [pw.regions.get(id(p)) for p in params]
+    new = torch.tensor([r.new_amax if r is not None and r.packed is not None and math.isfinite(r.new_amax)
+                        else math.inf for r in regions], dtype=torch.float64)
+    group, world = _group_world(params[0])
+    if world > 1:
+        torch.distributed.all_reduce(new, op=torch.distributed.ReduceOp.MAX, group=group)
+    rest_p, rest_s = [], []
+    for p, src, r, g in zip(params, sources, regions, new.tolist()):
+        sh = pw.shards.get(id(p))
+        if r is None or sh is None or r.packed is None or not (math.isfinite(g) and _copy_amax(g) == r.amax):
+            rest_p.append(p)
+            rest_s.append(src)
+            continue
+        pk = r.packed
+        sh.data, sh.scales, sh.tensor_scale, sh.rows, sh.cols, sh.amax = (pk.data, pk.scales, pk.tensor_scale,
+                                                                          r.rows, r.cols, r.amax)
+        pw.encodes += 1
+        pw.fused_encodes += 1
+    _encode_from(pw, rest_p, rest_s)
+
+
+def _register_regions(pw: PackedWeights, opt) -> None:
+    """Ask FP4AdamW (when it is the inner optimizer) to write each packed partition's NVFP4 copy inside its
+    fused step over the sub-group's flat fp32 master."""
+    inner = getattr(opt, "optimizer", None)
+    if not hasattr(inner, "register_weight_regions"):
+        return
+    from fp4offload.optim import WeightRegion
+
+    for sg, params in enumerate(opt.fp16_groups):
+        flat32 = opt.fp32_partitioned_groups_flat[sg]
+        if flat32 is None or flat32.device.type != "cpu":
+            continue
+        regs = []
+        for p in params:
+            where = pw.offsets.get(id(p))
+            if where is None:
+                continue
+            _, off, n = where
+            cols = int(p.ds_shape[-1])
+            pw.regions[id(p)] = WeightRegion(off, n // cols, cols)
+            regs.append(pw.regions[id(p)])
+        if regs:
+            inner.register_weight_regions(flat32, regs)
 
 
 def _offsets(opt, pw: PackedWeights) -> dict[int, tuple[int, int, int]]:
@@ -363,6 +435,7 @@ def attach(engine: Any, weights_cfg: Any) -> PackedWeights:
         pw.shards[id(p)] = _Shard(name, 0, int(p.ds_shape[-1]), torch.empty(0, dtype=torch.uint8),
                                   torch.empty(0, dtype=torch.uint8), torch.zeros(1))
     pw.offsets = _offsets(opt, pw)
+    _register_regions(pw, opt)
     refresh(pw)
     missing = [pw.shards[k].name for k in pw.shards if pw.shards[k].data.numel() == 0]
     if missing:
@@ -374,7 +447,7 @@ def attach(engine: Any, weights_cfg: Any) -> PackedWeights:
     def reassign(sub_group_id):
         out = orig(sub_group_id)
         params, sources = _sub_group_masters(opt, sub_group_id, pw)
-        _encode_from(pw, params, sources)
+        _after_step(pw, params, sources)
         return out
 
     opt._reassign_or_swap_out_partitioned_parameters = reassign

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import weakref
 import zlib
@@ -84,10 +85,10 @@ class FP4AdamW(Optimizer):
             ``"fused"`` (require it) or ``"reference"`` (the torch-op step; same bits, slower).
         working_copy: also produce the new weight as ``"bf16"``, ``"nvfp4"`` (16x16, per-tensor scale),
             ``"both"`` or ``None`` (default); read it with :meth:`working_copy`. The fused CPU step writes
-            both inside its pass (NVFP4: for weights whose last dimension is a multiple of 64), and takes the
-            NVFP4 tensor scale from the previous step's amax with 25% headroom, so the copy is
-            ``quantize(w, "nvfp4", block="16x16", amax=copy.meta["amax"])``; when the amax outgrew it, that
-            step re-encodes with the exact amax (``optim.wcopy_reencodes`` counts those).
+            both inside its pass. The NVFP4 copy is ``quantize(w, "nvfp4", block="16x16",
+            amax=FP4AdamW.copy_amax(amax(w)))`` (recorded in ``copy.meta["amax"]``): the amax rounded up to a
+            power of two, known before the step except when it crosses one, when the copy is encoded in a
+            pass of its own (``optim.wcopy_reencodes`` counts those, and first steps).
         seed: base seed of stochastic rounding (see reference_step's docstring for the streams).
         skip_nonfinite: skip the whole step when any gradient holds Inf/NaN (default True); states and
             weights stay untouched and ``optim.skipped_steps`` counts it.
@@ -506,13 +507,24 @@ class FP4AdamW(Optimizer):
         return () if f is None else (("bf16", "nvfp4") if f == "both" else (f,))
 
     # NVFP4 copies inside the fused CPU step (the working copy, and regions an integration registered). The
-    # tensor scale must be known before the step, so it comes from the amax the last step measured, raised
-    # by WCOPY_HEADROOM: weights move by about lr per step, so the new amax almost always stays under it (a
-    # synthetic constant gradient at lr 1e-3 jumped 13% in one early step), and the copy is then exactly the
-    # codec's encode with that amax override. The headroom costs nothing measurable: block scales use E4M3's
-    # range below 448 / 1.25. When the amax outgrew it (or on the first step, with no amax yet), the copy is
-    # encoded in a pass of its own with the exact amax.
-    WCOPY_HEADROOM = 1.25
+    # tensor scale must be known before the step, but the amax of the new weight is known only after it. So
+    # a copy's tensor scale comes from copy_amax(amax), the amax rounded up to a power of two: the step
+    # encodes with the value the last step found, and keeps the result when the new weight's rounded amax
+    # is the same, which is every step but those where the amax crosses a power of two (else the copy is
+    # encoded again in a pass of its own). The copy is therefore always quantize(w, "nvfp4", block="16x16",
+    # amax=copy_amax(amax(w))): a function of the weight alone, so a resumed run makes the same copies. The
+    # rounding costs nothing measurable: block scales land in (224, 448] instead of at 448, and E4M3 is a
+    # floating format.
+
+    @staticmethod
+    def copy_amax(amax: float) -> float:
+        """The amax an NVFP4 copy's tensor scale comes from: `amax` rounded up to a power of two (0 stays 0)."""
+        if not math.isfinite(amax):
+            return amax
+        if not amax > 0:
+            return 0.0
+        m, e = math.frexp(amax)
+        return amax if m == 0.5 else math.ldexp(1.0, e)
 
     def register_weight_regions(self, tensor: torch.Tensor, regions: list[WeightRegion]) -> None:
         """Ask the fused CPU step to write an NVFP4 16x16 copy of each region of `tensor` (a parameter this
@@ -542,7 +554,7 @@ class FP4AdamW(Optimizer):
         # one band of 16 rows is one thread's work: with too few bands a large copy would be encoded serially
         if not rows or not cols or (p.numel() >= 1 << 20 and -(-rows // 16) < 4 * torch.get_num_threads()):
             return None
-        return WeightRegion(0, rows, cols, amax=amax * self.WCOPY_HEADROOM)
+        return WeightRegion(0, rows, cols, amax=amax)
 
     def _fused_regions(self, p, w, want_copy: bool) -> tuple[list[WeightRegion], WeightRegion | None]:
         """The regions the fused step over p writes this step (registered ones with an amax, and the working
@@ -569,10 +581,8 @@ class FP4AdamW(Optimizer):
             r._data = r._scales = None
         if own is None:
             return None
-        if not own.new_amax <= own.amax:  # grown past the scale (tiles saturated) or NaN: encode in _finish
-            metrics.counter("optim.wcopy_reencodes").add(1)
-            return None
-        self._working.setdefault(id(p), {})["nvfp4_amax"] = own.new_amax
+        if not (math.isfinite(own.new_amax) and self.copy_amax(own.new_amax) == own.amax):
+            return None  # the amax crossed a power of two (or a value is not finite): _finish encodes
         pk = own.packed
         return PackedTensor(pk.data, pk.scales, pk.tensor_scale, p.shape, w.dtype, "nvfp4", "16x16", 0, meta=pk.meta)
 
@@ -593,10 +603,12 @@ class FP4AdamW(Optimizer):
             if nvfp4 is None:
                 from ..codec import quantize
 
-                nvfp4 = quantize(w.view(p.shape), "nvfp4", block="16x16")
-                if w.device.type == "cpu" and not p.is_cuda:  # the next step's fused encode starts from it
-                    slot["nvfp4_amax"] = float(w.abs().amax()) if w.numel() else 0.0
-                nvfp4.meta["amax"] = None  # the measured amax
+                # the amax the fused step would have used: a pass to measure it, then the encode
+                amax = self.copy_amax(float(w.abs().amax())) if w.numel() else 0.0
+                nvfp4 = quantize(w.view(p.shape), "nvfp4", block="16x16", amax=amax if math.isfinite(amax) else None)
+                nvfp4.meta["amax"] = amax
+                slot["nvfp4_amax"] = amax  # the next step's fused encode starts from it
+                metrics.counter("optim.wcopy_reencodes").add(1)
             slot["nvfp4"] = nvfp4
 
     def working_copy(self, p) -> dict:
