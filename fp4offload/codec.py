@@ -78,7 +78,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
             rank encodes with the same tensor scale. Values above it saturate at the format's maximum.
     """
     block = _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode)
-    if fmt == "ufp4" and x.numel() and bool((x < 0).any()):
+    if fmt == "ufp4" and x.numel() and bool(x.amin() < 0):  # a reduction: no mask tensor
         raise ConfigError(name or "x", "a tensor with negative values", "non-negative values for fmt='ufp4'",
                           "ufp4 is unsigned; it stores sqrt(v) of Adam's second moment")
     if amax is not None:
