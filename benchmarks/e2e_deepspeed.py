@@ -18,11 +18,14 @@ Host RSS, split. On this machine DeepSpeed's accelerator is the CPU, so the RSS 
 keeps in device memory: the bf16 parameters (2 B/param), the bf16 gradient bucket (2 B/param while backward
 runs) and DeepSpeed's device-side scratch. Each row carries ``buffers`` (bytes per DeepSpeed/optimizer buffer,
 counted from the tensors, each tagged ``device`` or ``host``) and ``peak_rss_host_side`` = peak RSS less the
-device-tagged bytes: what the host would hold on a GPU machine (an upper bound: activations stay in it).
+device-tagged bytes, plus the bf16 staging copy when it was shared (the block, and the baseline with the same
+host settings, share it with the bf16 partition on the CPU accelerator; a GPU machine's host keeps it): what
+the host would hold on a GPU machine (an upper bound: activations stay in it).
 
 Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold (fp4offload.integrations.deepspeed.
-control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it). That setting would help a run without
-the block too, so each configuration also runs the baseline with the same setting (``allocator: "fixed"``)
+control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it) and shares the bf16 staging buffers
+with the bf16 partitions (share_bf16_staging; ``FP4OFFLOAD_SHARE_STAGING=0``). Both would help a run without
+the block too, so each configuration also runs the baseline with the same settings (``allocator: "fixed"``)
 and the ratios are given against both baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's
 definition) and ``peak_rss_reduction_same_allocator`` (what the packed states alone save).
 
@@ -195,10 +198,14 @@ def child(args) -> dict:
         allocator = ds_integration.control_host_allocator()
     init = fds.initialize if args.fp4 else deepspeed.initialize
     engine, _, _, _ = init(model=model, config=cfg)
+    shared = 0
+    if not args.fp4 and args.allocator == "fixed":  # ... and its bf16 staging buffers shared, as the block does
+        shared = ds_integration.share_bf16_staging(engine)
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_integration.release_free_host_memory()  # what the block does after initialize
     if args.fp4:
         allocator = getattr(getattr(engine, "fp4offload", None), "allocator", None)
+        shared = getattr(getattr(engine, "fp4offload", None), "staging_shared_bytes", 0)
     init_s = time.perf_counter() - t0
     train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(0)
@@ -248,8 +255,9 @@ def child(args) -> dict:
             "mmap_threshold": (allocator or {}).get("mmap_threshold"),
             "s_per_step": statistics.median(times), "step_times": times, "peak_rss": peak_train[0],
             "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss, "malloc_end": _rss_ladder(),
-            "buffers": buffers, "device_side_bytes": device_side,
-            "peak_rss_host_side": peak_train[0] - device_side,
+            "buffers": buffers, "device_side_bytes": device_side, "staging_shared_bytes": shared,
+            # a GPU machine's host keeps the staging copy the CPU accelerator lets the block share: add it back
+            "peak_rss_host_side": peak_train[0] - device_side + shared,
             "optimizer_host_bytes": mem["total"], "optimizer_host_B_per_param": mem["total"] / max(1, mem["numel"]),
             "nvme_bytes_per_step": max(disk, tier), "nvme_disk_bytes_per_step": disk,
             "nvme_tier_logical_bytes_per_step": tier, "losses": losses,

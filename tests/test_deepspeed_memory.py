@@ -105,3 +105,25 @@ def test_allocator_control_keeps_freed_tensors_out_of_the_heap():
     # 64 MiB of 1 MiB tensors: mmapped (given back on free) with the control, in glibc's heap without it
     assert on["mmapped"] >= 64 << 20 and on["heap"] < 8 << 20, on
     assert off["heap"] >= 60 << 20 and off["mmapped"] < 8 << 20, off
+
+
+@pytest.mark.distributed
+def test_bf16_staging_shared_on_the_cpu_accelerator(tmp_path):
+    """On the CPU accelerator the block lets ZeRO-2 offload cast the master straight into the bf16 partition:
+    DeepSpeed's staging buffers become the partitions themselves (2 B/param less), and training is the same
+    bits as with the staging buffers kept (FP4OFFLOAD_SHARE_STAGING=0)."""
+    from test_deepspeed import ds_config
+    from test_deepspeed_worker import launch
+
+    block = {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}
+    cfg = ds_config(2, "cpu", block)
+    res = launch({"cases": [
+        {"name": "shared", "config": cfg, "steps": 4, "probe": "staging"},
+        {"name": "kept", "config": cfg, "steps": 4, "probe": "staging", "env": {"FP4OFFLOAD_SHARE_STAGING": "0"}},
+        {"name": "plain", "config": ds_config(2, "cpu", None), "steps": 1, "probe": "staging"}]}, 1, tmp_path)
+    shared, kept, plain = (res["cases"][k] for k in ("shared", "kept", "plain"))
+    assert shared["staging"]["aliased"] and all(shared["staging"]["aliased"])
+    assert shared["staging"]["shared_bytes"] == shared["staging"]["partition_bytes"] > 0
+    assert not any(kept["staging"]["aliased"]) and kept["staging"]["shared_bytes"] == 0
+    assert not any(plain["staging"]["aliased"])  # without the block DeepSpeed is left as it is
+    assert shared["losses"] == kept["losses"]

@@ -119,7 +119,13 @@ def _run_case(case: dict, spec: dict, train) -> dict:
     else:
         init = fds.initialize if use_fds else deepspeed.initialize
     t0 = time.perf_counter()
-    engine, opt, _, _ = init(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
+    saved_env = {k: os.environ.get(k) for k in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
+    try:
+        engine, opt, _, _ = init(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
+    finally:
+        for k, v in saved_env.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     init_s = time.perf_counter() - t0
     if case.get("install"):
         fds.uninstall()
@@ -164,6 +170,13 @@ def _run_case(case: dict, spec: dict, train) -> dict:
     if case.get("probe") == "states":
         out["state_dtypes"] = sorted({str(v.dtype) for s in engine.basic_optimizer.state.values()
                                       for v in s.values() if isinstance(v, torch.Tensor)})
+    if case.get("probe") == "staging":  # ZeRO-1/2 offload's bf16 staging buffers against the bf16 partitions
+        zo = engine.optimizer
+        bufs = getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", [])
+        parts = [zo.parallel_partitioned_bit16_groups[i][torch.distributed.get_rank()] for i in range(len(bufs))]
+        out["staging"] = {"shared_bytes": att.staging_shared_bytes if att is not None else 0,
+                          "partition_bytes": sum(p.numel() * p.element_size() for p in parts),
+                          "aliased": [b.data_ptr() == p.data_ptr() for b, p in zip(bufs, parts)]}
     if case.get("probe") == "weights" and att is not None and att.weights is not None:
         out["weight_probe"] = _probe_weights(engine, att.weights)
     engine.destroy() if hasattr(engine, "destroy") else None

@@ -19,7 +19,9 @@ With ``optimizer_states`` set it also fixes glibc's mmap threshold (:func:`contr
 offloaded fp32 master, gradient partition and packed states live in host RAM, and glibc's default (a
 threshold that rises to 32 MiB after the first large free) keeps the memory freed during each backward in
 its heap, ~5 B/param of host RSS that the packed states would otherwise save. ``FP4OFFLOAD_MMAP_THRESHOLD``
-sets the threshold in bytes, or ``off`` to leave the allocator alone.
+sets the threshold in bytes, or ``off`` to leave the allocator alone. On the CPU accelerator it also lets
+ZeRO-1/2 offload write the updated weights straight into the bf16 partition, dropping DeepSpeed's second
+bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it).
 
 ``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
 go through here; a config without the block is passed through untouched.
@@ -43,7 +45,7 @@ from . import ds_optim
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "Prepared", "read_config",
-           "SUPPORTED_DEEPSPEED", "control_host_allocator", "release_free_host_memory"]
+           "SUPPORTED_DEEPSPEED", "control_host_allocator", "release_free_host_memory", "share_bf16_staging"]
 
 SUPPORTED_DEEPSPEED = (">=0.19.8", "<0.20")
 BLOCK_KEY = "fp4offload"
@@ -231,9 +233,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         for name, v in saved.items():
             setattr(args, name, v)
     engine = result[0]
+    shared = share_bf16_staging(engine) if block.optimizer_states is not None else 0
     if allocator is not None and allocator.get("mmap_threshold"):
         release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
-    attached = Attached(prepared=prepared, activations=acts, allocator=allocator)
+    attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared)
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import ds_weights
 
@@ -255,6 +258,7 @@ class Attached:
     weights: Any = None
     monitor: Any = None
     allocator: dict | None = None
+    staging_shared_bytes: int = 0  # share_bf16_staging
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
@@ -361,6 +365,45 @@ def control_host_allocator(threshold: int | str | None = None) -> dict:
              MMAP_THRESHOLD_ENV)
     _allocator_state = {"mmap_threshold": int(value), "reason": "set"}
     return dict(_allocator_state)
+
+
+SHARE_STAGING_ENV = "FP4OFFLOAD_SHARE_STAGING"
+
+
+def share_bf16_staging(engine: Any) -> int:
+    """On the CPU accelerator, let ZeRO-1/2 offload write the updated weights straight into the bf16
+    partition instead of through a second bf16 copy of it. Returns the bytes no longer held.
+
+    After its CPU optimizer step ZeRO-1/2 offload casts the fp32 master into a staging buffer
+    (``param_buffer_of_bit16_for_cpu_offload_groups``, 2 B/param) and copies that into the bf16 partition:
+    the buffer is where the weights wait to cross to a GPU. When the bf16 partition is itself in host RAM
+    (the CPU accelerator) the buffer is a second copy of it: each one is replaced by the partition, so the
+    cast lands in place (same rounding, same bits) and the copy after it is a copy onto itself. Skipped for
+    a buffer DeepSpeed's native pinned-memory backend owns, and when ``FP4OFFLOAD_SHARE_STAGING=0``.
+    """
+    if os.environ.get(SHARE_STAGING_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return 0
+    opt = getattr(engine, "optimizer", None)
+    bufs = getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)
+    parts = getattr(opt, "parallel_partitioned_bit16_groups", None)
+    if not bufs or not parts:
+        return 0
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    freed = 0
+    for i, buf in enumerate(bufs):
+        target = parts[i][dist.get_rank(group=opt.real_dp_process_group[i])]
+        if (target.device.type != "cpu" or buf.device.type != "cpu" or target.dtype != buf.dtype
+                or target.numel() != buf.numel() or target.data_ptr() == buf.data_ptr()
+                or get_accelerator().is_pinned(buf)):
+            continue
+        bufs[i] = target.view(buf.shape)
+        freed += buf.numel() * buf.element_size()
+    if freed:
+        log.info("fp4offload: %d bytes of bf16 staging buffers shared with the bf16 partitions (%s=0 keeps them)",
+                 freed, SHARE_STAGING_ENV)
+    return freed
 
 
 def release_free_host_memory() -> bool:
