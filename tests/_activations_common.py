@@ -21,11 +21,12 @@ def P(**kw) -> ActivationPolicy:
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
+    """One torch thread: on a small shared host two threads spin and run many times slower."""
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
 
 
-def tiny_model():
-    return harness.small_llama(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
+def tiny_model(seed: int = 0):
+    return harness.small_llama(hidden=64, layers=2, heads=4, intermediate=172, seed=seed)

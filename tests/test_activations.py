@@ -14,34 +14,11 @@ from fp4offload import ActivationPolicy, ConfigError, offload_activations, quant
 from fp4offload.offload import SavedTensorReleasedError
 from fp4offload.offload.hooks import _from_parameter
 
-MIN_NUMEL = 1024  # the tiny model's activations are small; the default (65536) would skip them all
-
-
-def P(**kw) -> ActivationPolicy:
-    """A policy for the tiny model: small tensors qualify, and stochastic rounding bits are fixed (seed 0)."""
-    kw.setdefault("min_numel", MIN_NUMEL)
-    kw.setdefault("seed", 0)
-    return ActivationPolicy(**kw)
+from _activations_common import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 
 # Bounds on the per-parameter relative gradient error ||g - g_ref|| / ||g_ref||, fp32 model, one step.
 # Measured on this model (max over the 21 parameter tensors), see the printed tables.
 MAX_REL_ERR = {"nvfp4": 0.40, "mxfp4": 0.50, "mxfp8": 0.08, "nvfp4-nearest": 0.30}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One torch thread: on a small shared host two threads spin and run many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_model(seed: int = 0):
-    return harness.small_llama(hidden=64, layers=2, heads=4, intermediate=172, seed=seed)
-
-
-TOKENS = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(1))
 
 
 def step(policy=None, *, ckpt=None, autocast=False, model=None):
