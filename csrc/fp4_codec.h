@@ -186,6 +186,15 @@ FP4_HD float block_encode_scale(uint8_t scale_code, float s_dec) {
   return fmin_(1.0f / (e4m3_value(scale_code) * s_dec), kF32Max);
 }
 
+// A block's E4M3 scale code and its multiplier k; `live` is false and k is 0 for a dead block (a zero
+// scale, or `bad`: non-finite values in it), whose codes are all zero.
+FP4_HD uint8_t block_scale(float amax_b, bool bad, float elem_max, TensorScale s, float& k, bool& live) {
+  const uint8_t sc = block_scale_code(amax_b, elem_max, s.enc);
+  live = sc != 0 && !bad;
+  k = live ? block_encode_scale(sc, s.dec) : 0.0f;
+  return sc;
+}
+
 // ---- counter-based random bits (3.9) ----------------------------------------------------------------
 
 FP4_HD uint32_t fmix32(uint32_t h) {

@@ -77,10 +77,9 @@ inline void encode_chunk_scalar(const float* x, int cnt, bool unsigned_, bool st
   const fp4::TensorScale ts = fp4::tensor_scale(amax, elem_max);
   *s_dec_out = ts.dec;
   for (int b = 0; b < nb; ++b) {
-    const uint8_t sc = fp4::block_scale_code(amax_b[b], elem_max, ts.enc);
-    scales[b] = sc;
-    const bool live = sc != 0 && !bad_b[b];
-    const float k = live ? fp4::block_encode_scale(sc, ts.dec) : 0.0f;
+    float k;
+    bool live;
+    scales[b] = fp4::block_scale(amax_b[b], bad_b[b], elem_max, ts, k, live);
     uint8_t c[16];
     for (int j = 0; j < 16; ++j) {
       if (!live) {
@@ -258,11 +257,10 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
       int32_t bad_b;
       fp4cpu::amax_rows(x + r0 * g.cols + c0, g.cols, (int)std::min<int64_t>(16, g.rows - r0),
                         (int)std::min<int64_t>(16, g.cols - c0), simd, amax_b, bad_b);
-      const uint8_t sc = fp4::block_scale_code(amax_b, fp4::kE2M1Max, g.ts.enc);
-      const bool live = sc != 0 && bad_b == 0;
-      g.scales[bd.band * g.C + t] = sc;
-      fp4cpu::encode_tile(x, g.rows, g.cols, g.cp, r0, c0, live ? fp4::block_encode_scale(sc, g.ts.dec) : 0.0f,
-                          live, false, false, 0u, 0u, simd, g.data);
+      float k;
+      bool live;
+      g.scales[bd.band * g.C + t] = fp4::block_scale(amax_b, bad_b != 0, fp4::kE2M1Max, g.ts, k, live);
+      fp4cpu::encode_tile(x, g.rows, g.cols, g.cp, r0, c0, k, live, false, false, 0u, 0u, simd, g.data);
       amax = fp4::fmax_(amax, amax_b);
       bad += bad_b;
     }

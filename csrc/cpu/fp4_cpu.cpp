@@ -77,9 +77,9 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
   std::vector<fp4::TensorScale> ts(g.nscopes);
   auto encode_block = [&](int64_t b) {  // block scale, codes, packing
     const fp4::TensorScale& s = ts[b / g.per];
-    uint8_t sc = fp4::block_scale_code(amax_b[b], elem_max, s.enc);
-    const bool live = sc != 0 && bad_b[b] == 0;
-    const float k = live ? fp4::block_encode_scale(sc, s.dec) : 0.0f;
+    float k;
+    bool live;
+    const uint8_t sc = fp4::block_scale(amax_b[b], bad_b[b] != 0, elem_max, s, k, live);
     scales[b] = bad_b[b] ? fp4::kE4M3NaN : sc;  // a caller without propagate raises, and drops all of this
     if (!tiled) {
       const int64_t i0 = b * kNvBlock;
@@ -137,11 +137,10 @@ void nvfp4_encode_impl(const T* x, const NvGeom& g, bool ufp4, bool stochastic, 
         float k[4];
         bool all_live = true;
         for (int q = 0; q < 4; ++q) {
-          const fp4::TensorScale& s = ts[(b + q) / g.per];
-          const uint8_t sc = fp4::block_scale_code(amax_b[b + q], elem_max, s.enc);
-          all_live = all_live && sc != 0 && bad_b[b + q] == 0;
-          k[q] = all_live ? fp4::block_encode_scale(sc, s.dec) : 0.0f;
-          scales[b + q] = sc;
+          bool live;
+          scales[b + q] = fp4::block_scale(amax_b[b + q], bad_b[b + q] != 0, elem_max, ts[(b + q) / g.per], k[q],
+                                           live);
+          all_live = all_live && live;
         }
         if (!all_live) {
           for (int q = 0; q < 4; ++q) encode_block(b + q);

@@ -152,7 +152,7 @@ class FP4AdamW(Optimizer):
         self.skipped_steps = 0
         self._steps_taken = 0
         self._working: dict[int, dict] = {}
-        self._regions: dict[int, list[WeightRegion]] = {}  # id(tensor) -> register_weight_regions
+        self._regions = WeakIdKeyDictionary()  # tensor -> its list[WeightRegion] (register_weight_regions)
         self._copy_stream = None
         self._nvme = None
         self.nvme_io = None
@@ -303,7 +303,7 @@ class FP4AdamW(Optimizer):
             if p.grad.is_sparse:
                 raise ConfigError("grad", "a sparse gradient", "dense gradients", "FP4AdamW has no sparse path")
         for _, p, _ in todo:  # region results are per step: unset until this step writes them
-            for r in self._regions.get(id(p), ()):
+            for r in self._regions.get(p, ()):
                 r.packed, r.new_amax = None, float("nan")
         with metrics.timer("optim.time.step"):
             if self.skip_nonfinite and todo and not self._grads_finite([p.grad for _, p, _ in todo]):
@@ -368,7 +368,7 @@ class FP4AdamW(Optimizer):
             if check is not None:
                 check(m, v)
                 sample = False
-            self._finish(p, w, master, bf, wc, nvfp4=self._region_results(p, w, regions, res, own))
+            self._finish(p, w, master, bf, wc, *self._region_results(p, w, regions, res, own))
         else:
             sample = self._segment_loop(p, pid, w, m_v=None if self._nvme is not None else self._states(st),
                                         args=args, bf=bf, sample=sample, v_format=v_format)
@@ -538,9 +538,9 @@ class FP4AdamW(Optimizer):
                                   f"non-overlapping matrices inside the tensor's {tensor.numel()} elements")
             end = r.offset + r.rows * r.cols
         if regions:
-            self._regions[id(tensor)] = sorted(regions, key=lambda r: r.offset)
+            self._regions[tensor] = sorted(regions, key=lambda r: r.offset)
         else:
-            self._regions.pop(id(tensor), None)
+            self._regions.pop(tensor, None)
 
     def _own_region(self, p, w) -> WeightRegion | None:
         """p's NVFP4 working copy as a region of the fused step, once an amax is known; else None."""
@@ -559,7 +559,7 @@ class FP4AdamW(Optimizer):
     def _fused_regions(self, p, w, want_copy: bool) -> tuple[list[WeightRegion], WeightRegion | None]:
         """The regions the fused step over p writes this step (registered ones with an amax, and the working
         copy's), and the working copy's among them."""
-        out = [r for r in self._regions.get(id(p), ()) if r.amax is not None]
+        out = [r for r in self._regions.get(p, ()) if r.amax is not None]
         own = self._own_region(p, w) if want_copy else None
         if own is not None:
             if out:  # an integration's regions and a working copy of the same tensor: the copy goes separately
@@ -569,8 +569,8 @@ class FP4AdamW(Optimizer):
         return out, own
 
     def _region_results(self, p, w, regions: list[WeightRegion], res, own: WeightRegion | None):
-        """Stores what the step wrote in each region; returns the working copy's PackedTensor, or None when
-        _finish must encode it (grown amax, non-finite values)."""
+        """Stores what the step wrote in each region; returns (the working copy's PackedTensor, or None when
+        _finish must encode it, and the new weight's amax when the step measured it, else None)."""
         from ..formats.packed import PackedTensor
 
         for i, r in enumerate(regions):
@@ -580,15 +580,16 @@ class FP4AdamW(Optimizer):
                                     meta={"amax": r.amax})
             r._data = r._scales = None
         if own is None:
-            return None
+            return None, None
         if not (math.isfinite(own.new_amax) and self.copy_amax(own.new_amax) == own.amax):
-            return None  # the amax crossed a power of two (or a value is not finite): _finish encodes
+            return None, own.new_amax  # the amax crossed a power of two (or a value is not finite): _finish encodes
         pk = own.packed
-        return PackedTensor(pk.data, pk.scales, pk.tensor_scale, p.shape, w.dtype, "nvfp4", "16x16", 0, meta=pk.meta)
+        return (PackedTensor(pk.data, pk.scales, pk.tensor_scale, p.shape, w.dtype, "nvfp4", "16x16", 0,
+                             meta=pk.meta), own.new_amax)
 
-    def _finish(self, p, w, master, bf, wc, uploaded: bool = False, nvfp4=None) -> None:
+    def _finish(self, p, w, master, bf, wc, nvfp4=None, amax: float | None = None, uploaded: bool = False) -> None:
         """Write the fp32 master back into the parameter and produce the working copies (`nvfp4`: made by the
-        fused step already)."""
+        fused step already; `amax`: the new weight's amax when the step measured it)."""
         if master is not None and not uploaded:
             if p.dtype == torch.bfloat16 and bf is not None and bf.device == p.device:
                 p.data.copy_(bf.view(p.shape))
@@ -603,8 +604,10 @@ class FP4AdamW(Optimizer):
             if nvfp4 is None:
                 from ..codec import quantize
 
-                # the amax the fused step would have used: a pass to measure it, then the encode
-                amax = self.copy_amax(float(w.abs().amax())) if w.numel() else 0.0
+                # the amax the fused step would have used (a pass to measure it unless the step did), the encode
+                if amax is None:
+                    amax = float(w.abs().amax()) if w.numel() else 0.0
+                amax = self.copy_amax(amax)
                 nvfp4 = quantize(w.view(p.shape), "nvfp4", block="16x16", amax=amax if math.isfinite(amax) else None)
                 nvfp4.meta["amax"] = amax
                 slot["nvfp4_amax"] = amax  # the next step's fused encode starts from it
