@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from fp4offload.errors import ConfigError
+from fp4offload.optim.adamw import FP4AdamW
 
 log = logging.getLogger("fp4offload.deepspeed")
 
@@ -287,17 +288,21 @@ def _wrap_param(pw: PackedWeights, p) -> None:
     p.partition = partition
 
 
-def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor]) -> None:
-    """Pack each parameter's partition from ``sources`` (fp32 flat, this rank's elements) with a shared amax."""
+def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor],
+                 known: list[float] | None = None) -> None:
+    """Pack each parameter's partition from ``sources`` (fp32 flat, this rank's elements) with a shared amax:
+    ``known`` (already max-reduced over the partition group), else measured and max-reduced here."""
     from fp4offload.codec import quantize
 
     if not params:
         return
-    amax = torch.stack([s.abs().max() if s.numel() else torch.zeros(()) for s in sources]).float()
-    group, world = _group_world(params[0])
-    if world > 1:
-        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
-    amax = torch.tensor([_copy_amax(float(a)) for a in amax], dtype=torch.float32)  # as the fused step encodes
+    if known is None:
+        amax = torch.stack([s.abs().max() if s.numel() else torch.zeros(()) for s in sources]).float()
+        group, world = _group_world(params[0])
+        if world > 1:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+        known = amax.tolist()
+    amax = torch.tensor([FP4AdamW.copy_amax(a) for a in known], dtype=torch.float32)  # as the fused step encodes
     for i, (p, src) in enumerate(zip(params, sources)):
         sh = pw.shards.get(id(p))
         cols = int(p.ds_shape[-1])
@@ -313,12 +318,6 @@ def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor]) -
         pw.encodes += 1
 
 
-def _copy_amax(amax: float) -> float:
-    from fp4offload.optim.adamw import FP4AdamW
-
-    return FP4AdamW.copy_amax(amax)
-
-
 def _after_step(pw: PackedWeights, params: list, sources: list[torch.Tensor]) -> None:
     """After a sub-group's step: take the copies FP4AdamW's fused step wrote where the new amax, max-reduced
     over the ranks and rounded up to a power of two, is the amax they were encoded with (the same on every
@@ -331,19 +330,24 @@ def _after_step(pw: PackedWeights, params: list, sources: list[torch.Tensor]) ->
     group, world = _group_world(params[0])
     if world > 1:
         torch.distributed.all_reduce(new, op=torch.distributed.ReduceOp.MAX, group=group)
-    rest_p, rest_s = [], []
+    rest, measured = ([], [], []), ([], [])  # rest: amax known (max-reduced above) / measured: not written
     for p, src, r, g in zip(params, sources, regions, new.tolist()):
         sh = pw.shards.get(id(p))
-        if r is None or sh is None or r.packed is None or not (math.isfinite(g) and _copy_amax(g) == r.amax):
-            rest_p.append(p)
-            rest_s.append(src)
+        if not math.isfinite(g):
+            measured[0].append(p)
+            measured[1].append(src)
+            continue
+        if r is None or sh is None or FP4AdamW.copy_amax(g) != r.amax:  # its rounded amax moved
+            for lst, x in zip(rest, (p, src, g)):
+                lst.append(x)
             continue
         pk = r.packed
         sh.data, sh.scales, sh.tensor_scale, sh.rows, sh.cols, sh.amax = (pk.data, pk.scales, pk.tensor_scale,
                                                                           r.rows, r.cols, r.amax)
         pw.encodes += 1
         pw.fused_encodes += 1
-    _encode_from(pw, rest_p, rest_s)
+    _encode_from(pw, *rest)
+    _encode_from(pw, *measured)
 
 
 def _register_regions(pw: PackedWeights, opt) -> None:
