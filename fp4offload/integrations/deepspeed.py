@@ -310,6 +310,7 @@ MMAP_THRESHOLD_ENV = "FP4OFFLOAD_MMAP_THRESHOLD"
 DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 _allocator_state: dict | None = None
+_OFF = ("off", "0", "none", "false", "no")  # the values that turn an FP4OFFLOAD_* host setting off
 
 
 def _libc():
@@ -334,7 +335,9 @@ def control_host_allocator(threshold: int | str | None = None) -> dict:
     gradient, bucket slice and activation below 32 MiB comes from the heap, which then holds the backward's
     transient memory after it is freed (measured: ~0.8 GB of a 155M-parameter ZeRO-2 offload run, ~5 B/param,
     in the RSS peak and, once a long-lived block lands on top of the heap, between steps too). Setting the
-    threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free.
+    threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free. The price is
+    page faults when they are allocated again (measured: +0.25 s per step of a 103M-parameter run, about
+    +35%; most of it goes with torch's ``THP_MEM_ALLOC_ENABLE=1``; see benchmarks/RESULTS.md).
 
     Args:
         threshold: bytes; None reads ``FP4OFFLOAD_MMAP_THRESHOLD`` (default 128 KiB); ``"off"`` or 0 leaves
@@ -348,7 +351,7 @@ def control_host_allocator(threshold: int | str | None = None) -> dict:
         return dict(_allocator_state)
     raw = threshold if threshold is not None else os.environ.get(MMAP_THRESHOLD_ENV, "")
     raw = str(raw).strip().lower()
-    if raw in ("off", "0", "none", "false"):
+    if raw in _OFF:
         return {"mmap_threshold": None, "reason": f"{MMAP_THRESHOLD_ENV}=off"}
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         return {"mmap_threshold": None, "reason": "glibc malloc already tuned by the environment"}
@@ -381,7 +384,7 @@ def share_bf16_staging(engine: Any) -> int:
     cast lands in place (same rounding, same bits) and the copy after it is a copy onto itself. Skipped for
     a buffer DeepSpeed's native pinned-memory backend owns, and when ``FP4OFFLOAD_SHARE_STAGING=0``.
     """
-    if os.environ.get(SHARE_STAGING_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if os.environ.get(SHARE_STAGING_ENV, "1").strip().lower() in _OFF:
         return 0
     opt = getattr(engine, "optimizer", None)
     bufs = getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)
