@@ -82,15 +82,21 @@ _PROBE = textwrap.dedent("""
     m0 = libc.mallinfo2()
     keep = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(64)]
     m = libc.mallinfo2()
-    print(json.dumps({"got": got, "heap": m.arena - m0.arena, "mmapped": m.hblkhd - m0.hblkhd}))
+    from fp4offload import host_allocator
+    cache = host_allocator.stats()
+    print(json.dumps({"got": got, "heap": m.arena - m0.arena, "mmapped": m.hblkhd - m0.hblkhd,
+                      "cache_in_use": cache.get("in_use_bytes", 0)}))
 """)
 
 
-def _probe(env_value: str | None) -> dict:
+def _probe(env_value: str | None, cache: str | None = "off") -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")}
     env.pop("FP4OFFLOAD_MMAP_THRESHOLD", None)
+    env.pop("FP4OFFLOAD_HOST_CACHE", None)
     if env_value is not None:
         env["FP4OFFLOAD_MMAP_THRESHOLD"] = env_value
+    if cache is not None:
+        env["FP4OFFLOAD_HOST_CACHE"] = cache
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -99,12 +105,17 @@ def _probe(env_value: str | None) -> dict:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 def test_allocator_control_keeps_freed_tensors_out_of_the_heap():
-    on, off = _probe(None), _probe("off")
+    on, off = _probe(None), _probe("off")  # glibc's threshold alone (the host cache off)
     assert off["got"]["mmap_threshold"] is None
     assert on["got"]["mmap_threshold"] == 128 * 1024
+    assert not on["got"]["host_cache"]["installed"]
     # 64 MiB of 1 MiB tensors: mmapped (given back on free) with the control, in glibc's heap without it
     assert on["mmapped"] >= 64 << 20 and on["heap"] < 8 << 20, on
     assert off["heap"] >= 60 << 20 and off["mmapped"] < 8 << 20, off
+    # the default: the same tensors come from the host cache, which maps (and bounds) them itself
+    cached = _probe(None, cache=None)
+    assert cached["got"]["host_cache"]["installed"] and cached["got"]["mmap_threshold"] == 128 * 1024
+    assert cached["cache_in_use"] >= 64 << 20 and cached["heap"] < 8 << 20, cached
 
 
 @pytest.mark.distributed

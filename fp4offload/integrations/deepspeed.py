@@ -15,11 +15,13 @@ config carries the block it, in this order, before DeepSpeed builds anything:
 then calls the real ``deepspeed.initialize`` and attaches what needs the engine: packed ZeRO-3 weight
 shards (``ds_weights``), saved-activation packing, and the metrics writer (``ds_monitor``).
 
-With ``optimizer_states`` set it also fixes glibc's mmap threshold (:func:`control_host_allocator`): the
-offloaded fp32 master, gradient partition and packed states live in host RAM, and glibc's default (a
-threshold that rises to 32 MiB after the first large free) keeps the memory freed during each backward in
-its heap, ~5 B/param of host RSS that the packed states would otherwise save. ``FP4OFFLOAD_MMAP_THRESHOLD``
-sets the threshold in bytes, or ``off`` to leave the allocator alone. On the CPU accelerator it also lets
+With ``optimizer_states`` set it also keeps the memory each step frees from staying resident
+(:func:`control_host_allocator`): the offloaded fp32 master, gradient partition and packed states live in
+host RAM, and glibc's default (a threshold that rises to 32 MiB after the first large free) keeps the memory
+freed during each backward in its heap, ~5 B/param of host RSS that the packed states would otherwise save.
+It fixes glibc's mmap threshold (``FP4OFFLOAD_MMAP_THRESHOLD``: bytes, or ``off``) and serves torch's large
+CPU blocks from a bounded cache that reuses them within the step instead of faulting them in again
+(:mod:`fp4offload.host_allocator`; ``FP4OFFLOAD_HOST_CACHE``: a fraction, or ``off``). On the CPU accelerator it also lets
 ZeRO-1/2 offload write the updated weights straight into the bf16 partition, dropping DeepSpeed's second
 bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it).
 
@@ -328,27 +330,40 @@ def _libc():
 
 
 def control_host_allocator(threshold: int | str | None = None) -> dict:
-    """Fix glibc's mmap threshold so that freed tensors go back to the OS (process-wide, once).
+    """Keep the memory a training step frees from staying resident: glibc's mmap threshold fixed, and a
+    bounded cache for torch's large CPU blocks (process-wide, once).
 
     glibc serves blocks below its mmap threshold from its heap. The threshold starts at 128 KiB and, each
     time an mmapped block is freed, rises to that block's size (up to 32 MiB); after the first backward every
     gradient, bucket slice and activation below 32 MiB comes from the heap, which then holds the backward's
     transient memory after it is freed (measured: ~0.8 GB of a 155M-parameter ZeRO-2 offload run, ~5 B/param,
     in the RSS peak and, once a long-lived block lands on top of the heap, between steps too). Setting the
-    threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free. The price is
-    page faults when they are allocated again (measured: +0.25 s per step of a 103M-parameter run, about
-    +35%; most of it goes with torch's ``THP_MEM_ALLOC_ENABLE=1``; see benchmarks/RESULTS.md).
+    threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free. Alone, that
+    costs page faults when the same sizes are allocated again in the next layer (measured: 357 thousand per
+    backward of a 103M-parameter run, +0.25 s per step, about +35%). So torch's blocks of 128 KiB and more
+    go to :mod:`fp4offload.host_allocator` instead, which keeps freed blocks for reuse up to 1/8 of the bytes
+    in use and unmaps the rest (the same backward: ~130 page faults; see benchmarks/RESULTS.md).
 
     Args:
         threshold: bytes; None reads ``FP4OFFLOAD_MMAP_THRESHOLD`` (default 128 KiB); ``"off"`` or 0 leaves
-            the allocator alone.
+            glibc alone. The cache has its own switch, ``FP4OFFLOAD_HOST_CACHE`` (a fraction, or ``off``).
 
-    Returns ``{"mmap_threshold": bytes or None, "reason": str}``. Does nothing when the user already tuned
-    glibc (``MALLOC_MMAP_THRESHOLD_`` or a ``glibc.malloc`` tunable), off glibc, or when called again.
+    Returns ``{"mmap_threshold": bytes or None, "reason": str, "host_cache": host_allocator.install()'s
+    dict}``. The glibc part does nothing when the user already tuned glibc (``MALLOC_MMAP_THRESHOLD_`` or a
+    ``glibc.malloc`` tunable) or off glibc. Called again, returns what the first call did.
     """
     global _allocator_state
     if _allocator_state is not None:
         return dict(_allocator_state)
+    from fp4offload import host_allocator
+
+    state = _fix_mmap_threshold(threshold)
+    state["host_cache"] = host_allocator.install()
+    _allocator_state = state
+    return dict(state)
+
+
+def _fix_mmap_threshold(threshold: int | str | None) -> dict:
     raw = threshold if threshold is not None else os.environ.get(MMAP_THRESHOLD_ENV, "")
     raw = str(raw).strip().lower()
     if raw in _OFF:
@@ -366,8 +381,7 @@ def control_host_allocator(threshold: int | str | None = None) -> dict:
         return {"mmap_threshold": None, "reason": f"mallopt(M_MMAP_THRESHOLD, {value}) refused"}
     log.info("fp4offload: glibc mmap threshold fixed at %d bytes (%s=off to keep glibc's default)", value,
              MMAP_THRESHOLD_ENV)
-    _allocator_state = {"mmap_threshold": int(value), "reason": "set"}
-    return dict(_allocator_state)
+    return {"mmap_threshold": int(value), "reason": "set"}
 
 
 SHARE_STAGING_ENV = "FP4OFFLOAD_SHARE_STAGING"
