@@ -7,12 +7,12 @@ Configurations (one rank, DS_ACCELERATOR=cpu, bf16, a Llama from benchmarks.harn
   on disk through async_io). Block: FP4AdamW's own NVMe tier (packed m, v on disk; DeepSpeed keeps the fp32
   master in host RAM, since its swapper cannot hold packed states).
 
-Each configuration runs in its own process (so peak RSS is its own) and reports: seconds per step (median
-after one warm-up step), peak host RSS while training (sampled every 5 ms; ``peak_rss_incl_init`` is
-ru_maxrss, which also holds the model-construction transient), the optimizer's host bytes counted from its tensors,
-and NVMe bytes per step: storage-level bytes from /proc/self/io (exact for DeepSpeed's O_DIRECT swapper)
-and, for FP4AdamW's buffered tier, the bytes it asks the disk for (its counters; the page cache may
-absorb some reads). Ratios are block / baseline from the same invocation.
+Each configuration runs in its own process (so peak RSS is its own) and reports: seconds per step (median after
+one warm-up step), minor page faults per step (median, getrusage), peak host RSS while training (sampled every 5
+ms; ``peak_rss_incl_init`` is ru_maxrss, which also holds the model-construction transient), the optimizer's
+host bytes counted from its tensors, and NVMe bytes per step: storage-level bytes from /proc/self/io (exact for
+DeepSpeed's O_DIRECT swapper) and, for FP4AdamW's buffered tier, the bytes it asks the disk for (its counters;
+the page cache may absorb some reads). Ratios are block / baseline from the same invocation.
 
 Host RSS, split. On this machine DeepSpeed's accelerator is the CPU, so the RSS also holds what a GPU run
 keeps in device memory: the bf16 parameters (2 B/param), the bf16 gradient bucket (2 B/param while backward
@@ -23,11 +23,13 @@ host settings, share it with the bf16 partition on the CPU accelerator; a GPU ma
 the host would hold on a GPU machine (an upper bound: activations stay in it).
 
 Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold (fp4offload.integrations.deepspeed.
-control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it) and shares the bf16 staging buffers
-with the bf16 partitions (share_bf16_staging; ``FP4OFFLOAD_SHARE_STAGING=0``). Both would help a run without
-the block too, so each configuration also runs the baseline with the same settings (``allocator: "fixed"``)
-and the ratios are given against both baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's
-definition) and ``peak_rss_reduction_same_allocator`` (what the packed states alone save).
+control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it), serves torch's large CPU blocks from
+fp4offload.host_allocator's bounded cache (``FP4OFFLOAD_HOST_CACHE=off`` disables it) and shares the bf16
+staging buffers with the bf16 partitions (share_bf16_staging; ``FP4OFFLOAD_SHARE_STAGING=0``). All three would
+help a run without the block too, so each configuration also runs the baseline with the same settings
+(``allocator: "fixed"``) and the ratios are given against both baselines: ``peak_rss_reduction`` (plain
+DeepSpeed, the target's definition) and ``peak_rss_reduction_same_allocator`` (what the packed states alone
+save).
 
 The largest trainable model is projected from the measured peak RSS, fitted as fixed + bytes/param x N
 over two model sizes, against the host RAM this machine has. ``--search`` measures it instead: ZeRO-2 cpu
@@ -167,6 +169,13 @@ def _rss_ladder() -> dict[str, int]:
     return {"heap_in_use": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
 
 
+def _host_cache_stats() -> dict:
+    from fp4offload import host_allocator
+
+    keys = ("installed", "allocs", "hits", "maps", "peak_cached_bytes", "peak_in_use_bytes")
+    return {k: v for k, v in host_allocator.stats().items() if k in keys}
+
+
 def child(args) -> dict:
     """One configuration in this process; returns its measurements."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -222,23 +231,26 @@ def child(args) -> dict:
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    times, ios, losses = [], [], []
+    times, ios, losses, faults = [], [], [], []
     metrics.reset() if hasattr(metrics, "reset") else None
     for step in range(args.steps + 1):
         tokens = harness.batch(train, 1, args.seq, g)
         io0 = _io()
         snap0 = metrics.snapshot()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t = time.perf_counter()
         loss = harness.lm_loss(engine, tokens)
         engine.backward(loss)
         engine.step()
         dt = time.perf_counter() - t
+        df = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         io1 = _io()
         snap1 = metrics.snapshot()
         losses.append(float(loss.detach()))
         if step == 0:
             continue  # warm-up: first states allocated, files created
         times.append(dt)
+        faults.append(df)
         logical = sum(snap1.get(k, 0) - snap0.get(k, 0) for k in ("optim.nvme.bytes_written", "optim.nvme.bytes_read"))
         ios.append({"disk_read": io1["read_bytes"] - io0["read_bytes"],
                     "disk_write": io1["write_bytes"] - io0["write_bytes"], "tier_logical": logical})
@@ -252,8 +264,9 @@ def child(args) -> dict:
     device_side = sum(b["bytes"] for b in buffers.values() if b["side"] == "device")
     return {"config": args.config, "fp4": args.fp4, "params": nparams, "init_s": init_s,
             "allocator": "fixed" if allocator and allocator.get("mmap_threshold") else "glibc default",
-            "mmap_threshold": (allocator or {}).get("mmap_threshold"),
-            "s_per_step": statistics.median(times), "step_times": times, "peak_rss": peak_train[0],
+            "mmap_threshold": (allocator or {}).get("mmap_threshold"), "host_cache": _host_cache_stats(),
+            "s_per_step": statistics.median(times), "step_times": times,
+            "page_faults_per_step": statistics.median(faults), "peak_rss": peak_train[0],
             "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss, "malloc_end": _rss_ladder(),
             "buffers": buffers, "device_side_bytes": device_side, "staging_shared_bytes": shared,
             # a GPU machine's host keeps the staging copy the CPU accelerator lets the block share: add it back
@@ -305,7 +318,7 @@ def _child_port(key: str) -> int:
 
 
 def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
-              min_available: int = 0) -> dict:
+              min_available: int = 0, env_extra: dict | None = None) -> dict:
     """One configuration in a child process. With ``budget``, the child (with its children) is killed as soon
     as its RSS passes it, or the machine's available memory falls below ``min_available``: raises Exceeds."""
     import psutil
@@ -318,7 +331,7 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
                "--allocator", allocator,
                "--port", str(_child_port(f"{config}/{int(fp4)}/{allocator}"))] + (["--fp4"] if fp4 else []) + \
               (["--bf16-build"] if getattr(a, "bf16_build", False) else [])
-        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT))
+        env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), **(env_extra or {}))
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
         p = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
@@ -439,6 +452,8 @@ def main() -> None:
     ap.add_argument("--small-layers", type=int, default=4, help="second size for the RSS fit (0: skip the fit)")
     ap.add_argument("--no-same-allocator", action="store_true",
                     help="skip the baseline run with the block's allocator setting")
+    ap.add_argument("--without-host-cache", action="store_true",
+                    help="also run the block with FP4OFFLOAD_HOST_CACHE=off (what the host cache is worth)")
     ap.add_argument("--search", action="store_true", help="measure the largest z2_cpu model under --budget")
     ap.add_argument("--budget", type=parse_size, default=parse_size("20GiB"),
                     help="--search: RSS at which a try is killed and reported as exceeding (default 20GiB)")
@@ -474,9 +489,15 @@ def main() -> None:
     for config in a.configs.split(","):
         pair = {}
         variants = [(False, "default")] + ([] if a.no_same_allocator else [(False, "fixed")]) + [(True, "default")]
+        variants += [(True, "no host cache")] if a.without_host_cache else []
         for fp4, alloc in variants:
-            pair[(fp4, alloc)] = r = run_child(config, fp4, a, allocator=alloc)
-            r["variant"] = "block" if fp4 else ("baseline" if alloc == "default" else "baseline, same allocator")
+            if alloc == "no host cache":
+                r = run_child(config, True, a, env_extra={"FP4OFFLOAD_HOST_CACHE": "off"})
+                r["variant"] = "block, host cache off"
+            else:
+                r = run_child(config, fp4, a, allocator=alloc)
+                r["variant"] = "block" if fp4 else ("baseline" if alloc == "default" else "baseline, same allocator")
+            pair[(fp4, alloc)] = r
             rows.append(r)
             if a.json:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("step_times",)}), flush=True)
@@ -513,13 +534,14 @@ def main() -> None:
                 print(json.dumps(fit[-1]), flush=True)
     if not a.json:
         print(f"{'config':10} {'variant':25} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'host-side':>10} "
-              f"{'opt host':>10} {'B/param':>8} {'NVMe B/step':>12}")
+              f"{'opt host':>10} {'B/param':>8} {'NVMe B/step':>12} {'faults/step':>12}")
         for r in rows:
             if "fp4" in r:
                 print(f"{r['config']:10} {r['variant']:25} {r['params'] / 1e6:7.1f}M "
                       f"{r['s_per_step']:8.2f} {r['peak_rss'] / 2**30:9.2f}G {r['peak_rss_host_side'] / 2**30:9.2f}G "
                       f"{r['optimizer_host_bytes'] / 2**30:9.2f}G "
-                      f"{r['optimizer_host_B_per_param']:8.2f} {r['nvme_bytes_per_step'] / 2**20:10.1f}Mi")
+                      f"{r['optimizer_host_B_per_param']:8.2f} {r['nvme_bytes_per_step'] / 2**20:10.1f}Mi "
+                      f"{r['page_faults_per_step']:12.0f}")
         for r in rows:
             if "fp4" in r:
                 print(f"  {r['config']} {r['variant']}: buffers (B/param; device = in GPU memory on a GPU machine): "

@@ -16,14 +16,14 @@ then calls the real ``deepspeed.initialize`` and attaches what needs the engine:
 shards (``ds_weights``), saved-activation packing, and the metrics writer (``ds_monitor``).
 
 With ``optimizer_states`` set it also keeps the memory each step frees from staying resident
-(:func:`control_host_allocator`): the offloaded fp32 master, gradient partition and packed states live in
-host RAM, and glibc's default (a threshold that rises to 32 MiB after the first large free) keeps the memory
-freed during each backward in its heap, ~5 B/param of host RSS that the packed states would otherwise save.
-It fixes glibc's mmap threshold (``FP4OFFLOAD_MMAP_THRESHOLD``: bytes, or ``off``) and serves torch's large
-CPU blocks from a bounded cache that reuses them within the step instead of faulting them in again
-(:mod:`fp4offload.host_allocator`; ``FP4OFFLOAD_HOST_CACHE``: a fraction, or ``off``). On the CPU accelerator it also lets
-ZeRO-1/2 offload write the updated weights straight into the bf16 partition, dropping DeepSpeed's second
-bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it).
+(:func:`control_host_allocator`): the offloaded fp32 master, gradient partition and packed states live in host
+RAM, and glibc's default (a threshold that rises to 32 MiB after the first large free) keeps the memory freed
+during each backward in its heap, ~5 B/param of host RSS that the packed states would otherwise save. It fixes
+glibc's mmap threshold (``FP4OFFLOAD_MMAP_THRESHOLD``: bytes, or ``off``) and serves torch's large CPU blocks
+from a bounded cache that reuses them within the step instead of faulting them in again
+(:mod:`fp4offload.host_allocator`; ``FP4OFFLOAD_HOST_CACHE``: a fraction, or ``off``). On the CPU accelerator
+it also lets ZeRO-1/2 offload write the updated weights straight into the bf16 partition, dropping DeepSpeed's
+second bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it).
 
 ``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
 go through here; a config without the block is passed through untouched.
