@@ -22,14 +22,16 @@ device-tagged bytes, plus the bf16 staging copy when it was shared (the block, a
 host settings, share it with the bf16 partition on the CPU accelerator; a GPU machine's host keeps it): what
 the host would hold on a GPU machine (an upper bound: activations stay in it).
 
-Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold (fp4offload.integrations.deepspeed.
-control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it), serves torch's large CPU blocks from
-fp4offload.host_allocator's bounded cache (``FP4OFFLOAD_HOST_CACHE=off`` disables it) and shares the bf16
-staging buffers with the bf16 partitions (share_bf16_staging; ``FP4OFFLOAD_SHARE_STAGING=0``). All three would
-help a run without the block too, so each configuration also runs the baseline with the same settings
-(``allocator: "fixed"``) and the ratios are given against both baselines: ``peak_rss_reduction`` (plain
-DeepSpeed, the target's definition) and ``peak_rss_reduction_same_allocator`` (what the packed states alone
-save).
+Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold
+(fp4offload.integrations.deepspeed.control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it),
+serves torch's large CPU blocks from fp4offload.host_allocator's bounded cache (``FP4OFFLOAD_HOST_CACHE=off``
+disables it) and shares the bf16 staging buffers with the bf16 partitions (share_bf16_staging;
+``FP4OFFLOAD_SHARE_STAGING=0``). All three would help a run without the block too, so each configuration also
+runs the baseline with the same settings (``allocator: "fixed"``) and the ratios are given against both
+baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's definition) and
+``peak_rss_reduction_same_allocator`` (what the packed states alone save). The block also keeps ZeRO-1/2's host
+gradient partition in bf16 (bf16_gradient_partition): FP4AdamW reads bf16 gradients, DeepSpeedCPUAdam does not,
+so both baselines keep it in fp32.
 
 The largest trainable model is projected from the measured peak RSS, fitted as fixed + bytes/param x N
 over two model sizes, against the host RAM this machine has. ``--search`` measures it instead: ZeRO-2 cpu
@@ -114,6 +116,8 @@ def buffer_account(engine, model) -> dict[str, dict]:
     with the same config. The gradient bucket is emptied after each backward; it is given at the size backward
     fills (the bucket, or the model's gradients when they are fewer).
     """
+    import torch
+
     zo = engine.optimizer
     inner = getattr(engine, "basic_optimizer", None) or getattr(zo, "optimizer", None)
     seen: set[int] = set()
@@ -128,7 +132,9 @@ def buffer_account(engine, model) -> dict[str, dict]:
     if hasattr(zo, "bit16_groups_flat"):  # ZeRO-1/2
         add("bf16 params (bit16_groups_flat)", "device", zo.bit16_groups_flat)
         add("fp32 master partition", "host", zo.single_partition_of_fp32_groups)
-        add("fp32 gradient partition", "host", [t.grad for t in zo.single_partition_of_fp32_groups])
+        grads = [t.grad for t in zo.single_partition_of_fp32_groups]
+        kind = "bf16" if any(g is not None and g.dtype != torch.float32 for g in grads) else "fp32"
+        add(f"{kind} gradient partition", "host", grads)  # bf16: the block's bf16_gradient_partition
         add("bf16 staging copy of the partition (param_buffer_of_bit16_for_cpu_offload)", "host",
             getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", []))
         add("temp_grad_buffer_for_cpu_offload", "host", [getattr(zo, "temp_grad_buffer_for_cpu_offload", None)])
@@ -144,8 +150,6 @@ def buffer_account(engine, model) -> dict[str, dict]:
         add("bf16 params outside partitions", "device", [p.data for p in model.parameters()])
         # ZeRO-3's gradient bucket is not counted (not found as one attribute): device_side is a lower bound
     if inner is not None:
-        import torch
-
         add("optimizer states (" + type(inner).__name__ + ")", "host",
             [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
     return out

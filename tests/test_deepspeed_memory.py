@@ -138,3 +138,34 @@ def test_bf16_staging_shared_on_the_cpu_accelerator(tmp_path):
     assert not any(kept["staging"]["aliased"]) and kept["staging"]["shared_bytes"] == 0
     assert not any(plain["staging"]["aliased"])  # without the block DeepSpeed is left as it is
     assert shared["losses"] == kept["losses"]
+
+
+@pytest.mark.distributed
+def test_host_gradient_partition_in_bf16(tmp_path):
+    """With one micro-batch per step the block keeps ZeRO-2 offload's host gradient partition in bf16 (2 B/param
+    less): without clipping training is the same bits as with the fp32 partition (FP4OFFLOAD_BF16_GRADS=0);
+    clipping's scale then rounds to bf16 (close losses); with gradient accumulation it stays fp32."""
+    from test_deepspeed import ds_config
+    from test_deepspeed_worker import launch
+
+    block = {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}
+    noclip = {**ds_config(2, "cpu", block), "gradient_clipping": 0.0}
+    clip = {**ds_config(2, "cpu", block), "gradient_clipping": 0.05}  # small enough to clip every step
+    accum = {**ds_config(2, "cpu", block), "gradient_accumulation_steps": 2}
+    off = {"FP4OFFLOAD_BF16_GRADS": "0"}
+    res = launch({"cases": [
+        {"name": "bf16", "config": noclip, "steps": 5, "probe": "grads"},
+        {"name": "fp32", "config": noclip, "steps": 5, "probe": "grads", "env": off},
+        {"name": "clip_bf16", "config": clip, "steps": 5, "probe": "grads"},
+        {"name": "clip_fp32", "config": clip, "steps": 5, "probe": "grads", "env": off},
+        {"name": "accum", "config": accum, "steps": 2, "probe": "grads"}]}, 1, tmp_path)
+    c = res["cases"]
+    assert set(c["bf16"]["grads"]["dtypes"]) == {"torch.bfloat16"}
+    assert c["bf16"]["grads"]["saved_bytes"] == 2 * c["bf16"]["grads"]["numel"] > 0
+    assert set(c["fp32"]["grads"]["dtypes"]) == {"torch.float32"} and c["fp32"]["grads"]["saved_bytes"] == 0
+    assert c["bf16"]["losses"] == c["fp32"]["losses"]
+    assert set(c["clip_bf16"]["grads"]["dtypes"]) == {"torch.bfloat16"}
+    assert c["clip_bf16"]["losses"] != c["clip_fp32"]["losses"]  # the clipped gradients round to bf16 ...
+    for a, b in zip(c["clip_bf16"]["losses"], c["clip_fp32"]["losses"]):
+        assert abs(a - b) <= 2e-3 * abs(b), (c["clip_bf16"]["losses"], c["clip_fp32"]["losses"])  # ... barely
+    assert set(c["accum"]["grads"]["dtypes"]) == {"torch.float32"} and c["accum"]["grads"]["saved_bytes"] == 0

@@ -177,6 +177,11 @@ def _run_case(case: dict, spec: dict, train) -> dict:
         out["staging"] = {"shared_bytes": att.staging_shared_bytes if att is not None else 0,
                           "partition_bytes": sum(p.numel() * p.element_size() for p in parts),
                           "aliased": [b.data_ptr() == p.data_ptr() for b, p in zip(bufs, parts)]}
+    if case.get("probe") == "grads":  # ZeRO-1/2 offload's host gradient partitions
+        zo = engine.optimizer
+        out["grads"] = {"dtypes": [str(m.grad.dtype) for m in zo.single_partition_of_fp32_groups],
+                        "saved_bytes": att.bf16_grad_bytes_saved if att is not None else 0,
+                        "numel": sum(m.numel() for m in zo.single_partition_of_fp32_groups)}
     if case.get("probe") == "weights" and att is not None and att.weights is not None:
         out["weight_probe"] = _probe_weights(engine, att.weights)
     engine.destroy() if hasattr(engine, "destroy") else None

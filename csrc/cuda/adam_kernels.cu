@@ -54,10 +54,9 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
                                              bool unsigned_, bool stochastic, uint32_t key, uint32_t index0,
                                              uint8_t* codes8, uint8_t* scale) {
   const float elem_max = unsigned_ ? fp4::kUfp4Max : fp4::kE2M1Max;
-  const uint8_t sc = fp4::block_scale_code(amax_b, elem_max, ts.enc);
-  *scale = sc;
-  const bool live = sc != 0 && !bad;
-  const float k = live ? fp4::block_encode_scale(sc, ts.dec) : 0.0f;
+  float k;
+  bool live;
+  *scale = fp4::block_scale(amax_b, bad, elem_max, ts, k, live);
   uint32_t w[2] = {0u, 0u};
   if (live) {
 #pragma unroll

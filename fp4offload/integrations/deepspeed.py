@@ -23,7 +23,9 @@ glibc's mmap threshold (``FP4OFFLOAD_MMAP_THRESHOLD``: bytes, or ``off``) and se
 from a bounded cache that reuses them within the step instead of faulting them in again
 (:mod:`fp4offload.host_allocator`; ``FP4OFFLOAD_HOST_CACHE``: a fraction, or ``off``). On the CPU accelerator
 it also lets ZeRO-1/2 offload write the updated weights straight into the bf16 partition, dropping DeepSpeed's
-second bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it).
+second bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it). With
+one micro-batch per step the host gradient partition is kept in bf16 (:func:`bf16_gradient_partition`, 2
+B/param; ``FP4OFFLOAD_BF16_GRADS=0`` keeps fp32).
 
 ``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
 go through here; a config without the block is passed through untouched.
@@ -47,7 +49,8 @@ from . import ds_optim
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "Prepared", "read_config",
-           "SUPPORTED_DEEPSPEED", "control_host_allocator", "release_free_host_memory", "share_bf16_staging"]
+           "SUPPORTED_DEEPSPEED", "control_host_allocator", "release_free_host_memory", "share_bf16_staging",
+           "bf16_gradient_partition"]
 
 SUPPORTED_DEEPSPEED = (">=0.19.8", "<0.20")
 BLOCK_KEY = "fp4offload"
@@ -236,9 +239,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
             setattr(args, name, v)
     engine = result[0]
     shared = share_bf16_staging(engine) if block.optimizer_states is not None else 0
+    bf16_grads = bf16_gradient_partition(engine) if block.optimizer_states is not None else 0
     if allocator is not None and allocator.get("mmap_threshold"):
         release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
-    attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared)
+    attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
+                        bf16_grad_bytes_saved=bf16_grads)
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import ds_weights
 
@@ -261,6 +266,7 @@ class Attached:
     monitor: Any = None
     allocator: dict | None = None
     staging_shared_bytes: int = 0  # share_bf16_staging
+    bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
@@ -420,6 +426,56 @@ def share_bf16_staging(engine: Any) -> int:
     if freed:
         log.info("fp4offload: %d bytes of bf16 staging buffers shared with the bf16 partitions (%s=0 keeps them)",
                  freed, SHARE_STAGING_ENV)
+    return freed
+
+
+BF16_GRADS_ENV = "FP4OFFLOAD_BF16_GRADS"
+
+
+def bf16_gradient_partition(engine: Any) -> int:
+    """Keep ZeRO-1/2 offload's host gradient partition in bf16 instead of fp32 when nothing is lost by it.
+    Returns the bytes no longer held.
+
+    Under ``offload_optimizer`` DeepSpeed keeps an fp32 copy of each rank's gradient partition in host RAM
+    (``single_partition_of_fp32_groups[i].grad``, 4 B/param, on a GPU machine too) and copies the bf16
+    gradients into it. With one micro-batch per step (no accumulation into it) every value it holds is a
+    bf16 value, and FP4AdamW's step reads bf16 gradients directly, so a bf16 partition holds the same
+    numbers in half the bytes. The one operation DeepSpeed applies to it in place is gradient clipping's
+    scale, which then rounds to bf16 (relative 2^-9, far below the 4-bit states' own rounding); without
+    clipping, or below the clip norm, training is the same bits. Applied when the inner optimizer is
+    FP4AdamW, the parameters are bf16, gradient_accumulation_steps is 1, and ``FP4OFFLOAD_BF16_GRADS`` is
+    not ``0``.
+    """
+    if os.environ.get(BF16_GRADS_ENV, "1").strip().lower() in _OFF:
+        return 0
+    import torch
+
+    from fp4offload.optim import FP4AdamW
+
+    opt = getattr(engine, "optimizer", None)
+    groups = getattr(opt, "single_partition_of_fp32_groups", None)
+    if (not groups or not getattr(opt, "cpu_offload", False) or engine.gradient_accumulation_steps() != 1
+            or not isinstance(getattr(engine, "basic_optimizer", None), FP4AdamW)
+            or any(p.dtype != torch.bfloat16 for g in getattr(opt, "bit16_groups", []) for p in g)):
+        return 0
+    from deepspeed.accelerator import get_accelerator
+
+    freed = 0
+    for master in groups:
+        grad = master.grad
+        if grad is None or grad.dtype != torch.float32 or grad.device.type != "cpu":
+            continue
+        half = torch.zeros(grad.shape, dtype=torch.bfloat16)
+        master.grad = None
+        if hasattr(master, "grad_dtype"):  # torch >= 2.9 checks a gradient's dtype against this
+            master.grad_dtype = torch.bfloat16
+        master.grad = get_accelerator().pin_memory(half) if get_accelerator().is_pinned(grad) else half
+        freed += grad.numel() * 2
+    if freed and hasattr(opt, "_get_offload_gradient_dict"):
+        opt._get_offload_gradient_dict()  # its per-parameter views pointed into the fp32 partitions
+    if freed:
+        log.info("fp4offload: host gradient partitions kept in bf16, %d bytes less (%s=0 keeps fp32)", freed,
+                 BF16_GRADS_ENV)
     return freed
 
 
