@@ -41,4 +41,5 @@ def test_hf_trainer_with_deepspeed_flag_honours_the_block(tmp_path):
     assert any("optimizer_host_bytes" in n for n in names), names
     rows = [line.split(",") for line in next(p for p in csvs if "per_param" in p.name).read_text().split()[1:]]
     assert [int(float(r[0])) for r in rows] == [2, 4, 6]
-    assert all(abs(float(r[1]) - 9.13) < 0.1 for r in rows), rows
+    # fp32 master 4 + bf16 gradient partition 2 (one micro-batch per step) + packed m, v 1.13
+    assert all(abs(float(r[1]) - 7.13) < 0.1 for r in rows), rows

@@ -269,3 +269,25 @@ def test_parameter_count_of_test_model_matches_spec():
 
 if __name__ == "__main__":
     print(json.dumps(_worker(sys.argv[1:])))
+
+
+def test_host_gradient_partition_is_bf16_only_where_the_block_makes_it_so():
+    """ZeRO-1/2 offload with FP4 states and one micro-batch: the block keeps the host gradient partition in bf16
+    (2 B/param); with accumulation, or DeepSpeedCPUAdam's fp32 states, it is fp32 (4 B/param)."""
+    from fp4offload.planner.hardware import build_cluster
+    from fp4offload.planner.memory import TrainSetup, estimate_memory
+    from fp4offload.planner.models import ModelSpec
+    from fp4offload.planner.strategies import load_catalogue
+
+    cat = load_catalogue()
+    cluster = build_cluster(gpu="h100-80gb", gpus=1, nodes=1)
+    spec = ModelSpec("test-small", 256, 4, 4, 2, 768, 4096)
+    n = spec.param_count()
+
+    def grads(name, accum):
+        setup = TrainSetup(micro_batch=1, seq_len=64, compute_bytes=2, grad_accum=accum)
+        return estimate_memory(cat[name], spec, cluster, setup, checkpointing=False).host["grads"] / n
+
+    assert grads("zero2-opt-cpu-fp4", 1) == pytest.approx(2.0)
+    assert grads("zero2-opt-cpu-fp4", 2) == pytest.approx(4.0)
+    assert grads("zero2-opt-cpu", 1) == pytest.approx(4.0)

@@ -178,7 +178,11 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
         host_grads = 0.0
     else:
         g_per_param = 0.0
-        host_grads = 4 * P / shard_o
+        # the DeepSpeed block keeps ZeRO-1/2's host gradient partition in bf16 when FP4AdamW runs the step and
+        # nothing accumulates into it (integrations.deepspeed.bf16_gradient_partition)
+        bf16_grads = (s.engine == "deepspeed" and stage in (1, 2) and s.optimizer_states.format == "nvfp4"
+                      and t.grad_accum == 1 and e == 2)
+        host_grads = (2 if bf16_grads else 4) * P / shard_o
         put("cpu", "grads", host_grads)
     g_end = g_per_param * P
     fp32_grad_at_step = 4 * P / shard_o if (s.master.device == "gpu" and not pure_fp32 and not fsdp) else 0.0
