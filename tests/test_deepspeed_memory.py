@@ -169,3 +169,30 @@ def test_host_gradient_partition_in_bf16(tmp_path):
     for a, b in zip(c["clip_bf16"]["losses"], c["clip_fp32"]["losses"]):
         assert abs(a - b) <= 2e-3 * abs(b), (c["clip_bf16"]["losses"], c["clip_fp32"]["losses"])  # ... barely
     assert set(c["accum"]["grads"]["dtypes"]) == {"torch.float32"} and c["accum"]["grads"]["saved_bytes"] == 0
+
+
+@pytest.mark.distributed
+def test_e2e_benchmark_runs_each_arm_with_its_own_settings():
+    """benchmarks/e2e_deepspeed.py on a tiny model: each arm in its own process with the host settings it names
+    (the block and the same-settings baseline through the host cache, plain DeepSpeed and the ablation not),
+    and the block's gradient partition in bf16."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("FP4OFFLOAD_HOST_CACHE", None)
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e_deepspeed.py"), "--configs", "z2_cpu", "--hidden", "64",
+           "--layers", "1", "--heads", "2", "--intermediate", "128", "--seq", "32", "--steps", "2",
+           "--small-layers", "0", "--without-host-cache", "--json"]
+    out = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    arms = {r["variant"]: r for r in rows if "variant" in r}
+    assert set(arms) == {"baseline", "baseline, same allocator", "block", "block, host cache off"}
+    cache = {name: r["host_cache"]["installed"] for name, r in arms.items()}
+    assert cache == {"baseline": False, "baseline, same allocator": True, "block": True,
+                     "block, host cache off": False}, cache
+    assert arms["block"]["host_cache"]["allocs"] > 0
+    assert "bf16 gradient partition" in arms["block"]["buffers"]
+    assert "fp32 gradient partition" in arms["baseline"]["buffers"]
+    assert all(r["page_faults_per_step"] >= 0 and r["s_per_step"] > 0 for r in arms.values())
+    ratio = next(r for r in rows if "step_time_ratio" in r)
+    assert ratio["step_time_ratio"] == pytest.approx(arms["block"]["s_per_step"] / arms["baseline"]["s_per_step"])
+    assert ratio["peak_rss_reduction"] == pytest.approx(1 - arms["block"]["peak_rss"] / arms["baseline"]["peak_rss"])
