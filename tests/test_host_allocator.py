@@ -191,3 +191,39 @@ def test_env_off_and_bad_arguments(monkeypatch):
         host_allocator.install(fraction=0.0)
     with pytest.raises(ConfigError, match="floor_bytes"):
         host_allocator.install(fraction=0.5, floor_bytes=-1)
+
+
+def test_a_forked_child_can_allocate_while_another_thread_was_allocating(cache):
+    """The cache's lock is held across fork (pthread_atfork), so a child never inherits it locked."""
+    import os
+    import signal
+    import time
+
+    cache()
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            t = torch.empty(1 << 18)
+            del t
+
+    th = threading.Thread(target=churn)
+    th.start()
+    try:
+        for _ in range(20):
+            pid = os.fork()
+            if pid == 0:  # element writes only: no OpenMP in a forked child
+                t = torch.empty(1 << 20)
+                t[0], t[-1] = 1.0, 2.0
+                os._exit(0 if (t[0].item(), t[-1].item()) == (1.0, 2.0) else 1)
+            deadline = time.monotonic() + 30
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    pytest.fail("the forked child hung allocating")
+                time.sleep(0.01)
+            assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
+    finally:
+        stop.set()
+        th.join()

@@ -23,6 +23,7 @@
 #include <c10/util/Exception.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -78,6 +79,12 @@ class CachingHostAllocator final : public c10::Allocator {
     }
     prev_ = current;
     configure_locked(min_bytes, fraction, floor_bytes, ceiling_bytes, huge_bytes);
+    // A fork while another thread holds the lock (a DataLoader worker started during a free) would leave the
+    // child's copy locked forever: hold it across fork, as glibc's malloc does with its own.
+    static std::once_flag atfork;
+    std::call_once(atfork, [] {
+      pthread_atfork([] { get().mu_.lock(); }, [] { get().mu_.unlock(); }, [] { get().mu_.unlock(); });
+    });
     priority_ = priority;
     c10::SetCPUAllocator(this, priority);
     if (c10::GetCPUAllocator() != this) {  // a higher-priority allocator is registered: leave it
