@@ -162,6 +162,8 @@ def test_host_gradient_partition_in_bf16(tmp_path):
     c = res["cases"]
     assert set(c["bf16"]["grads"]["dtypes"]) == {"torch.bfloat16"}
     assert c["bf16"]["grads"]["saved_bytes"] == 2 * c["bf16"]["grads"]["numel"] > 0
+    assert c["bf16"]["grads"]["at_init"]  # DeepSpeed allocated it in bf16: no fp32 partition at any time
+    assert not c["fp32"]["grads"]["at_init"] and not c["accum"]["grads"]["at_init"]
     assert set(c["fp32"]["grads"]["dtypes"]) == {"torch.float32"} and c["fp32"]["grads"]["saved_bytes"] == 0
     assert c["bf16"]["losses"] == c["fp32"]["losses"]
     assert set(c["clip_bf16"]["grads"]["dtypes"]) == {"torch.bfloat16"}

@@ -181,6 +181,7 @@ def _run_case(case: dict, spec: dict, train) -> dict:
         zo = engine.optimizer
         out["grads"] = {"dtypes": [str(m.grad.dtype) for m in zo.single_partition_of_fp32_groups],
                         "saved_bytes": att.bf16_grad_bytes_saved if att is not None else 0,
+                        "at_init": att.bf16_grads_at_init if att is not None else False,
                         "numel": sum(m.numel() for m in zo.single_partition_of_fp32_groups)}
     if case.get("probe") == "weights" and att is not None and att.weights is not None:
         out["weight_probe"] = _probe_weights(engine, att.weights)

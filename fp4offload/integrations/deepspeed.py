@@ -233,7 +233,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                 saved[name] = getattr(args, name)
                 setattr(args, name, None)
     try:
-        result = _original_initialize()(config=prepared.ds_config, **kwargs)
+        with _bf16_grads_at_init(block.optimizer_states is not None) as at_init:
+            result = _original_initialize()(config=prepared.ds_config, **kwargs)
     finally:
         for name, v in saved.items():
             setattr(args, name, v)
@@ -243,7 +244,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if allocator is not None and allocator.get("mmap_threshold"):
         release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
-                        bf16_grad_bytes_saved=bf16_grads)
+                        bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0)
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import ds_weights
 
@@ -267,6 +268,7 @@ class Attached:
     allocator: dict | None = None
     staging_shared_bytes: int = 0  # share_bf16_staging
     bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
+    bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (_bf16_grads_at_init)
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
@@ -434,7 +436,7 @@ BF16_GRADS_ENV = "FP4OFFLOAD_BF16_GRADS"
 
 def bf16_gradient_partition(engine: Any) -> int:
     """Keep ZeRO-1/2 offload's host gradient partition in bf16 instead of fp32 when nothing is lost by it.
-    Returns the bytes no longer held.
+    Returns the bytes it saves against an fp32 partition.
 
     Under ``offload_optimizer`` DeepSpeed keeps an fp32 copy of each rank's gradient partition in host RAM
     (``single_partition_of_fp32_groups[i].grad``, 4 B/param, on a GPU machine too) and copies the bf16
@@ -445,38 +447,101 @@ def bf16_gradient_partition(engine: Any) -> int:
     clipping, or below the clip norm, training is the same bits. Applied when the inner optimizer is
     FP4AdamW, the parameters are bf16, gradient_accumulation_steps is 1, and ``FP4OFFLOAD_BF16_GRADS`` is
     not ``0``.
+
+    ``initialize`` has DeepSpeed allocate the partition in bf16 to begin with (:func:`_bf16_grads_at_init`:
+    the fp32 one, filled with zeros while DeepSpeed builds its buffers, would otherwise set the process's
+    peak RSS for large models); this replaces any fp32 partition that is still there.
     """
-    if os.environ.get(BF16_GRADS_ENV, "1").strip().lower() in _OFF:
+    import torch
+
+    opt = getattr(engine, "optimizer", None)
+    if not _wants_bf16_grads(opt):
         return 0
+    from deepspeed.accelerator import get_accelerator
+
+    replaced, saved = False, 0
+    for master in opt.single_partition_of_fp32_groups:
+        grad = master.grad
+        if grad is None or grad.device.type != "cpu":
+            continue
+        if grad.dtype == torch.float32:
+            half = torch.zeros(grad.shape, dtype=torch.bfloat16)
+            _set_grad(master, get_accelerator().pin_memory(half) if get_accelerator().is_pinned(grad) else half)
+            replaced = True
+        if master.grad.dtype == torch.bfloat16:
+            saved += master.grad.numel() * 2
+    if replaced and hasattr(opt, "_get_offload_gradient_dict"):
+        opt._get_offload_gradient_dict()  # its per-parameter views pointed into the fp32 partitions
+    if saved:
+        log.info("fp4offload: host gradient partitions kept in bf16, %d bytes less (%s=0 keeps fp32)", saved,
+                 BF16_GRADS_ENV)
+    return saved
+
+
+def _wants_bf16_grads(zero_opt: Any) -> bool:
+    """Whether a ZeRO-1/2 optimizer's host gradient partition may be bf16 (bf16_gradient_partition)."""
+    if os.environ.get(BF16_GRADS_ENV, "1").strip().lower() in _OFF:
+        return False
     import torch
 
     from fp4offload.optim import FP4AdamW
 
-    opt = getattr(engine, "optimizer", None)
-    groups = getattr(opt, "single_partition_of_fp32_groups", None)
-    if (not groups or not getattr(opt, "cpu_offload", False) or engine.gradient_accumulation_steps() != 1
-            or not isinstance(getattr(engine, "basic_optimizer", None), FP4AdamW)
-            or any(p.dtype != torch.bfloat16 for g in getattr(opt, "bit16_groups", []) for p in g)):
-        return 0
-    from deepspeed.accelerator import get_accelerator
+    return (bool(getattr(zero_opt, "single_partition_of_fp32_groups", None))
+            and bool(getattr(zero_opt, "cpu_offload", False))
+            and getattr(zero_opt, "gradient_accumulation_steps", None) == 1
+            and isinstance(getattr(zero_opt, "optimizer", None), FP4AdamW)
+            and all(p.dtype == torch.bfloat16 for g in getattr(zero_opt, "bit16_groups", []) for p in g))
 
-    freed = 0
-    for master in groups:
-        grad = master.grad
-        if grad is None or grad.dtype != torch.float32 or grad.device.type != "cpu":
-            continue
-        half = torch.zeros(grad.shape, dtype=torch.bfloat16)
-        master.grad = None
-        if hasattr(master, "grad_dtype"):  # torch >= 2.9 checks a gradient's dtype against this
-            master.grad_dtype = torch.bfloat16
-        master.grad = get_accelerator().pin_memory(half) if get_accelerator().is_pinned(grad) else half
-        freed += grad.numel() * 2
-    if freed and hasattr(opt, "_get_offload_gradient_dict"):
-        opt._get_offload_gradient_dict()  # its per-parameter views pointed into the fp32 partitions
-    if freed:
-        log.info("fp4offload: host gradient partitions kept in bf16, %d bytes less (%s=0 keeps fp32)", freed,
-                 BF16_GRADS_ENV)
-    return freed
+
+def _set_grad(master, grad) -> None:
+    """``master.grad = grad`` for a gradient of another dtype than the tensor's."""
+    master.grad = None
+    if hasattr(master, "grad_dtype"):  # torch >= 2.9 checks a gradient's dtype against this
+        master.grad_dtype = grad.dtype
+    master.grad = grad
+
+
+class _bf16_grads_at_init:
+    """While ``deepspeed.initialize`` runs, ZeRO-1/2 allocates its host gradient partition in bf16 when
+    :func:`_wants_bf16_grads` says it may (``DeepSpeedZeroOptimizer.initialize_optimizer_states``, which under
+    offload does nothing else for FP4AdamW; the method is restored on exit). ``applied`` counts the
+    optimizers it served."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.applied, self._cls, self._orig = enabled, 0, None, None
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        try:
+            from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+        except ImportError:
+            return self
+        orig = getattr(DeepSpeedZeroOptimizer, "initialize_optimizer_states", None)
+        if orig is None:
+            return self
+        outer = self
+
+        def initialize_optimizer_states(zo):
+            if not _wants_bf16_grads(zo):
+                return orig(zo)
+            import torch
+            from deepspeed.accelerator import get_accelerator
+
+            for i, _ in enumerate(zo.bit16_groups):
+                grad = torch.zeros(int(zo.partition_size[i]), dtype=torch.bfloat16, device=zo.device)
+                _set_grad(zo.single_partition_of_fp32_groups[i],
+                          get_accelerator().pin_memory(grad) if zo.cpu_offload_pin_memory else grad)
+            outer.applied += 1
+
+        self._cls, self._orig = DeepSpeedZeroOptimizer, orig
+        DeepSpeedZeroOptimizer.initialize_optimizer_states = initialize_optimizer_states
+        return self
+
+    def __exit__(self, *exc):
+        if self._cls is not None:
+            self._cls.initialize_optimizer_states = self._orig
+        return False
 
 
 def release_free_host_memory() -> bool:
