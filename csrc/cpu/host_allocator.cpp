@@ -27,6 +27,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -54,8 +55,8 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
   c10::DataPtr allocate(size_t n) override {
-    c10::Allocator* prev = prev_;
-    if (n < min_bytes_ || prev == nullptr) {
+    c10::Allocator* prev = prev_.load();
+    if (n < min_bytes_.load() || prev == nullptr) {
       TORCH_CHECK(prev != nullptr, "fp4offload host allocator: allocate() before install()");
       return prev->allocate(n);
     }
@@ -96,8 +97,8 @@ class CachingHostAllocator final : public c10::Allocator {
 
   bool uninstall() {
     std::lock_guard<std::mutex> g(mu_);
-    if (c10::GetCPUAllocator() != this || prev_ == nullptr) return false;
-    c10::SetCPUAllocator(prev_, priority_);
+    if (c10::GetCPUAllocator() != this || prev_.load() == nullptr) return false;
+    c10::SetCPUAllocator(prev_.load(), priority_);
     // prev_ stays: blocks handed out earlier still come back here, and smaller raw blocks go to it
     release_locked(0);
     return true;
@@ -112,29 +113,22 @@ class CachingHostAllocator final : public c10::Allocator {
     return before;
   }
 
-  py::dict stats() {
+  struct Stats {
+    bool installed;
+    double fraction;
+    uint64_t min_bytes, floor_bytes, ceiling_bytes, limit_bytes, huge_bytes, allocs, hits, maps, unmaps,
+        mapped_bytes, in_use_bytes, cached_bytes, cached_blocks, peak_cached_bytes, peak_in_use_bytes, bytes_reused;
+  };
+
+  // Counters, copied under the lock and handed to Python after it is released: building Python objects can
+  // run the garbage collector, which can free a tensor, whose deleter takes the lock again.
+  Stats stats() {
     std::lock_guard<std::mutex> g(mu_);
-    py::dict d;
-    d["installed"] = c10::GetCPUAllocator() == this;
-    d["min_bytes"] = min_bytes_;
-    d["fraction"] = fraction_;
-    d["floor_bytes"] = floor_;
-    d["ceiling_bytes"] = ceiling_;
-    d["limit_bytes"] = limit_locked();
-    d["huge_bytes"] = huge_;
-    d["allocs"] = allocs_;
-    d["hits"] = hits_;
-    d["maps"] = maps_;
-    d["unmaps"] = unmaps_;
-    d["mapped_bytes"] = mapped_;
-    d["in_use_bytes"] = in_use_;
-    d["cached_bytes"] = cached_;
-    d["cached_blocks"] = free_by_size_.size();
-    d["peak_cached_bytes"] = peak_cached_;
-    d["peak_in_use_bytes"] = peak_in_use_;
-    d["bytes_reused"] = bytes_reused_;
-    return d;
+    return {c10::GetCPUAllocator() == this, fraction_, min_bytes_.load(), floor_, ceiling_, limit_locked(), huge_,
+            allocs_, hits_, maps_, unmaps_, mapped_, in_use_, cached_, free_by_size_.size(), peak_cached_,
+            peak_in_use_, bytes_reused_};
   }
+
 
  private:
   CachingHostAllocator() = default;
@@ -143,7 +137,7 @@ class CachingHostAllocator final : public c10::Allocator {
                         size_t huge_bytes) {
     TORCH_CHECK(fraction >= 0.0 && fraction <= 1.0, "fp4offload host allocator: fraction ", fraction,
                 " is outside [0, 1]");
-    min_bytes_ = min_bytes < 1 ? 1 : min_bytes;
+    min_bytes_.store(min_bytes < 1 ? 1 : min_bytes);
     fraction_ = fraction;
     floor_ = floor_bytes;
     ceiling_ = ceiling_bytes;
@@ -231,7 +225,8 @@ class CachingHostAllocator final : public c10::Allocator {
     std::lock_guard<std::mutex> g(mu_);
     auto it = live_.find(data);
     if (it == live_.end()) {  // a small raw block that the previous allocator served
-      c10::DeleterFnPtr d = prev_ != nullptr ? prev_->raw_deleter() : nullptr;
+      c10::Allocator* prev = prev_.load();
+      c10::DeleterFnPtr d = prev != nullptr ? prev->raw_deleter() : nullptr;
       if (d != nullptr) d(data);  // (no deleter to call: leak it rather than throw from a destructor)
       return;
     }
@@ -269,9 +264,9 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
   std::mutex mu_;
-  c10::Allocator* prev_ = nullptr;
+  std::atomic<c10::Allocator*> prev_{nullptr};  // read by allocate() without the lock
   uint8_t priority_ = 0;
-  size_t min_bytes_ = 1 << 20;
+  std::atomic<size_t> min_bytes_{size_t(1) << 20};
   double fraction_ = 0.0;
   size_t floor_ = 0, ceiling_ = 0;
   size_t huge_ = 0;
@@ -302,5 +297,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("installed", [] { return CachingHostAllocator::get().installed(); });
   m.def("empty_cache", [] { return CachingHostAllocator::get().empty_cache(); },
         "unmap every cached block; returns the bytes released");
-  m.def("stats", [] { return CachingHostAllocator::get().stats(); });
+  m.def("stats", [] {
+    const auto s = CachingHostAllocator::get().stats();  // the lock is released here
+    py::dict d;
+    d["installed"] = s.installed;
+    d["fraction"] = s.fraction;
+    d["min_bytes"] = s.min_bytes;
+    d["floor_bytes"] = s.floor_bytes;
+    d["ceiling_bytes"] = s.ceiling_bytes;
+    d["limit_bytes"] = s.limit_bytes;
+    d["huge_bytes"] = s.huge_bytes;
+    d["allocs"] = s.allocs;
+    d["hits"] = s.hits;
+    d["maps"] = s.maps;
+    d["unmaps"] = s.unmaps;
+    d["mapped_bytes"] = s.mapped_bytes;
+    d["in_use_bytes"] = s.in_use_bytes;
+    d["cached_bytes"] = s.cached_bytes;
+    d["cached_blocks"] = s.cached_blocks;
+    d["peak_cached_bytes"] = s.peak_cached_bytes;
+    d["peak_in_use_bytes"] = s.peak_in_use_bytes;
+    d["bytes_reused"] = s.bytes_reused;
+    return d;
+  });
 }
