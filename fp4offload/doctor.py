@@ -75,8 +75,33 @@ def deepspeed_report() -> dict:
     return out
 
 
+def host_report() -> dict:
+    """What the DeepSpeed block's host settings will find: glibc, transparent huge pages, the allocator cache."""
+    thp = None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = next((w.strip("[]") for w in f.read().split() if w.startswith("[")), None)
+    except OSError:
+        pass
+    libc = platform.libc_ver()
+    out = {"libc": " ".join(x for x in libc if x) or "unknown", "transparent_hugepages": thp or "unknown"}
+    if platform.system() != "Linux":
+        out["host_cache"] = {"builds": False, "why": "Linux only"}
+        return out
+    from . import host_allocator
+
+    t0 = time.perf_counter()
+    try:
+        host_allocator._extension()
+        out["host_cache"] = {"builds": True, "seconds": round(time.perf_counter() - t0, 1),
+                             "env": os.environ.get(host_allocator.ENV, "") or "default"}
+    except Exception as e:  # noqa: BLE001 - report, never raise
+        out["host_cache"] = {"builds": False, "why": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
 def report() -> dict:
-    from . import __version__, ops
+    from . import __version__
 
     forced = os.environ.get("FP4OFFLOAD_BACKEND") or None
     backends = {"cpu": _try_backend("cpu"), "cuda": _try_backend("cuda"),
@@ -105,6 +130,7 @@ def report() -> dict:
         "backends": backends,
         "active": active,
         "deepspeed": deepspeed_report(),
+        "host": host_report(),
     }
 
 
@@ -148,5 +174,11 @@ def render(r: dict) -> str:
         lines.append(f"deepspeed {d['version']} (accelerator {d['accelerator']}); async_io usable: {aio}")
     else:
         lines.append(f"deepspeed: not usable ({d['why']})")
+    h = r["host"]
+    cache = h["host_cache"]
+    cache_txt = (f"builds ({cache['env']})" if cache["builds"] else f"unavailable ({cache['why']})")
+    hint = "" if h["transparent_hugepages"] in ("always", "madvise") else " (large host blocks fault 4 KiB at a time)"
+    lines.append(f"host: {h['libc']}; transparent huge pages: {h['transparent_hugepages']}{hint}; "
+                 f"allocator cache: {cache_txt}")
     lines.append(f"extension cache: {r['torch_extensions_dir']}")
     return "\n".join(lines)

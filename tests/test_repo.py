@@ -31,3 +31,6 @@ def test_doctor_json_reports_active_backend():
     assert r["backends"]["reference"]["builds"] is True
     assert r["cuda_available"] is False or r["gpu"]["available"] is True
     assert "deepspeed" in r and "torch" in r
+    if sys.platform.startswith("linux"):  # the host allocator cache is a small C++ extension: it builds here
+        assert r["host"]["host_cache"]["builds"] is True, r["host"]
+        assert r["host"]["transparent_hugepages"] in ("always", "madvise", "never", "unknown")
