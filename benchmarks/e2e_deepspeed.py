@@ -444,6 +444,44 @@ def search(a) -> list[dict]:
     return summary
 
 
+VARIANT_LABELS = {"baseline": "plain DeepSpeed", "baseline, same allocator": "DeepSpeed, the block's host settings",
+                  "block": "fp4offload block", "block, host cache off": "block, host cache off"}
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Peak RSS and seconds per step of every run in `rows`, grouped by configuration and model size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if "variant" in r and "s_per_step" in r]
+    groups = sorted({(r["config"], r["params"]) for r in runs})
+    variants = [v for v in VARIANT_LABELS if any(r["variant"] == v for r in runs)]
+    width = 0.8 / max(1, len(variants))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, scale, label in ((axes[0], "peak_rss", 1e9, "peak host RSS while training (GB)"),
+                                  (axes[1], "s_per_step", 1.0, "seconds per step (median)")):
+        for j, v in enumerate(variants):
+            xs, ys = [], []
+            for i, g in enumerate(groups):
+                r = next((r for r in runs if (r["config"], r["params"]) == g and r["variant"] == v), None)
+                if r is not None:
+                    xs.append(i + (j - (len(variants) - 1) / 2) * width)
+                    ys.append(r[key] / scale)
+            ax.bar(xs, ys, width, label=VARIANT_LABELS[v])
+        names = {"z2_cpu": "ZeRO-2 cpu", "z3_nvme": "ZeRO-3 nvme"}
+        ax.set_xticks(range(len(groups)), [f"{names.get(c, c)}\n{n / 1e6:.0f}M" for c, n in groups])
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.suptitle("DeepSpeed with and without the fp4offload block (one CPU rank, same invocation per size)")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
@@ -472,6 +510,8 @@ def main() -> None:
     ap.add_argument("--nvme-root", default=None, help="folder on the disk to test (default: the temp dir)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", help="draw peak RSS and s/step of the runs into this PNG")
+    ap.add_argument("--replot", help="comma-separated --json outputs: draw them into --plot and stop")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--fp4", action="store_true", help=argparse.SUPPRESS)
@@ -483,6 +523,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         Path(a.out).write_text(json.dumps(child(a)))
+        return
+    if a.replot:
+        if not a.plot:
+            raise SystemExit("--replot needs --plot OUT.png")
+        rows = [json.loads(line) for f in a.replot.split(",") for line in Path(f).read_text().splitlines()
+                if line.startswith("{")]
+        plot(rows, a.plot)
+        print(f"wrote {a.plot} from {len(rows)} rows")
         return
     if a.search:
         search(a)
@@ -536,6 +584,8 @@ def main() -> None:
                         "ram": ram, "largest_params_at_90pct_ram": (usable - fixed) / per})
             if a.json:
                 print(json.dumps(fit[-1]), flush=True)
+    if a.plot:
+        plot(rows, a.plot)
     if not a.json:
         print(f"{'config':10} {'variant':25} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'host-side':>10} "
               f"{'opt host':>10} {'B/param':>8} {'NVMe B/step':>12} {'faults/step':>12}")
