@@ -5,7 +5,8 @@ step), backward allocates the same block sizes once per layer and frees each bef
 again. glibc serves that in one of two bad ways: it keeps the freed blocks in its heap (resident, and
 fragmented, for the rest of the process: several bytes per parameter at the backward peak), or, with its
 mmap threshold fixed, it unmaps each block on free and the next layer faults the same pages in again,
-4 KiB at a time (a 103M-parameter ZeRO-2 backward: 357 thousand page faults, +0.3 s of a 0.6 s step).
+4 KiB at a time (a 103M-parameter ZeRO-2 offload step: 289 thousand page faults, 0.87 s against 0.55 s
+with this cache; benchmarks/RESULTS.md).
 
 :func:`install` puts a small cache in front of torch's CPU allocator (csrc/cpu/host_allocator.cpp). Blocks
 of at least ``min_bytes`` are mapped by the cache and, when freed, kept for reuse while the freed bytes it

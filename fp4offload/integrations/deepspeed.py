@@ -347,10 +347,10 @@ def control_host_allocator(threshold: int | str | None = None) -> dict:
     transient memory after it is freed (measured: ~0.8 GB of a 155M-parameter ZeRO-2 offload run, ~5 B/param,
     in the RSS peak and, once a long-lived block lands on top of the heap, between steps too). Setting the
     threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free. Alone, that
-    costs page faults when the same sizes are allocated again in the next layer (measured: 357 thousand per
-    backward of a 103M-parameter run, +0.25 s per step, about +35%). So torch's blocks of 128 KiB and more
-    go to :mod:`fp4offload.host_allocator` instead, which keeps freed blocks for reuse up to 1/8 of the bytes
-    in use and unmaps the rest (the same backward: ~130 page faults; see benchmarks/RESULTS.md).
+    costs page faults when the same sizes are allocated again in the next layer (measured on a 103M-parameter
+    run: 289 thousand per step, 0.87 s against 0.55 s). So torch's blocks of 128 KiB and more go to
+    :mod:`fp4offload.host_allocator` instead, which keeps freed blocks for reuse up to 1/8 of the bytes in use
+    and unmaps the rest (the same run: about 1,600 page faults per step; see benchmarks/RESULTS.md).
 
     Args:
         threshold: bytes; None reads ``FP4OFFLOAD_MMAP_THRESHOLD`` (default 128 KiB); ``"off"`` or 0 leaves
