@@ -17,6 +17,7 @@ offload, the fp32 shards of each gather), final loss. Ratios against ``plain`` c
     python benchmarks/e2e_fsdp.py                          # CPU: 2 gloo ranks, a small Llama
     python benchmarks/e2e_fsdp.py --device cuda --json     # every visible GPU (1 GPU: CPU offload, 1 rank)
     python benchmarks/e2e_fsdp.py --hidden 512 --layers 8 --steps 12
+    python benchmarks/e2e_fsdp.py --host-cache             # ranks allocate through fp4offload.host_allocator
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def _rank(rank: int, world: int, port: int, args: dict, arm: str, out_dir: str) 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     import torch.distributed as dist
+
+    if args.get("host_cache"):  # before anything large is allocated: the rank's tensors come from the cache
+        from fp4offload import host_allocator
+
+        got = host_allocator.install()
+        if not got["installed"]:
+            raise SystemExit(f"--host-cache: not installed ({got['reason']})")
 
     cuda = args["device"] == "cuda"
     if cuda:
@@ -214,6 +222,8 @@ def main(argv=None) -> int:
                     help="auto: on for a single GPU (else nothing is gathered), off otherwise")
     ap.add_argument("--keep-bf16", default="norm", help="comma list for weights.keep_bf16 (default: norm)")
     ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--host-cache", action="store_true",
+                    help="every arm's ranks allocate large CPU tensors through fp4offload.host_allocator")
     ap.add_argument("--json", action="store_true", help="one JSON object per line after the table")
     a = ap.parse_args(argv)
 
@@ -230,7 +240,7 @@ def main(argv=None) -> int:
     offload = {"on": True, "off": False}.get(a.cpu_offload, cuda and world == 1)
     optimizer = a.optimizer if a.optimizer != "auto" else ("torch" if cuda else "fp4")
     args.update(device=a.device, warmup=a.warmup, lr=a.lr, threads=a.threads, optimizer=optimizer,
-                cpu_offload=offload, keep_bf16=[k for k in a.keep_bf16.split(",") if k])
+                cpu_offload=offload, keep_bf16=[k for k in a.keep_bf16.split(",") if k], host_cache=a.host_cache)
     arms = [x for x in a.arms.split(",") if x]
     bad = [x for x in arms if x not in ARMS]
     if bad:
@@ -250,7 +260,8 @@ def main(argv=None) -> int:
     machine = (torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine())
     print(f"# e2e_fsdp: {world} rank(s) on {a.device} ({machine}), Llama hidden={args['hidden']} "
           f"layers={args['layers']} params={rows[0]['params'] / 1e6:.2f}M, batch {args['batch']}x{args['seq']} "
-          f"per rank, cpu_offload={offload}, {args['steps']} timed steps, torch {torch.__version__}")
+          f"per rank, cpu_offload={offload}, host cache={'on' if a.host_cache else 'off'}, {args['steps']} timed steps, "
+          f"torch {torch.__version__}")
     print("# backends: " + ", ".join(f"{k} {v}" for k, v in builds.items()))
     hdr = f"{'arm':8} {'optimizer':26} {'step s':>8} {'peak MiB':>9} {'AG MiB/step':>12} {'H2D MiB/step':>13} " \
           f"{'loss':>7} {'x step':>7} {'x peak':>7} {'x AG':>6} {'x H2D':>6}"
