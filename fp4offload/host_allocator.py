@@ -46,7 +46,7 @@ DEFAULT_FLOOR = 64 << 20  # ... but at least this many (a small model's per-laye
 MIN_BYTES = 128 << 10  # glibc's own starting mmap threshold: smaller blocks stay with malloc
 HUGE_BYTES = 4 << 20  # blocks from here on get 2 MiB alignment and MADV_HUGEPAGE
 _PRIORITY = 1  # above torch's own registration (0)
-_OFF = ("off", "0", "none", "false", "no")
+OFF_VALUES = ("off", "0", "none", "false", "no")  # what turns an FP4OFFLOAD_* host setting off
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +60,7 @@ def _fraction_from_env() -> float | None:
     raw = os.environ.get(ENV, "").strip().lower()
     if not raw:
         return DEFAULT_FRACTION
-    if raw in _OFF:
+    if raw in OFF_VALUES:
         return None
     try:
         value = float(raw)

@@ -43,6 +43,7 @@ from typing import Any, Mapping
 
 from fp4offload.config import Fp4OffloadConfig, parse_block, validate_deepspeed_config
 from fp4offload.errors import ConfigError
+from fp4offload.host_allocator import OFF_VALUES as _OFF
 
 from . import ds_optim
 
@@ -320,7 +321,6 @@ MMAP_THRESHOLD_ENV = "FP4OFFLOAD_MMAP_THRESHOLD"
 DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 _allocator_state: dict | None = None
-_OFF = ("off", "0", "none", "false", "no")  # the values that turn an FP4OFFLOAD_* host setting off
 
 
 def _libc():
