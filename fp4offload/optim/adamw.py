@@ -31,11 +31,6 @@ def _pinned(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(n, dtype=dtype, pin_memory=pin)
 
 
-def _fp32(x: float) -> float:
-    """x rounded to fp32, the precision the kernels take an amax in."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
 @dataclass(eq=False)
 class WeightRegion:
     """A (rows, cols) matrix at element `offset` of a flat parameter whose NVFP4 16x16 copy the fused CPU
@@ -399,7 +394,7 @@ class FP4AdamW(Optimizer):
                     r._scales = torch.empty(rp // 16 * (cp // 16), dtype=torch.uint8)
                 extra = dict(w_data=[r._data for r in regions], w_scales=[r._scales for r in regions],
                              w_offsets=[r.offset for r in regions], w_rows=[r.rows for r in regions],
-                             w_cols=[r.cols for r in regions], w_amax=[_fp32(r.amax) for r in regions])
+                             w_cols=[r.cols for r in regions], w_amax=[R.f32(r.amax) for r in regions])
             return ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
                                   sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"],
                                   args["v_format"] == "nvfp4", args["stochastic"], args["seed"], stream0, bf, **extra)
@@ -580,7 +575,7 @@ class FP4AdamW(Optimizer):
             r.new_amax = float(res[2 * i])
             r.packed = PackedTensor(r._data, r._scales, torch.tensor([res[2 * i + 1]], dtype=torch.float32),
                                     torch.Size((r.rows, r.cols)), w.dtype, "nvfp4", "16x16", 0,
-                                    meta={"amax": _fp32(r.amax)})  # the value the kernel scaled by
+                                    meta={"amax": R.f32(r.amax)})  # the value the kernel scaled by
             r._data = r._scales = None
         if own is None:
             return None, None
