@@ -435,8 +435,7 @@ BF16_GRADS_ENV = "FP4OFFLOAD_BF16_GRADS"
 
 
 def bf16_gradient_partition(engine: Any) -> int:
-    """Keep ZeRO-1/2 offload's host gradient partition in bf16 instead of fp32 when nothing is lost by it.
-    Returns the bytes it saves against an fp32 partition.
+    """Bytes the block saves by keeping ZeRO-1/2 offload's host gradient partition in bf16 instead of fp32.
 
     Under ``offload_optimizer`` DeepSpeed keeps an fp32 copy of each rank's gradient partition in host RAM
     (``single_partition_of_fp32_groups[i].grad``, 4 B/param, on a GPU machine too) and copies the bf16
@@ -448,30 +447,17 @@ def bf16_gradient_partition(engine: Any) -> int:
     FP4AdamW, the parameters are bf16, gradient_accumulation_steps is 1, and ``FP4OFFLOAD_BF16_GRADS`` is
     not ``0``.
 
-    ``initialize`` has DeepSpeed allocate the partition in bf16 to begin with (:func:`_bf16_grads_at_init`:
-    the fp32 one, filled with zeros while DeepSpeed builds its buffers, would otherwise set the process's
-    peak RSS for large models); this replaces any fp32 partition that is still there.
+    ``initialize`` has DeepSpeed allocate the partition in bf16 to begin with (:class:`_bf16_grads_at_init`):
+    an fp32 one, zero-filled while DeepSpeed builds its buffers, would set the process's peak RSS for large
+    models even if it were replaced right after. This counts what that saved.
     """
     import torch
 
     opt = getattr(engine, "optimizer", None)
     if not _wants_bf16_grads(opt):
         return 0
-    from deepspeed.accelerator import get_accelerator
-
-    replaced, saved = False, 0
-    for master in opt.single_partition_of_fp32_groups:
-        grad = master.grad
-        if grad is None or grad.device.type != "cpu":
-            continue
-        if grad.dtype == torch.float32:
-            half = torch.zeros(grad.shape, dtype=torch.bfloat16)
-            _set_grad(master, get_accelerator().pin_memory(half) if get_accelerator().is_pinned(grad) else half)
-            replaced = True
-        if master.grad.dtype == torch.bfloat16:
-            saved += master.grad.numel() * 2
-    if replaced and hasattr(opt, "_get_offload_gradient_dict"):
-        opt._get_offload_gradient_dict()  # its per-parameter views pointed into the fp32 partitions
+    saved = sum(m.grad.numel() * 2 for m in opt.single_partition_of_fp32_groups
+                if m.grad is not None and m.grad.dtype == torch.bfloat16)
     if saved:
         log.info("fp4offload: host gradient partitions kept in bf16, %d bytes less (%s=0 keeps fp32)", saved,
                  BF16_GRADS_ENV)
@@ -494,9 +480,9 @@ def _wants_bf16_grads(zero_opt: Any) -> bool:
 
 
 def _set_grad(master, grad) -> None:
-    """``master.grad = grad`` for a gradient of another dtype than the tensor's."""
+    """``master.grad = grad`` for a gradient of another dtype than the tensor's (torch >= 2.9 checks it)."""
     master.grad = None
-    if hasattr(master, "grad_dtype"):  # torch >= 2.9 checks a gradient's dtype against this
+    if hasattr(master, "grad_dtype"):
         master.grad_dtype = grad.dtype
     master.grad = grad
 
@@ -505,7 +491,8 @@ class _bf16_grads_at_init:
     """While ``deepspeed.initialize`` runs, ZeRO-1/2 allocates its host gradient partition in bf16 when
     :func:`_wants_bf16_grads` says it may (``DeepSpeedZeroOptimizer.initialize_optimizer_states``, which under
     offload does nothing else for FP4AdamW; the method is restored on exit). ``applied`` counts the
-    optimizers it served."""
+    optimizers it served; the tests require it for ZeRO-1/2 with FP4AdamW, so a DeepSpeed that stops calling
+    the method fails them instead of silently keeping fp32."""
 
     def __init__(self, enabled: bool):
         self.enabled, self.applied, self._cls, self._orig = enabled, 0, None, None
