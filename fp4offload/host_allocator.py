@@ -114,29 +114,32 @@ def install(fraction: float | None = None, *, floor_bytes: int = DEFAULT_FLOOR, 
     return out
 
 
+def _loaded():
+    """The extension if install() has built it, else None (the queries below never build it)."""
+    return _extension() if _extension.cache_info().currsize else None
+
+
 def installed() -> bool:
-    """Whether the cache is torch's CPU allocator now (without building the extension to find out)."""
-    return _extension.cache_info().currsize > 0 and bool(_extension().installed())
+    """Whether the cache is torch's CPU allocator now."""
+    ext = _loaded()
+    return ext is not None and bool(ext.installed())
 
 
 def uninstall() -> bool:
     """Give torch back the allocator it had; cached blocks are unmapped. False if it was not installed.
 
     Tensors allocated through the cache stay valid and are unmapped when freed."""
-    if _extension.cache_info().currsize == 0:
-        return False
-    return bool(_extension().uninstall())
+    ext = _loaded()
+    return ext is not None and bool(ext.uninstall())
 
 
 def stats() -> dict:
     """Counters: ``allocs``/``hits``/``maps``/``unmaps`` and bytes ``in_use``/``cached``/``mapped`` (and peaks)."""
-    if _extension.cache_info().currsize == 0:
-        return {"installed": False}
-    return dict(_extension().stats())
+    ext = _loaded()
+    return dict(ext.stats()) if ext is not None else {"installed": False}
 
 
 def empty_cache() -> int:
     """Unmap every cached (freed) block now; returns the bytes released."""
-    if _extension.cache_info().currsize == 0:
-        return 0
-    return int(_extension().empty_cache())
+    ext = _loaded()
+    return int(ext.empty_cache()) if ext is not None else 0
