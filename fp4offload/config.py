@@ -41,17 +41,52 @@ __all__ = [
     "OptimizerStatesConfig", "ActivationsConfig", "WeightsConfig", "MonitorConfig", "Fp4OffloadConfig",
     "FsdpPolicyConfig", "parse_block", "validate_deepspeed_config", "parse_fsdp_policy",
     "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values",
-    "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "ACTIVATION_FORMATS", "ACTIVATION_DEVICES",
-    "WEIGHT_FORMATS", "WEIGHT_DEVICES",
+    "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "V_FORMATS", "STEP_BACKENDS", "WORKING_COPIES",
+    "NVME_IO_ENGINES", "ACTIVATION_FORMATS", "ACTIVATION_MODULE_FORMATS", "ACTIVATION_NORM_CHOICES",
+    "ACTIVATION_DEVICES", "WEIGHT_FORMATS", "WEIGHT_DEVICES", "NONFINITE_MODES", "SCALE_MODES",
+    "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16",
 ]
 
+# ---------------------------------------------------------------------------------------------
+# The vocabulary: every allowed-value tuple and default of the project, defined here once. The
+# engines, FP4AdamW, the activation policy and the codecs import these names.
+
+#: packed or plain Adam states (``optimizer_states.format``)
 OPTIMIZER_FORMATS = ("nvfp4", "fp32")
+#: where states live between steps (``optimizer_states.device``, FP4AdamW's ``state_device``)
 OPTIMIZER_DEVICES = ("same", "cpu", "nvme")
+#: rounding of a codec or of Adam's m (``optimizer_states.rounding``, FP4AdamW's ``m_rounding``)
 ROUNDINGS = ("nearest", "stochastic")
+#: how sqrt(v) or v is stored (FP4AdamW's ``v_format``): ufp4 holds sqrt(v), nvfp4 v itself (ablation)
+V_FORMATS = ("ufp4", "nvfp4")
+#: FP4AdamW's step implementation (``backend``); not the codec backends of fp4offload.ops
+STEP_BACKENDS = ("auto", "fused", "reference")
+#: the weight copy FP4AdamW's step also writes (``working_copy``)
+WORKING_COPIES = (None, "bf16", "nvfp4", "both")
+#: I/O engine of the optimizer's NVMe tier (``nvme_io``)
+NVME_IO_ENGINES = ("auto", "aio", "threads")
+#: formats a saved activation is stored in; "none" moves it without compressing
 ACTIVATION_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "none")
+#: also allowed per module (``module_formats``, ``norm_format``): fp32 rounded to bf16, bf16/fp16 as they are
+ACTIVATION_MODULE_FORMATS = ACTIVATION_FORMATS + ("bf16",)
+#: ``norm_format`` choices besides ACTIVATION_MODULE_FORMATS
+ACTIVATION_NORM_CHOICES = ACTIVATION_MODULE_FORMATS + ("keep", "inherit")
+#: where a saved activation goes: pinned host RAM, files under ``nvme_path``, or where it was
 ACTIVATION_DEVICES = ("cpu", "nvme", "same")
+#: weight working copy format (``weights.format``)
 WEIGHT_FORMATS = ("nvfp4", "bf16")
-WEIGHT_DEVICES = ("cpu", "nvme")
+#: where packed weight shards live (``weights.device``): both engines keep them in host RAM
+WEIGHT_DEVICES = ("cpu",)
+#: what a codec does with Inf/NaN input (``nonfinite``)
+NONFINITE_MODES = ("raise", "propagate")
+#: MX block-scale rules (``scale_mode``)
+SCALE_MODES = ("rceil", "floor")
+
+#: defaults shared by the schema, FP4AdamW and ActivationPolicy
+STATE_MIN_NUMEL = 4096
+ACTIVATION_MIN_NUMEL = 65536
+ACTIVATION_MODULES = ("*",)
+KEEP_BF16 = ("embed", "lm_head", "norm", "bias", "first:1", "last:1")
 
 _KEEP_RULE = re.compile(r"^(first|last):(\d+)$")
 
@@ -144,7 +179,7 @@ class OptimizerStatesConfig:
     device: str = "same"
     nvme_path: str | None = None
     rounding: str = "stochastic"
-    min_numel: int = 4096
+    min_numel: int = STATE_MIN_NUMEL
 
     def __post_init__(self) -> None:
         _check_choice("optimizer_states.format", self.format, OPTIMIZER_FORMATS)
@@ -174,8 +209,8 @@ class ActivationsConfig:
     format: str = "nvfp4"
     device: str = "cpu"
     nvme_path: str | None = None
-    min_numel: int = 65536
-    modules: tuple[str, ...] = ("*",)
+    min_numel: int = ACTIVATION_MIN_NUMEL
+    modules: tuple[str, ...] = ACTIVATION_MODULES
     exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -203,8 +238,7 @@ class WeightsConfig:
 
     Attributes:
         format: ``"nvfp4"`` (16x16 blocks, nearest; default) or ``"bf16"``.
-        device: ``"cpu"`` (default) or ``"nvme"`` (DeepSpeed only: the path is
-            ``zero_optimization.offload_param.nvme_path``).
+        device: ``"cpu"`` (default, and the only choice: both engines keep packed shards in host RAM).
         keep_bf16: parameters that stay bf16: substrings of parameter names (``"embed"``,
             ``"lm_head"``, ``"norm"``, ``"bias"``) and ``"first:N"`` / ``"last:N"`` for the first and
             last N transformer blocks. Default: embeddings, head, norms, biases, first and last block.
@@ -212,7 +246,7 @@ class WeightsConfig:
 
     format: str = "nvfp4"
     device: str = "cpu"
-    keep_bf16: tuple[str, ...] = ("embed", "lm_head", "norm", "bias", "first:1", "last:1")
+    keep_bf16: tuple[str, ...] = KEEP_BF16
 
     def __post_init__(self) -> None:
         _as_tuple(self, "keep_bf16")
