@@ -23,10 +23,9 @@ host settings, share it with the bf16 partition on the CPU accelerator; a GPU ma
 the host would hold on a GPU machine (an upper bound: activations stay in it).
 
 Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold
-(fp4offload.integrations.deepspeed.control_host_allocator; ``FP4OFFLOAD_MMAP_THRESHOLD=off`` disables it),
-serves torch's large CPU blocks from fp4offload.host_allocator's bounded cache (``FP4OFFLOAD_HOST_CACHE=off``
-disables it) and shares the bf16 staging buffers with the bf16 partitions (share_bf16_staging;
-``FP4OFFLOAD_SHARE_STAGING=0``). All three would help a run without the block too, so each configuration also
+(``host.mmap_threshold``), serves torch's large CPU blocks from fp4offload.host_allocator's bounded cache
+(``host.allocator_cache``) and shares the bf16 staging buffers with the bf16 partitions
+(``host.share_bf16_staging``; fp4offload.integrations.ds_host). All three would help a run without the block too, so each configuration also
 runs the baseline with the same settings (``allocator: "fixed"``) and the ratios are given against both
 baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's definition) and
 ``peak_rss_reduction_same_allocator`` (what the packed states alone save). The block also keeps ZeRO-1/2's host
@@ -66,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("z2_cpu", "z3_nvme")
 
 
-def ds_config(name: str, fp4: bool, nvme_dir: str) -> dict:
+def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}, "steps_per_print": 10 ** 9,
            "wall_clock_breakdown": False}
@@ -83,6 +82,8 @@ def ds_config(name: str, fp4: bool, nvme_dir: str) -> dict:
         block = {"optimizer_states": {"format": "nvfp4", "device": "nvme", "nvme_path": nvme_dir}}
     else:
         raise SystemExit(f"unknown config {name!r}; choose from {CONFIGS}")
+    if host:
+        block["host"] = host
     if fp4:
         cfg["fp4offload"] = block
     return cfg
@@ -195,7 +196,7 @@ def child(args) -> dict:
     from fp4offload import metrics
     from fp4offload.integrations import ds_monitor
 
-    from fp4offload.integrations import deepspeed as ds_integration
+    from fp4offload.integrations import ds_host
 
     torch.manual_seed(0)
     if args.bf16_build:  # --search: no fp32 copy of the model while building it (4 B/param of init transient)
@@ -204,18 +205,18 @@ def child(args) -> dict:
                                 intermediate=args.intermediate, vocab=256, max_seq=args.seq).to(torch.bfloat16)
     torch.set_default_dtype(torch.float32)
     nparams = sum(p.numel() for p in model.parameters())
-    cfg = ds_config(args.config, args.fp4, args.nvme_dir)
+    cfg = ds_config(args.config, args.fp4, args.nvme_dir, json.loads(args.host) if args.host else None)
     t0 = time.perf_counter()
     allocator = None
     if not args.fp4 and args.allocator == "fixed":  # the baseline with the block's allocator setting
-        allocator = ds_integration.control_host_allocator()
+        allocator = ds_host.control_host_allocator()
     init = fds.initialize if args.fp4 else deepspeed.initialize
     engine, _, _, _ = init(model=model, config=cfg)
     shared = 0
     if not args.fp4 and args.allocator == "fixed":  # ... and its bf16 staging buffers shared, as the block does
-        shared = ds_integration.share_bf16_staging(engine)
+        shared = ds_host.share_bf16_staging(engine)
     if allocator is not None and allocator.get("mmap_threshold"):
-        ds_integration.release_free_host_memory()  # what the block does after initialize
+        ds_host.release_free_host_memory()  # what the block does after initialize
     if args.fp4:
         allocator = getattr(getattr(engine, "fp4offload", None), "allocator", None)
         shared = getattr(getattr(engine, "fp4offload", None), "staging_shared_bytes", 0)
@@ -322,7 +323,7 @@ def _child_port(key: str) -> int:
 
 
 def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
-              min_available: int = 0, env_extra: dict | None = None) -> dict:
+              min_available: int = 0, env_extra: dict | None = None, host: dict | None = None) -> dict:
     """One configuration in a child process. With ``budget``, the child (with its children) is killed as soon
     as its RSS passes it, or the machine's available memory falls below ``min_available``: raises Exceeds."""
     import psutil
@@ -334,7 +335,8 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
                "--intermediate", str(a.intermediate), "--seq", str(a.seq), "--steps", str(a.steps),
                "--allocator", allocator,
                "--port", str(_child_port(f"{config}/{int(fp4)}/{allocator}"))] + (["--fp4"] if fp4 else []) + \
-              (["--bf16-build"] if getattr(a, "bf16_build", False) else [])
+              (["--bf16-build"] if getattr(a, "bf16_build", False) else []) + \
+              (["--host", json.dumps(host)] if host else [])
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), **(env_extra or {}))
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
         p = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
@@ -445,7 +447,8 @@ def search(a) -> list[dict]:
 
 
 VARIANT_LABELS = {"baseline": "plain DeepSpeed", "baseline, same allocator": "DeepSpeed, the block's host settings",
-                  "block": "fp4offload block", "block, host cache off": "block, host cache off"}
+                  "block": "fp4offload block", "block, host cache off": "block, host cache off",
+                  "block, host cache off by FP4OFFLOAD_HOST_CACHE": "block, host cache off (env)"}
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -495,7 +498,11 @@ def main() -> None:
     ap.add_argument("--no-same-allocator", action="store_true",
                     help="skip the baseline run with the block's allocator setting")
     ap.add_argument("--without-host-cache", action="store_true",
-                    help="also run the block with FP4OFFLOAD_HOST_CACHE=off (what the host cache is worth)")
+                    help="also run the block with \"host\": {\"allocator_cache\": \"off\"} (what the host cache is "
+                         "worth)")
+    ap.add_argument("--host-env-arm", action="store_true",
+                    help="with --without-host-cache: also turn the cache off by FP4OFFLOAD_HOST_CACHE=off instead of "
+                         "the config (the two must measure the same)")
     ap.add_argument("--search", action="store_true", help="measure the largest z2_cpu model under --budget")
     ap.add_argument("--budget", type=parse_size, default=parse_size("20GiB"),
                     help="--search: RSS at which a try is killed and reported as exceeding (default 20GiB)")
@@ -517,6 +524,7 @@ def main() -> None:
     ap.add_argument("--fp4", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--allocator", default="default", choices=("default", "fixed"), help=argparse.SUPPRESS)
     ap.add_argument("--bf16-build", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--host", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--nvme-dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29701, help=argparse.SUPPRESS)
@@ -542,10 +550,14 @@ def main() -> None:
         pair = {}
         variants = [(False, "default")] + ([] if a.no_same_allocator else [(False, "fixed")]) + [(True, "default")]
         variants += [(True, "no host cache")] if a.without_host_cache else []
+        variants += [(True, "no host cache, env")] if a.without_host_cache and a.host_env_arm else []
         for fp4, alloc in variants:
             if alloc == "no host cache":
-                r = run_child(config, True, a, env_extra={"FP4OFFLOAD_HOST_CACHE": "off"})
+                r = run_child(config, True, a, host={"allocator_cache": "off"})
                 r["variant"] = "block, host cache off"
+            elif alloc == "no host cache, env":
+                r = run_child(config, True, a, env_extra={"FP4OFFLOAD_HOST_CACHE": "off"})
+                r["variant"] = "block, host cache off by FP4OFFLOAD_HOST_CACHE"
             else:
                 r = run_child(config, fp4, a, allocator=alloc)
                 r["variant"] = "block" if fp4 else ("baseline" if alloc == "default" else "baseline, same allocator")

@@ -10,7 +10,7 @@ import sys
 def _doctor(args) -> int:
     from .doctor import render, report
 
-    r = report()
+    r = report(args.config)
     print(json.dumps(r, indent=2) if args.json else render(r))
     return 0
 
@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="what this machine offers: GPUs, codec backends, DeepSpeed ops")
     d.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    d.add_argument("--config", metavar="DS_CONFIG.json",
+                   help="resolve the host settings of this DeepSpeed config's block (default: environment and defaults)")
     d.set_defaults(func=_doctor)
     i = sub.add_parser("inspect", help="print the header of a file fp4offload wrote (PackedTensor, state tier)")
     i.add_argument("path")

@@ -38,13 +38,14 @@ from typing import Any, Iterator, Mapping
 from fp4offload.errors import ConfigError
 
 __all__ = [
-    "OptimizerStatesConfig", "ActivationsConfig", "WeightsConfig", "MonitorConfig", "Fp4OffloadConfig",
+    "OptimizerStatesConfig", "ActivationsConfig", "WeightsConfig", "MonitorConfig", "HostConfig", "Fp4OffloadConfig",
     "FsdpPolicyConfig", "parse_block", "validate_deepspeed_config", "parse_fsdp_policy",
     "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values",
     "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "V_FORMATS", "STEP_BACKENDS", "WORKING_COPIES",
     "NVME_IO_ENGINES", "ACTIVATION_FORMATS", "ACTIVATION_MODULE_FORMATS", "ACTIVATION_NORM_CHOICES",
     "ACTIVATION_DEVICES", "WEIGHT_FORMATS", "WEIGHT_DEVICES", "NONFINITE_MODES", "SCALE_MODES",
-    "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16",
+    "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16", "MMAP_THRESHOLD",
+    "ALLOCATOR_CACHE", "OFF_VALUES",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -87,6 +88,13 @@ STATE_MIN_NUMEL = 4096
 ACTIVATION_MIN_NUMEL = 65536
 ACTIVATION_MODULES = ("*",)
 KEEP_BF16 = ("embed", "lm_head", "norm", "bias", "first:1", "last:1")
+
+#: host settings (``host``): glibc's mmap threshold in bytes (its own starting value, kept fixed), and the
+#: freed bytes the host allocator cache keeps, as a share of the bytes in use
+MMAP_THRESHOLD = 128 * 1024
+ALLOCATOR_CACHE = 0.125
+#: what turns a host setting off, in the config (a string) or in its FP4OFFLOAD_* environment override
+OFF_VALUES = ("off", "0", "none", "false", "no")
 
 _KEEP_RULE = re.compile(r"^(first|last):(\d+)$")
 
@@ -272,12 +280,67 @@ class MonitorConfig:
         _check_int("monitor.every", self.every, minimum=1)
 
 
+@dataclass(frozen=True)
+class HostConfig:
+    """Host-memory settings of the DeepSpeed block (``host``). They apply when ``optimizer_states`` is set.
+
+    Each has an environment override that wins over the config (for a quick experiment without editing
+    it); ``fp4offload doctor`` shows the effective value of each and where it came from.
+
+    Attributes:
+        mmap_threshold: glibc's mmap threshold, fixed so memory freed during backward leaves the heap.
+            Bytes (>= 4096), or ``"off"`` to leave glibc's adaptive default. Default 131072 (128 KiB).
+            Override: ``FP4OFFLOAD_MMAP_THRESHOLD``.
+        allocator_cache: torch's CPU blocks of 128 KiB and more come from fp4offload's host allocator cache,
+            which keeps freed blocks for reuse up to this share of the bytes in use. A fraction in (0, 1],
+            or ``"off"``. Default 0.125. Override: ``FP4OFFLOAD_HOST_CACHE``.
+        share_bf16_staging: on the CPU accelerator, ZeRO-1/2 offload writes the updated weights straight
+            into the bf16 partition instead of through a second bf16 copy (2 B/param). Default true.
+            Override: ``FP4OFFLOAD_SHARE_STAGING`` (0/1).
+        bf16_gradient_partition: with one micro-batch per step, ZeRO-1/2 offload's host gradient partition
+            is bf16 instead of fp32 (2 B/param). Default true. Override: ``FP4OFFLOAD_BF16_GRADS`` (0/1).
+    """
+
+    mmap_threshold: int | str = MMAP_THRESHOLD
+    allocator_cache: float | str = ALLOCATOR_CACHE
+    share_bf16_staging: bool = True
+    bf16_gradient_partition: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mmap_threshold", _size_or_off("host.mmap_threshold", self.mmap_threshold))
+        object.__setattr__(self, "allocator_cache", _fraction_or_off("host.allocator_cache", self.allocator_cache))
+        _check_bool("host.share_bf16_staging", self.share_bf16_staging)
+        _check_bool("host.bf16_gradient_partition", self.bf16_gradient_partition)
+
+
+def _size_or_off(key: str, value: Any) -> int | str:
+    if isinstance(value, str) and value.strip().lower() in OFF_VALUES:
+        return "off"
+    if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+        raise _error(key, value, "a size in bytes >= 4096, or \"off\"",
+                     f"the default is {MMAP_THRESHOLD} (glibc's own starting threshold, kept fixed)")
+    return value
+
+
+def _fraction_or_off(key: str, value: Any) -> float | str:
+    if isinstance(value, str) and value.strip().lower() in OFF_VALUES:
+        return "off"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+        raise _error(key, value, "a fraction in (0, 1] of the bytes in use, or \"off\"",
+                     f"it bounds the freed memory the host cache keeps resident; the default is {ALLOCATOR_CACHE}")
+    return float(value)
+
+
 _SUBBLOCKS: dict[str, type] = {
     "optimizer_states": OptimizerStatesConfig,
     "activations": ActivationsConfig,
     "weights": WeightsConfig,
     "monitor": MonitorConfig,
+    "host": HostConfig,
 }
+#: FSDP2 policies take the same sub-blocks but host (the host settings are DeepSpeed's; under FSDP2
+#: ``fp4offload.host_allocator.install()`` is a call of its own, since it is process-wide)
+_FSDP_SUBBLOCKS = {n: c for n, c in _SUBBLOCKS.items() if n != "host"}
 
 
 def _to_plain(obj: Any) -> dict[str, Any]:
@@ -296,17 +359,22 @@ class Fp4OffloadConfig:
     activations: ActivationsConfig | None = None
     weights: WeightsConfig | None = None
     monitor: MonitorConfig | None = None
+    host: HostConfig | None = None
 
     def __post_init__(self) -> None:
         for name, cls in _SUBBLOCKS.items():
             v = getattr(self, name)
             if v is not None and not isinstance(v, cls):
                 raise _error(name, v, f"a {cls.__name__} or None")
+        if self.host is not None and self.optimizer_states is None:
+            raise _error("host", _to_plain(self.host), "a host block only together with optimizer_states",
+                         "the host settings shape the memory of the offloaded optimizer step; add "
+                         "optimizer_states or remove host")
 
     @property
     def enabled(self) -> bool:
         """True when at least one feature is on."""
-        return any(getattr(self, n) is not None for n in _SUBBLOCKS)
+        return any(getattr(self, n) is not None for n in _SUBBLOCKS if n != "host")
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (absent sub-blocks left out), as ``parse_block`` reads it back."""
@@ -389,12 +457,13 @@ def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None =
                               check_with_deepspeed: bool = False) -> Fp4OffloadConfig:
     """Check a whole DeepSpeed config dict that may carry an ``"fp4offload"`` block.
 
-    Checks: no DeepSpeed key holds ``"auto"``; the block itself (``parse_block``); weights need
-    ZeRO-3 with ``offload_param`` on the same device (and its ``nvme_path`` for NVMe); packed
+    The one place that checks how the block combines with DeepSpeed's own keys. Checks: no DeepSpeed
+    key holds ``"auto"``; the block itself (``parse_block``); weights need ZeRO-3 with ``offload_param``
+    on the same device, and neither ZeRO++'s quantized weights nor hierarchical partitions; packed
     optimizer states need DeepSpeed to accept a client optimizer (``zero_force_ds_cpu_optimizer``
-    false, ``zero_allow_untested_optimizer`` true) and must not sit behind DeepSpeed's own NVMe
-    optimizer swapper; bf16 and fp16 are not both on; the batch sizes agree when ``world_size`` is
-    given. With ``check_with_deepspeed`` the ``zero_optimization`` section is also validated by
+    false, ``zero_allow_untested_optimizer`` true), must not sit behind DeepSpeed's own NVMe
+    optimizer swapper, and need ZeRO for an offloaded optimizer or fp16; bf16 and fp16 are not both
+    on; the batch sizes agree when ``world_size`` is given. With ``check_with_deepspeed`` the ``zero_optimization`` section is also validated by
     DeepSpeed's own schema (imports deepspeed, slow). Returns the parsed block.
     """
     if not isinstance(ds, Mapping):
@@ -428,8 +497,6 @@ def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None =
             raise ConfigError("zero_optimization.offload_param.device", dev, f"{w.device!r} (fp4offload.weights.device)",
                               "packed weights live in the host/NVMe partition DeepSpeed fetches from; "
                               f"add \"offload_param\": {{\"device\": \"{w.device}\", \"pin_memory\": true}}")
-        if dev == "nvme" and not _get(ds, "zero_optimization.offload_param.nvme_path"):
-            raise ConfigError("zero_optimization.offload_param.nvme_path", None, "a directory on an NVMe drive")
 
     if block.optimizer_states is not None:
         if ds.get("zero_force_ds_cpu_optimizer") is not False:
@@ -444,6 +511,20 @@ def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None =
                               "'cpu' or 'none' when fp4offload.optimizer_states is set",
                               "DeepSpeed's NVMe optimizer swapper cannot hold packed states: set offload_optimizer "
                               "to \"cpu\" and fp4offload.optimizer_states.device to \"nvme\" with an nvme_path")
+        if _offload_device(ds, "offload_optimizer") == "cpu" and stage == 0:
+            raise ConfigError("zero_optimization.stage", 0, "1, 2 or 3 when offload_optimizer is set",
+                              "DeepSpeed offloads the optimizer only under ZeRO")
+        if _get(ds, "fp16.enabled") and stage == 0:
+            raise ConfigError("fp16.enabled", True, "false without ZeRO when fp4offload.optimizer_states is set",
+                              "DeepSpeed's fp16 optimizer wrapper flattens states itself; use ZeRO 1-3 or bf16")
+
+    if block.weights is not None and block.weights.format == "nvfp4":
+        if zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"):
+            raise ConfigError("zero_optimization.zero_quantized_weights", True, "false with fp4offload.weights",
+                              "both replace how partitions are stored and fetched; keep one")
+        if zero.get("zero_hpz_partition_size", 1) not in (1, None):
+            raise ConfigError("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size"),
+                              "1 with fp4offload.weights", "hierarchical partitions keep a second bf16 copy")
 
     _check_batch(ds, world_size)
     if check_with_deepspeed and zero:
@@ -509,7 +590,7 @@ class FsdpPolicyConfig:
     block_classes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        for name, cls in _SUBBLOCKS.items():
+        for name, cls in _FSDP_SUBBLOCKS.items():
             v = getattr(self, name)
             if v is not None and not isinstance(v, cls):
                 raise _error(name, v, f"a {cls.__name__} or None")
@@ -523,7 +604,7 @@ class FsdpPolicyConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form (absent sub-blocks left out), as ``parse_fsdp_policy`` reads it back."""
-        out: dict[str, Any] = {n: _to_plain(getattr(self, n)) for n in _SUBBLOCKS if getattr(self, n) is not None}
+        out: dict[str, Any] = {n: _to_plain(getattr(self, n)) for n in _FSDP_SUBBLOCKS if getattr(self, n) is not None}
         out.update(cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward,
                    block_classes=list(self.block_classes))
         return out
@@ -538,12 +619,12 @@ def parse_fsdp_policy(doc: Mapping[str, Any] | None) -> FsdpPolicyConfig:
         return FsdpPolicyConfig()
     if not isinstance(doc, Mapping):
         raise _error("<fsdp policy>", doc, "a mapping with optional keys "
-                     + ", ".join([*_SUBBLOCKS, *_FSDP_SCALARS]))
-    allowed = [*_SUBBLOCKS, *_FSDP_SCALARS]
+                     + ", ".join([*_FSDP_SUBBLOCKS, *_FSDP_SCALARS]))
+    allowed = [*_FSDP_SUBBLOCKS, *_FSDP_SCALARS]
     for k in doc:
         if k not in allowed:
             raise _unknown(str(k), doc[k], allowed)
-    kwargs: dict[str, Any] = {n: _parse_sub(n, c, doc.get(n)) for n, c in _SUBBLOCKS.items()}
+    kwargs: dict[str, Any] = {n: _parse_sub(n, c, doc.get(n)) for n, c in _FSDP_SUBBLOCKS.items()}
     for k in _FSDP_SCALARS:
         if k in doc:
             v = doc[k]
@@ -575,15 +656,3 @@ def dump_fsdp_policy_yaml(policy: FsdpPolicyConfig, path: str | Path | None = No
     if path is not None:
         Path(path).write_text(text)
     return text
-
-
-def load_deepspeed_json(path: str | Path) -> dict[str, Any]:
-    """Read a DeepSpeed JSON config file (no validation)."""
-    p = Path(path)
-    try:
-        doc = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(str(p), "<unreadable>", "a JSON file", str(exc)) from None
-    if not isinstance(doc, dict):
-        raise ConfigError(str(p), type(doc).__name__, "a JSON object")
-    return doc

@@ -46,8 +46,8 @@ def _try_backend(name: str) -> dict:
     if name == "cuda" and not torch.cuda.is_available():
         return {"builds": False, "why": "torch sees no CUDA device (CPU build of torch, or no GPU)"}
     t0 = time.perf_counter()
-    mod = ops._load(name)
-    out = {"builds": mod is not None, "why": ops._status.get(name, (False, ""))[1],
+    mod, why = ops.load(name)
+    out = {"builds": mod is not None, "why": why,
            "seconds": round(time.perf_counter() - t0, 1)}
     if name == "cpu" and mod is not None:
         out["avx512"] = bool(mod.extension().have_avx512())
@@ -61,8 +61,14 @@ def deepspeed_report() -> dict:
         import deepspeed  # noqa: F401  (slow import: only here)
     except Exception as e:
         return {"usable": False, "why": f"import failed: {e}"}
+    from .integrations import ds_internals
+
+    gone = ds_internals.missing(ds_internals.FEATURES)
     out = {"usable": True, "version": deepspeed.__version__,
-           "accelerator": os.environ.get("DS_ACCELERATOR", "auto")}
+           "accelerator": os.environ.get("DS_ACCELERATOR", "auto"),
+           "supported": ds_internals.requirement(),
+           "in_range": ds_internals.supported(deepspeed.__version__),
+           "missing_names": [f"{r.qualname} ({', '.join(r.features)})" for r in gone]}
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -75,8 +81,22 @@ def deepspeed_report() -> dict:
     return out
 
 
-def host_report() -> dict:
-    """What the DeepSpeed block's host settings will find: glibc, transparent huge pages, the allocator cache."""
+def host_settings(config: str | None = None) -> dict:
+    """The DeepSpeed block's effective host settings and where each came from: the ``host`` sub-block of
+    ``config`` (a DeepSpeed JSON), the FP4OFFLOAD_* environment overrides, or the defaults."""
+    from .config import parse_block
+    from .integrations import ds_host
+    from .integrations.deepspeed import BLOCK_KEY, read_config
+
+    host = None
+    if config is not None:
+        host = parse_block(read_config(config).get(BLOCK_KEY), prefix=f"{BLOCK_KEY}.").host
+    return ds_host.resolve(host).as_dict()
+
+
+def host_report(config: str | None = None) -> dict:
+    """What the DeepSpeed block's host settings will find: glibc, transparent huge pages, the allocator cache,
+    and the settings themselves (:func:`host_settings`)."""
     thp = None
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -84,7 +104,8 @@ def host_report() -> dict:
     except OSError:
         pass
     libc = platform.libc_ver()
-    out = {"libc": " ".join(x for x in libc if x) or "unknown", "transparent_hugepages": thp or "unknown"}
+    out = {"libc": " ".join(x for x in libc if x) or "unknown", "transparent_hugepages": thp or "unknown",
+           "settings": host_settings(config)}
     if platform.system() != "Linux":
         out["host_cache"] = {"builds": False, "why": "Linux only"}
         return out
@@ -93,14 +114,14 @@ def host_report() -> dict:
     t0 = time.perf_counter()
     try:
         host_allocator._extension()
-        out["host_cache"] = {"builds": True, "seconds": round(time.perf_counter() - t0, 1),
-                             "env": os.environ.get(host_allocator.ENV, "") or "default"}
+        out["host_cache"] = {"builds": True, "seconds": round(time.perf_counter() - t0, 1)}
     except Exception as e:  # noqa: BLE001 - report, never raise
         out["host_cache"] = {"builds": False, "why": f"{type(e).__name__}: {e}"[:300]}
     return out
 
 
-def report() -> dict:
+def report(config: str | None = None) -> dict:
+    """Everything ``fp4offload doctor`` prints; ``config``: a DeepSpeed JSON whose host settings to resolve."""
     from . import __version__
 
     forced = os.environ.get("FP4OFFLOAD_BACKEND") or None
@@ -130,7 +151,7 @@ def report() -> dict:
         "backends": backends,
         "active": active,
         "deepspeed": deepspeed_report(),
-        "host": host_report(),
+        "host": host_report(config),
     }
 
 
@@ -172,13 +193,20 @@ def render(r: dict) -> str:
     if d["usable"]:
         aio = "yes" if d.get("async_io") else f"no: {d.get('async_io_fix')}"
         lines.append(f"deepspeed {d['version']} (accelerator {d['accelerator']}); async_io usable: {aio}")
+        names = ("every private name the block uses is present" if not d["missing_names"]
+                 else "missing: " + "; ".join(d["missing_names"]))
+        rng = "" if d["in_range"] else f"; outside the supported range, install '{d['supported']}'"
+        lines.append(f"  block on this DeepSpeed ({d['supported']}): {names}{rng}")
     else:
         lines.append(f"deepspeed: not usable ({d['why']})")
     h = r["host"]
     cache = h["host_cache"]
-    cache_txt = (f"builds ({cache['env']})" if cache["builds"] else f"unavailable ({cache['why']})")
+    cache_txt = "builds" if cache["builds"] else f"unavailable ({cache['why']})"
     hint = "" if h["transparent_hugepages"] in ("always", "madvise") else " (large host blocks fault 4 KiB at a time)"
     lines.append(f"host: {h['libc']}; transparent huge pages: {h['transparent_hugepages']}{hint}; "
                  f"allocator cache: {cache_txt}")
+    lines.append("host settings of the DeepSpeed block (value, from):")
+    for key, st in h["settings"].items():
+        lines.append(f"  host.{key:24s} {st['value']!s:10s} {st['source']}")
     lines.append(f"extension cache: {r['torch_extensions_dir']}")
     return "\n".join(lines)

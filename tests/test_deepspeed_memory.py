@@ -70,8 +70,8 @@ def test_step_on_a_zero_partition_allocates_no_fp32_copy(backend):
 
 _PROBE = textwrap.dedent("""
     import ctypes, json, os, torch
-    from fp4offload.integrations import deepspeed as d
-    got = d.control_host_allocator()
+    from fp4offload.integrations import ds_host
+    got = ds_host.control_host_allocator()
     libc = ctypes.CDLL("libc.so.6")
     class MI2(ctypes.Structure):
         _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",

@@ -15,17 +15,12 @@ config carries the block it, in this order, before DeepSpeed builds anything:
 then calls the real ``deepspeed.initialize`` and attaches what needs the engine: packed ZeRO-3 weight
 shards (``ds_weights``), saved-activation packing, and the metrics writer (``ds_monitor``).
 
-With ``optimizer_states`` set it also keeps the memory each step frees from staying resident
-(:func:`control_host_allocator`): the offloaded fp32 master, gradient partition and packed states live in host
-RAM, and glibc's default (a threshold that rises to 32 MiB after the first large free) keeps the memory freed
-during each backward in its heap, ~5 B/param of host RSS that the packed states would otherwise save. It fixes
-glibc's mmap threshold (``FP4OFFLOAD_MMAP_THRESHOLD``: bytes, or ``off``) and serves torch's large CPU blocks
-from a bounded cache that reuses them within the step instead of faulting them in again
-(:mod:`fp4offload.host_allocator`; ``FP4OFFLOAD_HOST_CACHE``: a fraction, or ``off``). On the CPU accelerator
-it also lets ZeRO-1/2 offload write the updated weights straight into the bf16 partition, dropping DeepSpeed's
-second bf16 copy of it (:func:`share_bf16_staging`, 2 B/param; ``FP4OFFLOAD_SHARE_STAGING=0`` keeps it). With
-one micro-batch per step the host gradient partition is kept in bf16 (:func:`bf16_gradient_partition`, 2
-B/param; ``FP4OFFLOAD_BF16_GRADS=0`` keeps fp32).
+With ``optimizer_states`` set it also applies the ``host`` settings (:mod:`fp4offload.integrations.ds_host`):
+glibc's mmap threshold, the host allocator cache, the bf16 host gradient partition and, on the CPU
+accelerator, the shared bf16 staging buffers.
+
+Every private DeepSpeed name the block touches is listed and checked, before anything is built, by
+:mod:`fp4offload.integrations.ds_internals`.
 
 ``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
 go through here; a config without the block is passed through untouched.
@@ -43,17 +38,14 @@ from typing import Any, Mapping
 
 from fp4offload.config import Fp4OffloadConfig, parse_block, validate_deepspeed_config
 from fp4offload.errors import ConfigError
-from fp4offload.host_allocator import OFF_VALUES as _OFF
 
-from . import ds_optim
+from . import ds_host, ds_internals, ds_optim
 
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "Prepared", "read_config",
-           "SUPPORTED_DEEPSPEED", "control_host_allocator", "release_free_host_memory", "share_bf16_staging",
-           "bf16_gradient_partition"]
+           "features"]
 
-SUPPORTED_DEEPSPEED = (">=0.19.8", "<0.20")
 BLOCK_KEY = "fp4offload"
 _TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
 
@@ -67,12 +59,14 @@ class Prepared:
         block: the parsed block.
         states: where FP4AdamW keeps m and v (None when the block has no optimizer_states).
         rewrites: human-readable notes of what was changed in the DeepSpeed keys, in order.
+        host: the effective host settings (the block's ``host`` sub-block with its environment overrides).
     """
 
     ds_config: dict
     block: Fp4OffloadConfig
     states: ds_optim.StatePlacement | None
     rewrites: tuple[str, ...] = field(default=())
+    host: ds_host.HostSettings = field(default_factory=lambda: ds_host.resolve(None))
 
 
 def read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict:
@@ -136,32 +130,7 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     validate_deepspeed_config(ds, world_size=world_size, check_with_deepspeed=True)
-    _check_combinations(ds, block)
-    return Prepared(ds_config=ds, block=block, states=states, rewrites=tuple(notes))
-
-
-def _check_combinations(ds: dict, block: Fp4OffloadConfig) -> None:
-    """What DeepSpeed would reject (or silently ignore) with the block on, caught before anything is built."""
-    zero = _zero(ds)
-    stage = zero.get("stage", 0)
-    if block.optimizer_states is not None:
-        off = zero.get("offload_optimizer")
-        if isinstance(off, dict) and off.get("device") == "cpu" and stage == 0:
-            raise ConfigError("zero_optimization.stage", 0, "1, 2 or 3 when offload_optimizer is set",
-                              "DeepSpeed offloads the optimizer only under ZeRO")
-        if ds.get("fp16", {}).get("enabled") and stage == 0:
-            raise ConfigError("fp16.enabled", True, "false without ZeRO when fp4offload.optimizer_states is set",
-                              "DeepSpeed's fp16 optimizer wrapper flattens states itself; use ZeRO 1-3 or bf16")
-    if block.weights is not None and block.weights.format == "nvfp4":
-        if zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"):
-            raise ConfigError("zero_optimization.zero_quantized_weights", True, "false with fp4offload.weights",
-                              "both replace how partitions are stored and fetched; keep one")
-        if zero.get("zero_hpz_partition_size", 1) not in (1, None):
-            raise ConfigError("zero_optimization.zero_hpz_partition_size", zero.get("zero_hpz_partition_size"),
-                              "1 with fp4offload.weights", "hierarchical partitions keep a second bf16 copy")
-        if block.weights.device != "cpu":
-            raise ConfigError("fp4offload.weights.device", block.weights.device, "'cpu' (this version)",
-                              "packed weight shards on NVMe are not implemented yet; use offload_param cpu")
+    return Prepared(ds_config=ds, block=block, states=states, rewrites=tuple(notes), host=ds_host.resolve(block.host))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,15 +182,12 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     prepared = prepare_config(source)
     for note in prepared.rewrites:
         log.info("fp4offload: %s", note)
-    block = prepared.block
-    if block.weights is not None and block.weights.format == "nvfp4":
-        from . import ds_weights
-
-        ds_weights.check_deepspeed()  # private names: fail before anything is built
-    if block.optimizer_states is not None:
+    ds_internals.check(features(prepared))  # DeepSpeed's private names: fail before anything is built
+    block, host, states = prepared.block, prepared.host, prepared.block.optimizer_states is not None
+    if states:
         kwargs["optimizer"], kwargs["lr_scheduler"] = _client_optimizer(prepared, optimizer, lr_scheduler, model,
                                                                         model_parameters)
-    allocator = control_host_allocator() if block.optimizer_states is not None else None
+    allocator = ds_host.control_host_allocator(host) if states else None
     acts = None
     if block.activations is not None:
         acts = _attach_activations(model, block)
@@ -234,16 +200,16 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                 saved[name] = getattr(args, name)
                 setattr(args, name, None)
     try:
-        with _bf16_grads_at_init(block.optimizer_states is not None) as at_init:
+        with ds_host.bf16_grads_at_init(states, host) as at_init:
             result = _original_initialize()(config=prepared.ds_config, **kwargs)
     finally:
         for name, v in saved.items():
             setattr(args, name, v)
     engine = result[0]
-    shared = share_bf16_staging(engine) if block.optimizer_states is not None else 0
-    bf16_grads = bf16_gradient_partition(engine) if block.optimizer_states is not None else 0
+    shared = ds_host.share_bf16_staging(engine, host) if states else 0
+    bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
     if allocator is not None and allocator.get("mmap_threshold"):
-        release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
+        ds_host.release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
                         bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0)
     if block.weights is not None and block.weights.format == "nvfp4":
@@ -258,6 +224,23 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     return result
 
 
+def features(prepared: Prepared) -> tuple[str, ...]:
+    """The block features (ds_internals.FEATURES) a prepared config turns on, for ds_internals.check."""
+    block, out = prepared.block, []
+    stage = _zero(prepared.ds_config).get("stage", 0)
+    if block.optimizer_states is not None:
+        out.append("optimizer_states")
+        if stage in (1, 2) and prepared.host.bf16_gradient_partition.value:
+            out.append("bf16_gradient_partition")
+        if stage in (1, 2) and prepared.host.share_bf16_staging.value:
+            out.append("share_bf16_staging")
+    if block.weights is not None and block.weights.format == "nvfp4":
+        out.append("weights")
+    if block.monitor is not None:
+        out.append("monitor")
+    return tuple(out)
+
+
 @dataclass
 class Attached:
     """What ``initialize`` applied to an engine (``engine.fp4offload``)."""
@@ -269,7 +252,7 @@ class Attached:
     allocator: dict | None = None
     staging_shared_bytes: int = 0  # share_bf16_staging
     bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
-    bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (_bf16_grads_at_init)
+    bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (ds_host.bf16_grads_at_init)
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
@@ -312,232 +295,6 @@ def _attach_activations(model: Any, block: Fp4OffloadConfig) -> Any:
     policy = ActivationPolicy(format=a.format, device=a.device, nvme_path=a.nvme_path, min_numel=max(1, a.min_numel),
                               modules=tuple(a.modules), exclude=tuple(a.exclude))
     return wrap_modules(model, policy)
-
-
-# ----------------------------------------------------------------------------------------------
-# host allocator
-
-MMAP_THRESHOLD_ENV = "FP4OFFLOAD_MMAP_THRESHOLD"
-DEFAULT_MMAP_THRESHOLD = 128 * 1024  # glibc's own starting value, kept fixed
-_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
-_allocator_state: dict | None = None
-
-
-def _libc():
-    import ctypes
-    import platform
-
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt, libc.malloc_trim  # noqa: B018 - both must exist
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def control_host_allocator(threshold: int | str | None = None) -> dict:
-    """Keep the memory a training step frees from staying resident: glibc's mmap threshold fixed, and a
-    bounded cache for torch's large CPU blocks (process-wide, once).
-
-    glibc serves blocks below its mmap threshold from its heap. The threshold starts at 128 KiB and, each
-    time an mmapped block is freed, rises to that block's size (up to 32 MiB); after the first backward every
-    gradient, bucket slice and activation below 32 MiB comes from the heap, which then holds the backward's
-    transient memory after it is freed (measured: ~0.8 GB of a 155M-parameter ZeRO-2 offload run, ~5 B/param,
-    in the RSS peak and, once a long-lived block lands on top of the heap, between steps too). Setting the
-    threshold turns that adjustment off: blocks at or above it are mmapped and unmapped on free. Alone, that
-    costs page faults when the same sizes are allocated again in the next layer (measured on a 103M-parameter
-    run: 289 thousand per step, 0.87 s against 0.55 s). So torch's blocks of 128 KiB and more go to
-    :mod:`fp4offload.host_allocator` instead, which keeps freed blocks for reuse up to 1/8 of the bytes in use
-    and unmaps the rest (the same run: about 1,600 page faults per step; see benchmarks/RESULTS.md).
-
-    Args:
-        threshold: bytes; None reads ``FP4OFFLOAD_MMAP_THRESHOLD`` (default 128 KiB); ``"off"`` or 0 leaves
-            glibc alone. The cache has its own switch, ``FP4OFFLOAD_HOST_CACHE`` (a fraction, or ``off``).
-
-    Returns ``{"mmap_threshold": bytes or None, "reason": str, "host_cache": host_allocator.install()'s
-    dict}``. The glibc part does nothing when the user already tuned glibc (``MALLOC_MMAP_THRESHOLD_`` or a
-    ``glibc.malloc`` tunable) or off glibc. Called again, returns what the first call did.
-    """
-    global _allocator_state
-    if _allocator_state is not None:
-        return dict(_allocator_state)
-    from fp4offload import host_allocator
-
-    state = _fix_mmap_threshold(threshold)
-    state["host_cache"] = host_allocator.install()
-    _allocator_state = state
-    return dict(state)
-
-
-def _fix_mmap_threshold(threshold: int | str | None) -> dict:
-    raw = threshold if threshold is not None else os.environ.get(MMAP_THRESHOLD_ENV, "")
-    raw = str(raw).strip().lower()
-    if raw in _OFF:
-        return {"mmap_threshold": None, "reason": f"{MMAP_THRESHOLD_ENV}=off"}
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return {"mmap_threshold": None, "reason": "glibc malloc already tuned by the environment"}
-    try:
-        value = int(raw) if raw else DEFAULT_MMAP_THRESHOLD
-    except ValueError:
-        raise ConfigError(MMAP_THRESHOLD_ENV, raw, "a size in bytes, or 'off'") from None
-    libc = _libc()
-    if libc is None:
-        return {"mmap_threshold": None, "reason": "not glibc"}
-    if libc.mallopt(_M_MMAP_THRESHOLD, int(value)) != 1:
-        return {"mmap_threshold": None, "reason": f"mallopt(M_MMAP_THRESHOLD, {value}) refused"}
-    log.info("fp4offload: glibc mmap threshold fixed at %d bytes (%s=off to keep glibc's default)", value,
-             MMAP_THRESHOLD_ENV)
-    return {"mmap_threshold": int(value), "reason": "set"}
-
-
-SHARE_STAGING_ENV = "FP4OFFLOAD_SHARE_STAGING"
-
-
-def share_bf16_staging(engine: Any) -> int:
-    """On the CPU accelerator, let ZeRO-1/2 offload write the updated weights straight into the bf16
-    partition instead of through a second bf16 copy of it. Returns the bytes no longer held.
-
-    After its CPU optimizer step ZeRO-1/2 offload casts the fp32 master into a staging buffer
-    (``param_buffer_of_bit16_for_cpu_offload_groups``, 2 B/param) and copies that into the bf16 partition:
-    the buffer is where the weights wait to cross to a GPU. When the bf16 partition is itself in host RAM
-    (the CPU accelerator) the buffer is a second copy of it: each one is replaced by the partition, so the
-    cast lands in place (same rounding, same bits) and the copy after it is a copy onto itself. Skipped for
-    a buffer DeepSpeed's native pinned-memory backend owns, and when ``FP4OFFLOAD_SHARE_STAGING=0``.
-    """
-    if os.environ.get(SHARE_STAGING_ENV, "1").strip().lower() in _OFF:
-        return 0
-    opt = getattr(engine, "optimizer", None)
-    bufs = getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)
-    parts = getattr(opt, "parallel_partitioned_bit16_groups", None)
-    if not bufs or not parts:
-        return 0
-    import deepspeed.comm as dist
-    from deepspeed.accelerator import get_accelerator
-
-    freed = 0
-    for i, buf in enumerate(bufs):
-        target = parts[i][dist.get_rank(group=opt.real_dp_process_group[i])]
-        if (target.device.type != "cpu" or buf.device.type != "cpu" or target.dtype != buf.dtype
-                or target.numel() != buf.numel() or target.data_ptr() == buf.data_ptr()
-                or get_accelerator().is_pinned(buf)):
-            continue
-        bufs[i] = target.view(buf.shape)
-        freed += buf.numel() * buf.element_size()
-    if freed:
-        log.info("fp4offload: %d bytes of bf16 staging buffers shared with the bf16 partitions (%s=0 keeps them)",
-                 freed, SHARE_STAGING_ENV)
-    return freed
-
-
-BF16_GRADS_ENV = "FP4OFFLOAD_BF16_GRADS"
-
-
-def bf16_gradient_partition(engine: Any) -> int:
-    """Bytes the block saves by keeping ZeRO-1/2 offload's host gradient partition in bf16 instead of fp32.
-
-    Under ``offload_optimizer`` DeepSpeed keeps an fp32 copy of each rank's gradient partition in host RAM
-    (``single_partition_of_fp32_groups[i].grad``, 4 B/param, on a GPU machine too) and copies the bf16
-    gradients into it. With one micro-batch per step (no accumulation into it) every value it holds is a
-    bf16 value, and FP4AdamW's step reads bf16 gradients directly, so a bf16 partition holds the same
-    numbers in half the bytes. The one operation DeepSpeed applies to it in place is gradient clipping's
-    scale, which then rounds to bf16 (relative 2^-9, far below the 4-bit states' own rounding); without
-    clipping, or below the clip norm, training is the same bits. Applied when the inner optimizer is
-    FP4AdamW, the parameters are bf16, gradient_accumulation_steps is 1, and ``FP4OFFLOAD_BF16_GRADS`` is
-    not ``0``.
-
-    ``initialize`` has DeepSpeed allocate the partition in bf16 to begin with (:class:`_bf16_grads_at_init`):
-    an fp32 one, zero-filled while DeepSpeed builds its buffers, would set the process's peak RSS for large
-    models even if it were replaced right after. This counts what that saved.
-    """
-    import torch
-
-    opt = getattr(engine, "optimizer", None)
-    if not _wants_bf16_grads(opt):
-        return 0
-    saved = sum(m.grad.numel() * 2 for m in opt.single_partition_of_fp32_groups
-                if m.grad is not None and m.grad.dtype == torch.bfloat16)
-    if saved:
-        log.info("fp4offload: host gradient partitions kept in bf16, %d bytes less (%s=0 keeps fp32)", saved,
-                 BF16_GRADS_ENV)
-    return saved
-
-
-def _wants_bf16_grads(zero_opt: Any) -> bool:
-    """Whether a ZeRO-1/2 optimizer's host gradient partition may be bf16 (bf16_gradient_partition)."""
-    if os.environ.get(BF16_GRADS_ENV, "1").strip().lower() in _OFF:
-        return False
-    import torch
-
-    from fp4offload.optim import FP4AdamW
-
-    return (bool(getattr(zero_opt, "single_partition_of_fp32_groups", None))
-            and bool(getattr(zero_opt, "cpu_offload", False))
-            and getattr(zero_opt, "gradient_accumulation_steps", None) == 1
-            and isinstance(getattr(zero_opt, "optimizer", None), FP4AdamW)
-            and all(p.dtype == torch.bfloat16 for g in getattr(zero_opt, "bit16_groups", []) for p in g))
-
-
-def _set_grad(master, grad) -> None:
-    """``master.grad = grad`` for a gradient of another dtype than the tensor's (torch >= 2.9 checks it)."""
-    master.grad = None
-    if hasattr(master, "grad_dtype"):
-        master.grad_dtype = grad.dtype
-    master.grad = grad
-
-
-class _bf16_grads_at_init:
-    """While ``deepspeed.initialize`` runs, ZeRO-1/2 allocates its host gradient partition in bf16 when
-    :func:`_wants_bf16_grads` says it may (``DeepSpeedZeroOptimizer.initialize_optimizer_states``, which under
-    offload does nothing else for FP4AdamW; the method is restored on exit). ``applied`` counts the
-    optimizers it served; the tests require it for ZeRO-1/2 with FP4AdamW, so a DeepSpeed that stops calling
-    the method fails them instead of silently keeping fp32."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.applied, self._cls, self._orig = enabled, 0, None, None
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        try:
-            from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-        except ImportError:
-            return self
-        orig = getattr(DeepSpeedZeroOptimizer, "initialize_optimizer_states", None)
-        if orig is None:
-            return self
-        outer = self
-
-        def initialize_optimizer_states(zo):
-            if not _wants_bf16_grads(zo):
-                return orig(zo)
-            import torch
-            from deepspeed.accelerator import get_accelerator
-
-            for i, _ in enumerate(zo.bit16_groups):
-                grad = torch.zeros(int(zo.partition_size[i]), dtype=torch.bfloat16, device=zo.device)
-                _set_grad(zo.single_partition_of_fp32_groups[i],
-                          get_accelerator().pin_memory(grad) if zo.cpu_offload_pin_memory else grad)
-            outer.applied += 1
-
-        self._cls, self._orig = DeepSpeedZeroOptimizer, orig
-        DeepSpeedZeroOptimizer.initialize_optimizer_states = initialize_optimizer_states
-        return self
-
-    def __exit__(self, *exc):
-        if self._cls is not None:
-            self._cls.initialize_optimizer_states = self._orig
-        return False
-
-
-def release_free_host_memory() -> bool:
-    """``malloc_trim(0)``: hand the free pages of glibc's heaps back to the OS. False off glibc."""
-    libc = _libc()
-    if libc is None:
-        return False
-    libc.malloc_trim(0)
-    return True
 
 
 # ----------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from . import ds_internals as dsi
+
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["optimizer_host_bytes", "tensor_bytes", "attach", "Writer"]
@@ -57,8 +59,8 @@ def tensor_bytes(obj: Any, seen: set[int] | None = None, *, device: str | None =
 
 
 def _masters(zero_opt: Any) -> list[torch.Tensor]:
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
-        groups = getattr(zero_opt, name, None)
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):  # ZeRO-1/2, ZeRO-3
+        groups = dsi.read(zero_opt, name)
         if groups:
             return [g for g in groups if isinstance(g, torch.Tensor)]
     return []
@@ -73,12 +75,11 @@ def optimizer_host_bytes(engine: Any) -> dict[str, int]:
     partitions}``. Tensors shared between parts are counted once.
     """
     zero_opt = engine.optimizer
-    inner = getattr(engine, "basic_optimizer", None) or getattr(zero_opt, "optimizer", None)
+    inner = dsi.read(engine, "basic_optimizer") or getattr(zero_opt, "optimizer", None)
     seen: set[int] = set()
     masters = _masters(zero_opt)
     master = sum(tensor_bytes(m, seen) for m in masters)
     grads = [m.grad for m in masters if m.grad is not None]
-    grads += [g for g in getattr(zero_opt, "fp32_partitioned_groups_flat_grad", []) or [] if isinstance(g, torch.Tensor)]
     grad = sum(tensor_bytes(g, seen) for g in grads)
     states = nvme = 0
     if inner is not None:
@@ -137,7 +138,7 @@ def _collector(engine: Any, attached: Any) -> Callable[[], dict[str, float]]:
             for k in ("bytes_in", "bytes_out", "compression_ratio"):
                 if isinstance(snap.get(k), (int, float)):
                     out[f"activations/{k}"] = float(snap[k])
-        inner = getattr(engine, "basic_optimizer", None)
+        inner = dsi.read(engine, "basic_optimizer")
         for name in ("metrics", "counters", "stats"):
             fn = getattr(inner, name, None)
             if callable(fn):

@@ -24,6 +24,8 @@ import torch
 
 from fp4offload.errors import ConfigError
 
+from . import ds_internals as dsi
+
 log = logging.getLogger("fp4offload.deepspeed")
 
 ADAM_TYPES = ("adam", "adamw")
@@ -117,7 +119,7 @@ def ds_tensor_key(t: Any) -> str | None:
     the partition again, whatever the order of the sub-groups. ZeRO-1/2 partitions carry no ds_id and never
     leave their param group, so FP4AdamW's own numbering is stable for them.
     """
-    ds_id = getattr(t, "ds_id", None)
+    ds_id = dsi.read(t, "ds_id")
     return None if ds_id is None else f"ds{ds_id}"
 
 

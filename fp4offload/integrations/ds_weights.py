@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,78 +46,29 @@ import torch
 from fp4offload.errors import ConfigError
 from fp4offload.optim.adamw import FP4AdamW
 
+from . import ds_internals as dsi
+from . import keep_bf16
+
 log = logging.getLogger("fp4offload.deepspeed")
 
-__all__ = ["check_deepspeed", "attach", "PackedWeights", "select", "SUPPORTED"]
-
-SUPPORTED = ((0, 19, 8), (0, 20, 0))  # [low, high)
-_BLOCK_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer|decoder_layers)\.(\d+)\.")
+__all__ = ["attach", "PackedWeights", "select"]
 
 
-def _version_tuple(v: str) -> tuple[int, ...]:
-    out = []
-    for part in v.split("+")[0].split(".")[:3]:
-        m = re.match(r"\d+", part)
-        out.append(int(m.group()) if m else 0)
-    return tuple(out + [0] * (3 - len(out)))
+def select(model: Any, keep: tuple[str, ...], world: int) -> tuple[list, dict]:
+    """(packed [(name, param)], kept {name: reason}) for the ZeRO-3 parameters of ``model``.
 
-
-def check_deepspeed() -> None:
-    """Fail with a clear message when DeepSpeed lacks the private names this hook relies on."""
-    import deepspeed
-    from deepspeed.runtime.zero import partition_parameters as pp
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-
-    v = _version_tuple(deepspeed.__version__)
-    lo, hi = SUPPORTED
-    missing = []
-    if not hasattr(DeepSpeedZeroOptimizer_Stage3, "_reassign_or_swap_out_partitioned_parameters"):
-        missing.append("DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters")
-    if not hasattr(pp.Init, "_convert_to_deepspeed_param"):
-        missing.append("zero.Init._convert_to_deepspeed_param")
-    for name in ("NOT_AVAILABLE", "INFLIGHT", "AVAILABLE"):
-        if not hasattr(pp.ZeroParamStatus, name):
-            missing.append(f"ZeroParamStatus.{name}")
-    if not (lo <= v < hi) or missing:
-        raise ConfigError("fp4offload.weights", f"deepspeed {deepspeed.__version__}",
-                          f"DeepSpeed >= {'.'.join(map(str, lo))} and < {'.'.join(map(str, hi))}",
-                          "packed ZeRO-3 weight shards hook private DeepSpeed functions"
-                          + (f" that this version lacks: {', '.join(missing)}" if missing else "")
-                          + "; install a supported DeepSpeed or remove fp4offload.weights")
-
-
-# ----------------------------------------------------------------------------------------------
-# which parameters
-
-
-def _keep_bf16(name: str, rules: tuple[str, ...], nblocks: int) -> bool:
-    m = _BLOCK_RE.search(name)
-    idx = int(m.group(1)) if m else None
-    for rule in rules:
-        if rule.startswith("first:") or rule.startswith("last:"):
-            n = int(rule.split(":")[1])
-            if idx is not None and ((rule.startswith("first:") and idx < n) or
-                                    (rule.startswith("last:") and idx >= nblocks - n)):
-                return True
-        elif rule in name:
-            return True
-    return False
-
-
-def select(named_params: list[tuple[str, Any]], keep_bf16: tuple[str, ...], world: int) -> tuple[list, dict]:
-    """(packed [(name, param)], kept {name: reason}) for ZeRO-3 parameters."""
-    idxs = [int(m.group(1)) for n, _ in named_params if (m := _BLOCK_RE.search(n))]
-    nblocks = max(idxs) + 1 if idxs else 0
+    ``keep`` is ``weights.keep_bf16`` (fp4offload.integrations.keep_bf16: the same rules as under FSDP2)."""
+    kept_ids = keep_bf16.kept_parameters(model, keep, keep_bf16.find_blocks(model))
     packed, kept = [], {}
-    for name, p in named_params:
+    for name, p in model.named_parameters():
         shape = tuple(getattr(p, "ds_shape", p.shape))
         numel = int(getattr(p, "ds_numel", p.numel()))
         if not p.requires_grad:
             kept[name] = "frozen"
         elif len(shape) < 2:
             kept[name] = "1-D"
-        elif _keep_bf16(name, keep_bf16, nblocks):
-            kept[name] = "keep_bf16"
+        elif id(p) in kept_ids:
+            kept[name] = f"keep_bf16 {kept_ids[id(p)]!r}"
         elif numel % (world * 16 * shape[-1]):
             kept[name] = f"partition is not whole 16-row bands ({shape} over {world} ranks)"
         else:
@@ -240,7 +190,8 @@ def _count_kept(pw: PackedWeights, params: list) -> None:
 
 
 def _wrap_param(pw: PackedWeights, p) -> None:
-    orig_coalesced, orig_all_gather, orig_partition = p.all_gather_coalesced, p.all_gather, p.partition
+    orig_coalesced, orig_all_gather, orig_partition = (dsi.require(p, n) for n in ("all_gather_coalesced", "all_gather",
+                                                                                   "partition"))
     st = _status()
 
     def all_gather_coalesced(params, safe_mode: bool = False, quantize: bool = False):
@@ -358,8 +309,8 @@ def _register_regions(pw: PackedWeights, opt) -> None:
         return
     from fp4offload.optim import WeightRegion
 
-    for sg, params in enumerate(opt.fp16_groups):
-        flat32 = opt.fp32_partitioned_groups_flat[sg]
+    for sg, params in enumerate(dsi.require(opt, "fp16_groups")):
+        flat32 = dsi.require(opt, "fp32_partitioned_groups_flat")[sg]
         if flat32 is None or flat32.device.type != "cpu":
             continue
         regs = []
@@ -381,8 +332,8 @@ def _offsets(opt, pw: PackedWeights) -> dict[int, tuple[int, int, int]]:
     Taken once, while ``ds_tensor`` still views the flat fp16 buffer (checkpoint loading re-points it).
     """
     out = {}
-    for sg, params in enumerate(opt.fp16_groups):
-        flat16 = opt.fp16_partitioned_groups_flat[sg]
+    for sg, params in enumerate(dsi.require(opt, "fp16_groups")):
+        flat16 = dsi.require(opt, "fp16_partitioned_groups_flat")[sg]
         if flat16 is None:
             continue
         base, esz, end = flat16.data_ptr(), flat16.element_size(), flat16.numel()
@@ -400,11 +351,11 @@ def _offsets(opt, pw: PackedWeights) -> dict[int, tuple[int, int, int]]:
 
 def _sub_group_masters(opt, sub_group_id: int, pw: PackedWeights) -> tuple[list, list]:
     """Packed params of a sub-group and their fp32 master slices."""
-    flat32 = opt.fp32_partitioned_groups_flat[sub_group_id]
+    flat32 = dsi.require(opt, "fp32_partitioned_groups_flat")[sub_group_id]
     params, sources = [], []
     if flat32 is None or flat32.numel() == 0:
         return params, sources
-    for p in opt.fp16_groups[sub_group_id]:
+    for p in dsi.require(opt, "fp16_groups")[sub_group_id]:
         where = pw.offsets.get(id(p))
         if where is None:
             continue
@@ -417,23 +368,22 @@ def _sub_group_masters(opt, sub_group_id: int, pw: PackedWeights) -> tuple[list,
 def refresh(pw: PackedWeights) -> None:
     """Pack every selected partition again from the fp32 masters (after a checkpoint load)."""
     opt = pw.engine.optimizer
-    for sg in range(len(opt.fp16_groups)):
+    for sg in range(len(dsi.require(opt, "fp16_groups"))):
         params, sources = _sub_group_masters(opt, sg, pw)
         _encode_from(pw, params, sources)
 
 
 def attach(engine: Any, weights_cfg: Any) -> PackedWeights:
     """Pack the selected ZeRO-3 partitions of ``engine`` and hook their fetch and write-back."""
-    check_deepspeed()
     opt = engine.optimizer
-    if not hasattr(opt, "fp32_partitioned_groups_flat"):
+    if dsi.read(opt, "fp32_partitioned_groups_flat") is None:
         raise ConfigError("zero_optimization.stage", engine.zero_optimization_stage(), "3 with fp4offload.weights")
-    if any(f is None for f in opt.fp16_partitioned_groups_flat):
+    if any(f is None for f in dsi.require(opt, "fp16_partitioned_groups_flat")):
         raise ConfigError("zero_optimization.offload_param.device", "nvme", "'cpu' with fp4offload.weights",
                           "packed weight shards on NVMe are not implemented")
     named = list(engine.module.named_parameters())
     world = int(getattr(named[0][1], "ds_zero_partition_world_size", 1)) if named else 1
-    chosen, kept = select(named, tuple(weights_cfg.keep_bf16), world)
+    chosen, kept = select(engine.module, tuple(weights_cfg.keep_bf16), world)
     pw = PackedWeights(engine=engine, kept=kept)
     for name, p in chosen:
         pw.shards[id(p)] = _Shard(name, 0, int(p.ds_shape[-1]), torch.empty(0, dtype=torch.uint8),
@@ -446,15 +396,16 @@ def attach(engine: Any, weights_cfg: Any) -> PackedWeights:
         raise RuntimeError(f"fp4offload: no fp32 master found for {missing}; DeepSpeed's ZeRO-3 layout changed")
     for _, p in named:  # every parameter: any of them may lead a coalesced fetch that holds packed ones
         _wrap_param(pw, p)
-    orig = opt._reassign_or_swap_out_partitioned_parameters
+    def after_write_back(orig):
+        def reassign(sub_group_id):
+            out = orig(sub_group_id)
+            params, sources = _sub_group_masters(opt, sub_group_id, pw)
+            _after_step(pw, params, sources)
+            return out
 
-    def reassign(sub_group_id):
-        out = orig(sub_group_id)
-        params, sources = _sub_group_masters(opt, sub_group_id, pw)
-        _after_step(pw, params, sources)
-        return out
+        return reassign
 
-    opt._reassign_or_swap_out_partitioned_parameters = reassign
+    dsi.wrap_instance(opt, "_reassign_or_swap_out_partitioned_parameters", after_write_back)
     # Loading restores the fp32 masters and copies them into the bf16 partitions without passing through
     # the write-back above: pack again afterwards (both entry points, either may be called alone).
     def then_refresh(fn):

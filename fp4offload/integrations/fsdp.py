@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from . import keep_bf16
 from .fsdp_policy import Policy, policy_from_yaml
 from .fsdp_weight import STATS, CollectiveError, FP4Weight, GatherGroup, Slot, WeightSpec
 
@@ -43,60 +44,24 @@ __all__ = ["apply", "Policy", "policy_from_yaml", "optimizer", "save", "load", "
 # what to shard and what to pack
 
 
-def _block_matcher(model: nn.Module, block_classes) -> Callable[[nn.Module], bool]:
-    if callable(block_classes):
-        return block_classes
-    names = tuple(block_classes)
-    if not names:
-        names = tuple(getattr(model, "_no_split_modules", None) or ())
-        if not names:
-            raise ConfigError("block_classes", (), "class names of the model's repeated blocks, or a callable",
-                              f"{type(model).__name__} declares no _no_split_modules; pass e.g. "
-                              "Policy(block_classes=['TransformerBlock'])")
-    found = {type(m).__name__ for m in model.modules()}
-    if not any(n in found for n in names):
-        sample = ", ".join(sorted(found)[:10])
-        raise ConfigError("block_classes", list(names), f"class names of modules in this model (it has {sample})")
-    return lambda m: type(m).__name__ in names
-
-
-def _find_blocks(model: nn.Module, match: Callable[[nn.Module], bool], given) -> list[tuple[str, nn.Module]]:
-    blocks = [(n, m) for n, m in model.named_modules() if n and m is not model and match(m)]
+def _blocks(model: nn.Module, block_classes) -> list[tuple[str, nn.Module]]:
+    """The modules to shard one by one (keep_bf16.find_blocks); ConfigError when the policy names none."""
+    if keep_bf16.block_predicate(model, block_classes) is None:
+        raise ConfigError("block_classes", (), "class names of the model's repeated blocks, or a callable",
+                          f"{type(model).__name__} declares no _no_split_modules; pass e.g. "
+                          "Policy(block_classes=['TransformerBlock'])")
+    if not callable(block_classes) or isinstance(block_classes, type):
+        given = (block_classes,) if isinstance(block_classes, (str, type)) else tuple(block_classes)
+        names = {c if isinstance(c, str) else c.__name__ for c in given} or set(model._no_split_modules)
+        found = {type(m).__name__ for m in model.modules()}
+        if not names & found:
+            sample = ", ".join(sorted(found)[:10])
+            raise ConfigError("block_classes", sorted(names), f"class names of modules in this model (it has {sample})")
+    blocks = keep_bf16.find_blocks(model, block_classes)
     if not blocks:
-        raise ConfigError("block_classes", given if not callable(given) else "<callable>",
+        raise ConfigError("block_classes", "<callable>" if callable(block_classes) else list(block_classes),
                           "something that matches at least one submodule (the root is always sharded anyway)")
     return blocks
-
-
-def _top_blocks(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    """Blocks not nested inside another block, in model order (what first:N / last:N count)."""
-    names = [n for n, _ in blocks]
-    return [(n, m) for n, m in blocks if not any(n.startswith(o + ".") for o in names if o != n)]
-
-
-def _param_names(model: nn.Module) -> dict[int, list[str]]:
-    """id(param) -> every qualified name it has (tied parameters have several)."""
-    out: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        out.setdefault(id(p), []).append(name)
-    return out
-
-
-def _kept(model: nn.Module, blocks: list[tuple[str, nn.Module]], rules) -> set[int]:
-    """ids of parameters ``weights.keep_bf16`` keeps out of NVFP4."""
-    names = _param_names(model)
-    top = _top_blocks(blocks)
-    keep: set[int] = set()
-    for rule in rules:
-        if ":" in rule:
-            which, n = rule.split(":")
-            n = int(n)
-            chosen = top[:n] if which == "first" else (top[len(top) - n:] if n else [])
-            for _, m in chosen:
-                keep.update(id(p) for p in m.parameters())
-        else:
-            keep.update(pid for pid, fqns in names.items() if any(rule in f for f in fqns))
-    return keep
 
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
@@ -119,7 +84,7 @@ def _plan(model: nn.Module, policy: Policy, blocks, world: int) -> tuple[list[tu
                               "fp4offload.fsdp.apply does the sharding; tensor-parallel models are not supported yet")
     if not policy.packs_weights or (world < 2 and not policy.cpu_offload):
         return [], why
-    kept = _kept(model, blocks, policy.weights.keep_bf16)
+    kept = keep_bf16.kept_parameters(model, policy.weights.keep_bf16, blocks)
     out = []
     for name, p in model.named_parameters():
         if id(p) in kept:
@@ -350,7 +315,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
         raise ConfigError("policy", type(policy).__name__, "an fp4offload.fsdp.Policy or FsdpPolicyConfig")
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
-    blocks = _find_blocks(model, _block_matcher(model, policy.block_classes), policy.block_classes)
+    blocks = _blocks(model, policy.block_classes)
     world = _mesh_world(mesh)
     to_pack, why = _plan(model, policy, blocks, world)
     act = _activation_policy(policy.activations)  # validated before anything changes

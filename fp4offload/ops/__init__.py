@@ -17,7 +17,8 @@ import torch
 from ..errors import ConfigError
 from ..formats import reference
 
-BACKENDS = ("cuda", "cpu", "reference")
+#: the codec backends, in the order they are tried (FP4AdamW's step backends are config.STEP_BACKENDS)
+CODEC_BACKENDS = ("cuda", "cpu", "reference")
 _status: dict[str, tuple[bool, str]] = {}
 _warned: set[str] = set()
 
@@ -26,8 +27,8 @@ def forced_backend() -> str | None:
     name = os.environ.get("FP4OFFLOAD_BACKEND", "").strip().lower()
     if not name:
         return None
-    if name not in BACKENDS:
-        raise ConfigError("FP4OFFLOAD_BACKEND", name, " | ".join(BACKENDS), "unset it to pick automatically")
+    if name not in CODEC_BACKENDS:
+        raise ConfigError("FP4OFFLOAD_BACKEND", name, " | ".join(CODEC_BACKENDS), "unset it to pick automatically")
     return name
 
 
@@ -79,13 +80,7 @@ def backend_name(device: torch.device | str) -> str:
     return "reference" if mod is reference else mod.NAME
 
 
-def status() -> dict[str, dict]:
-    """Which backends load, and why not (tries to build each one available on this machine)."""
-    out = {}
-    for name in BACKENDS:
-        if name == "cuda" and not torch.cuda.is_available():
-            out[name] = {"available": False, "why": "torch sees no CUDA device"}
-            continue
-        ok = _load(name) is not None
-        out[name] = {"available": ok, "why": "ready" if name == "reference" else _status.get(name, (ok, ""))[1]}
-    return out
+def load(name: str) -> tuple[ModuleType | None, str]:
+    """(the backend module or None, why): builds it on first use, as dispatch does."""
+    mod = _load(name)
+    return mod, "pure torch" if name == "reference" else _status.get(name, (False, ""))[1]

@@ -1,0 +1,329 @@
+"""The block's host-memory settings (``host``) and what applies them to a DeepSpeed run.
+
+With ``optimizer_states`` the offloaded fp32 master, the gradient partition and the packed states live in
+host RAM, and what the host's allocator and DeepSpeed's own buffers do with it weighs as much as the
+formats. Four settings (fp4offload.config.HostConfig) shape it; each has an environment override:
+
+================================  ============================  =================================================
+``host.`` key                     override                      what it does
+================================  ============================  =================================================
+``mmap_threshold``                ``FP4OFFLOAD_MMAP_THRESHOLD``   glibc's mmap threshold fixed (bytes, or off)
+``allocator_cache``               ``FP4OFFLOAD_HOST_CACHE``       torch's large CPU blocks from a bounded cache
+``share_bf16_staging``            ``FP4OFFLOAD_SHARE_STAGING``    CPU accelerator: no second bf16 copy
+``bf16_gradient_partition``       ``FP4OFFLOAD_BF16_GRADS``       ZeRO-1/2 host gradient partition in bf16
+================================  ============================  =================================================
+
+:func:`resolve` gives the effective value of each and where it came from (``fp4offload doctor`` prints
+it). Why each exists, with measurements: docs/design.md section 7 and benchmarks/RESULTS.md.
+
+DeepSpeed's private names used here go through :mod:`fp4offload.integrations.ds_internals`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from fp4offload.config import HostConfig
+from fp4offload.errors import ConfigError
+
+from . import ds_internals as dsi
+
+log = logging.getLogger("fp4offload.deepspeed")
+
+__all__ = ["ENV", "Setting", "HostSettings", "resolve", "control_host_allocator", "share_bf16_staging",
+           "bf16_gradient_partition", "bf16_grads_at_init", "release_free_host_memory"]
+
+#: the environment override of each ``host`` key
+ENV = {"mmap_threshold": "FP4OFFLOAD_MMAP_THRESHOLD", "allocator_cache": "FP4OFFLOAD_HOST_CACHE",
+       "share_bf16_staging": "FP4OFFLOAD_SHARE_STAGING", "bf16_gradient_partition": "FP4OFFLOAD_BF16_GRADS"}
+
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
+_ON = ("1", "on", "true", "yes")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One effective host setting: its value and where it came from (``default``, the config key, or the
+    environment variable)."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """The four effective host settings (see the module docstring)."""
+
+    mmap_threshold: Setting
+    allocator_cache: Setting
+    share_bf16_staging: Setting
+    bf16_gradient_partition: Setting
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: {"value": getattr(self, f.name).value, "source": getattr(self, f.name).source}
+                for f in fields(self)}
+
+
+def _from_env(name: str, raw: str) -> Any:
+    """An environment override, validated like the config key (the error names the variable)."""
+    var = ENV[name]
+    text = raw.strip().lower()
+    if name in ("share_bf16_staging", "bf16_gradient_partition"):
+        from fp4offload.config import OFF_VALUES
+
+        if text in OFF_VALUES:
+            return False
+        if text in _ON:
+            return True
+        raise ConfigError(var, raw, "0 or 1 (also off/on, false/true)", f"it overrides fp4offload.host.{name}")
+    value: Any = text
+    if name == "mmap_threshold" and text.isdigit():
+        value = int(text) or "off"
+    elif name == "allocator_cache":
+        try:
+            value = float(text) if text not in ("off", "none", "false", "no") else text
+        except ValueError:
+            value = raw
+    try:
+        return getattr(HostConfig(**{name: value}), name)
+    except ConfigError as exc:
+        raise ConfigError(var, raw, exc.allowed, f"it overrides fp4offload.host.{name}") from None
+
+
+def resolve(host: HostConfig | None, environ: Mapping[str, str] | None = None) -> HostSettings:
+    """The effective host settings: the environment override, else the config's value, else the default."""
+    environ = os.environ if environ is None else environ
+    default = HostConfig()
+    out = {}
+    for f in fields(HostConfig):
+        raw = environ.get(ENV[f.name], "")
+        if raw.strip():
+            out[f.name] = Setting(_from_env(f.name, raw), ENV[f.name])
+        elif host is not None and getattr(host, f.name) != getattr(default, f.name):
+            out[f.name] = Setting(getattr(host, f.name), f"fp4offload.host.{f.name}")
+        else:
+            out[f.name] = Setting(getattr(default, f.name), "default")
+    return HostSettings(**out)
+
+
+# ----------------------------------------------------------------------------------------------
+# glibc and the allocator cache
+
+
+def _libc():
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        _ = libc.mallopt, libc.malloc_trim  # both must exist
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_allocator_state: dict | None = None
+
+
+def control_host_allocator(settings: HostSettings | None = None) -> dict:
+    """Keep the memory a training step frees from staying resident: glibc's mmap threshold fixed, and a
+    bounded cache for torch's large CPU blocks (process-wide, once).
+
+    glibc serves blocks below its mmap threshold from its heap. The threshold starts at 128 KiB and, each
+    time an mmapped block is freed, rises to that block's size (up to 32 MiB); after the first backward every
+    gradient, bucket slice and activation below 32 MiB comes from the heap, which then keeps the backward's
+    transient memory resident after it is freed. Fixing the threshold turns that adjustment off: blocks at or
+    above it are mmapped and unmapped on free. Alone, that costs page faults when the next layer asks for the
+    same sizes again, so torch's blocks of 128 KiB and more go to :mod:`fp4offload.host_allocator`, which
+    keeps freed blocks for reuse up to a share of the bytes in use and unmaps the rest.
+
+    Args:
+        settings: the effective host settings (:func:`resolve`); None resolves them from the environment
+            and the defaults.
+
+    Returns ``{"mmap_threshold": bytes or None, "reason": str, "host_cache": host_allocator.install()'s
+    dict}``. The glibc part does nothing when the user already tuned glibc (``MALLOC_MMAP_THRESHOLD_`` or a
+    ``glibc.malloc`` tunable) or off glibc. Called again, returns what the first call did.
+    """
+    global _allocator_state
+    if _allocator_state is not None:
+        return dict(_allocator_state)
+    from fp4offload import host_allocator
+
+    settings = resolve(None) if settings is None else settings
+    state = _fix_mmap_threshold(settings.mmap_threshold)
+    cache = settings.allocator_cache
+    state["host_cache"] = (host_allocator.install(cache.value) if cache.value != "off"
+                           else {"installed": False, "reason": f"{cache.source}=off"})
+    _allocator_state = state
+    return dict(state)
+
+
+def _fix_mmap_threshold(setting: Setting) -> dict:
+    if setting.value == "off":
+        return {"mmap_threshold": None, "reason": f"{setting.source}=off"}
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+        return {"mmap_threshold": None, "reason": "glibc malloc already tuned by the environment"}
+    libc = _libc()
+    if libc is None:
+        return {"mmap_threshold": None, "reason": "not glibc"}
+    value = int(setting.value)
+    if libc.mallopt(_M_MMAP_THRESHOLD, value) != 1:
+        return {"mmap_threshold": None, "reason": f"mallopt(M_MMAP_THRESHOLD, {value}) refused"}
+    log.info("fp4offload: glibc mmap threshold fixed at %d bytes (%s)", value, setting.source)
+    return {"mmap_threshold": value, "reason": "set"}
+
+
+def release_free_host_memory() -> bool:
+    """``malloc_trim(0)``: hand the free pages of glibc's heaps back to the OS. False off glibc."""
+    libc = _libc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed's buffers
+
+
+def share_bf16_staging(engine: Any, settings: HostSettings | None = None) -> int:
+    """On the CPU accelerator, let ZeRO-1/2 offload write the updated weights straight into the bf16
+    partition instead of through a second bf16 copy of it. Returns the bytes no longer held.
+
+    After its CPU optimizer step ZeRO-1/2 offload casts the fp32 master into a staging buffer
+    (``param_buffer_of_bit16_for_cpu_offload_groups``, 2 B/param) and copies that into the bf16 partition:
+    the buffer is where the weights wait to cross to a GPU. When the bf16 partition is itself in host RAM
+    (the CPU accelerator) the buffer is a second copy of it: each one is replaced by the partition, so the
+    cast lands in place (same rounding, same bits) and the copy after it is a copy onto itself. Skipped for
+    a buffer DeepSpeed's native pinned-memory backend owns, and when ``host.share_bf16_staging`` is false.
+    """
+    settings = resolve(None) if settings is None else settings
+    if not settings.share_bf16_staging.value:
+        return 0
+    opt = getattr(engine, "optimizer", None)
+    bufs = dsi.read(opt, "param_buffer_of_bit16_for_cpu_offload_groups")
+    parts = dsi.read(opt, "parallel_partitioned_bit16_groups")
+    if not bufs or not parts:
+        return 0
+    import deepspeed.comm as dist
+    from deepspeed.accelerator import get_accelerator
+
+    groups = dsi.require(opt, "real_dp_process_group")
+    freed = 0
+    for i, buf in enumerate(bufs):
+        target = parts[i][dist.get_rank(group=groups[i])]
+        if (target.device.type != "cpu" or buf.device.type != "cpu" or target.dtype != buf.dtype
+                or target.numel() != buf.numel() or target.data_ptr() == buf.data_ptr()
+                or get_accelerator().is_pinned(buf)):
+            continue
+        bufs[i] = target.view(buf.shape)
+        freed += buf.numel() * buf.element_size()
+    if freed:
+        log.info("fp4offload: %d bytes of bf16 staging buffers shared with the bf16 partitions (%s)",
+                 freed, settings.share_bf16_staging.source)
+    return freed
+
+
+def bf16_gradient_partition(engine: Any, settings: HostSettings | None = None) -> int:
+    """Bytes the block saves by keeping ZeRO-1/2 offload's host gradient partition in bf16 instead of fp32.
+
+    Under ``offload_optimizer`` DeepSpeed keeps an fp32 copy of each rank's gradient partition in host RAM
+    (``single_partition_of_fp32_groups[i].grad``, 4 B/param, on a GPU machine too) and copies the bf16
+    gradients into it. With one micro-batch per step (no accumulation into it) every value it holds is a
+    bf16 value, and FP4AdamW's step reads bf16 gradients directly, so a bf16 partition holds the same
+    numbers in half the bytes. The one operation DeepSpeed applies to it in place is gradient clipping's
+    scale, which then rounds to bf16 (relative 2^-9, far below the 4-bit states' own rounding); without
+    clipping, or below the clip norm, training is the same bits. Applied when the inner optimizer is
+    FP4AdamW, the parameters are bf16, gradient_accumulation_steps is 1, and
+    ``host.bf16_gradient_partition`` is true.
+
+    ``initialize`` has DeepSpeed allocate the partition in bf16 to begin with (:class:`bf16_grads_at_init`):
+    an fp32 one, zero-filled while DeepSpeed builds its buffers, would set the process's peak RSS for large
+    models even if it were replaced right after. This counts what that saved.
+    """
+    import torch
+
+    settings = resolve(None) if settings is None else settings
+    opt = getattr(engine, "optimizer", None)
+    if not _wants_bf16_grads(opt, settings):
+        return 0
+    saved = sum(m.grad.numel() * 2 for m in dsi.require(opt, "single_partition_of_fp32_groups")
+                if m.grad is not None and m.grad.dtype == torch.bfloat16)
+    if saved:
+        log.info("fp4offload: host gradient partitions kept in bf16, %d bytes less (%s)", saved,
+                 settings.bf16_gradient_partition.source)
+    return saved
+
+
+def _wants_bf16_grads(zero_opt: Any, settings: HostSettings) -> bool:
+    """Whether a ZeRO-1/2 optimizer's host gradient partition may be bf16 (bf16_gradient_partition)."""
+    if not settings.bf16_gradient_partition.value:
+        return False
+    import torch
+
+    from fp4offload.optim import FP4AdamW
+
+    return (bool(dsi.read(zero_opt, "single_partition_of_fp32_groups"))
+            and bool(dsi.read(zero_opt, "cpu_offload", False))
+            and dsi.read(zero_opt, "gradient_accumulation_steps") == 1
+            and isinstance(getattr(zero_opt, "optimizer", None), FP4AdamW)
+            and all(p.dtype == torch.bfloat16 for g in dsi.read(zero_opt, "bit16_groups", []) for p in g))
+
+
+def _set_grad(master, grad) -> None:
+    """``master.grad = grad`` for a gradient of another dtype than the tensor's (torch >= 2.9 checks it)."""
+    master.grad = None
+    if hasattr(master, "grad_dtype"):
+        master.grad_dtype = grad.dtype
+    master.grad = grad
+
+
+class bf16_grads_at_init:
+    """While ``deepspeed.initialize`` runs, ZeRO-1/2 allocates its host gradient partition in bf16 when
+    :func:`_wants_bf16_grads` says it may (``DeepSpeedZeroOptimizer.initialize_optimizer_states``, which under
+    offload does nothing else for FP4AdamW; the method is restored on exit). ``applied`` counts the
+    optimizers it served; the tests require it for ZeRO-1/2 with FP4AdamW, so a DeepSpeed that stops calling
+    the method fails them instead of silently keeping fp32."""
+
+    def __init__(self, enabled: bool, settings: HostSettings | None = None):
+        self.enabled, self.applied = enabled, 0
+        self.settings = resolve(None) if settings is None else settings
+        self._patch = None
+
+    def _make(self, orig):
+        outer = self
+
+        def initialize_optimizer_states(zo):
+            if not _wants_bf16_grads(zo, outer.settings):
+                return orig(zo)
+            import torch
+            from deepspeed.accelerator import get_accelerator
+
+            masters = dsi.require(zo, "single_partition_of_fp32_groups")
+            sizes = dsi.require(zo, "partition_size")
+            for i, _ in enumerate(dsi.require(zo, "bit16_groups")):
+                grad = torch.zeros(int(sizes[i]), dtype=torch.bfloat16, device=dsi.require(zo, "device"))
+                pin = dsi.require(zo, "cpu_offload_pin_memory")
+                _set_grad(masters[i], get_accelerator().pin_memory(grad) if pin else grad)
+            outer.applied += 1
+
+        return initialize_optimizer_states
+
+    def __enter__(self):
+        if self.enabled and self.settings.bf16_gradient_partition.value:
+            self._patch = dsi.patch_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+                                          "initialize_optimizer_states", self._make)
+            self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._patch is not None:
+            self._patch.__exit__(*exc)
+            self._patch = None
+        return False
