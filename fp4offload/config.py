@@ -86,7 +86,7 @@ SCALE_MODES = ("rceil", "floor")
 #: defaults shared by the schema, FP4AdamW and ActivationPolicy
 STATE_MIN_NUMEL = 4096
 ACTIVATION_MIN_NUMEL = 65536
-ACTIVATION_MODULES = ("*",)
+ACTIVATION_MODULES = ()  # no patterns: every module (the whole forward)
 KEEP_BF16 = ("embed", "lm_head", "norm", "bias", "first:1", "last:1")
 
 #: host settings (``host``): glibc's mmap threshold in bytes (its own starting value, kept fixed), and the
@@ -210,7 +210,7 @@ class ActivationsConfig:
         nvme_path: directory for activation files; required when device is ``"nvme"``. Default None.
         min_numel: saved tensors with fewer elements are left alone. Elements; default 65536.
         modules: glob patterns (fnmatch) over module qualified names whose saved tensors are
-            handled, e.g. ``["*.mlp"]``. Default ``["*"]`` (every module).
+            handled, e.g. ``["*.mlp"]``. Default ``[]``: every module (the whole forward).
         exclude: glob patterns of modules to leave alone even if ``modules`` matches. Default [].
     """
 
@@ -228,7 +228,7 @@ class ActivationsConfig:
         _check_choice("activations.device", self.device, ACTIVATION_DEVICES)
         _check_path("activations.nvme_path", self.nvme_path)
         _check_int("activations.min_numel", self.min_numel)
-        _check_names("activations.modules", self.modules, non_empty=True)
+        _check_names("activations.modules", self.modules)
         _check_names("activations.exclude", self.exclude)
         _check_nvme("activations", self.device, self.nvme_path)
         if self.format == "none" and self.device == "same":

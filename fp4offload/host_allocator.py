@@ -5,8 +5,8 @@ step), backward allocates the same block sizes once per layer and frees each bef
 again. glibc serves that in one of two bad ways: it keeps the freed blocks in its heap (resident, and
 fragmented, for the rest of the process: several bytes per parameter at the backward peak), or, with its
 mmap threshold fixed, it unmaps each block on free and the next layer faults the same pages in again,
-4 KiB at a time (a 103M-parameter ZeRO-2 offload step: 289 thousand page faults, 0.87 s against 0.55 s
-with this cache; benchmarks/RESULTS.md).
+4 KiB at a time (the page faults per step and the step times, with and without this cache, are in
+benchmarks/RESULTS.md).
 
 :func:`install` puts a small cache in front of torch's CPU allocator (csrc/cpu/host_allocator.cpp). Blocks
 of at least ``min_bytes`` are mapped by the cache and, when freed, kept for reuse while the freed bytes it
@@ -17,8 +17,8 @@ to 2 MiB and advised for transparent huge pages. Freed-but-resident memory is th
 there before (glibc's malloc through torch).
 
 The DeepSpeed block installs it together with its glibc setting
-(:func:`fp4offload.integrations.deepspeed.control_host_allocator`); ``FP4OFFLOAD_HOST_CACHE`` sets the
-fraction, or ``off``. It is process-wide, Linux only, and changes no tensor's values: only where the
+(:func:`fp4offload.integrations.ds_host.control_host_allocator`, the block's ``host.allocator_cache``);
+called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or ``off``. It is process-wide, Linux only, and changes no tensor's values: only where the
 bytes of new CPU tensors come from.
 
     >>> from fp4offload import host_allocator
@@ -34,6 +34,7 @@ import logging
 import os
 import platform
 
+from .config import ALLOCATOR_CACHE, OFF_VALUES
 from .errors import ConfigError
 
 log = logging.getLogger("fp4offload.host_allocator")
@@ -41,12 +42,11 @@ log = logging.getLogger("fp4offload.host_allocator")
 __all__ = ["install", "uninstall", "installed", "stats", "empty_cache", "ENV", "DEFAULT_FRACTION"]
 
 ENV = "FP4OFFLOAD_HOST_CACHE"
-DEFAULT_FRACTION = 0.125  # freed bytes kept, as a share of the bytes in use
+DEFAULT_FRACTION = ALLOCATOR_CACHE  # freed bytes kept, as a share of the bytes in use
 DEFAULT_FLOOR = 64 << 20  # ... but at least this many (a small model's per-layer gradients)
 MIN_BYTES = 128 << 10  # glibc's own starting mmap threshold: smaller blocks stay with malloc
 HUGE_BYTES = 4 << 20  # blocks from here on get 2 MiB alignment and MADV_HUGEPAGE
 _PRIORITY = 1  # above torch's own registration (0)
-OFF_VALUES = ("off", "0", "none", "false", "no")  # what turns an FP4OFFLOAD_* host setting off
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,7 +44,7 @@ def ds_config(**overrides) -> dict:
 def test_defaults_are_the_documented_values():
     o, a, w, m = OptimizerStatesConfig(), ActivationsConfig(), WeightsConfig(), MonitorConfig()
     assert (o.format, o.device, o.nvme_path, o.rounding, o.min_numel) == ("nvfp4", "same", None, "stochastic", 4096)
-    assert (a.format, a.device, a.min_numel, a.modules, a.exclude) == ("nvfp4", "cpu", 65536, ("*",), ())
+    assert (a.format, a.device, a.min_numel, a.modules, a.exclude) == ("nvfp4", "cpu", 65536, (), ())
     assert (w.format, w.device) == ("nvfp4", "cpu")
     assert w.keep_bf16 == ("embed", "lm_head", "norm", "bias", "first:1", "last:1")
     assert m.every == 10
@@ -91,7 +91,7 @@ def test_lists_given_to_the_dataclasses_become_tuples():
     ({"activations": {"device": "gpu"}}, "activations.device", "'same'"),
     ({"activations": {"device": "nvme"}}, "activations.nvme_path", "nvme_path"),
     ({"activations": {"modules": "*.mlp"}}, "activations.modules", "list"),
-    ({"activations": {"modules": []}}, "activations.modules", "non-empty"),
+    ({"activations": {"modules": [""]}}, "activations.modules", "non-empty"),
     ({"activations": {"exclude": [1]}}, "activations.exclude", "list"),
     ({"activations": {"format": "none", "device": "same"}}, "activations.device", "does nothing"),
     ({"weights": {"format": "mxfp4"}}, "weights.format", "'nvfp4', 'bf16'"),
@@ -259,3 +259,15 @@ def test_example_state_devices_match_their_names():
             states = cfg["fp4offload"]["optimizer_states"]
             assert states["device"] == dev
             assert bool(states["nvme_path"]) == (dev == "nvme")
+
+
+def test_activation_defaults_are_one_set():
+    """The schema's activations defaults and ActivationPolicy's are the same values (config.py's vocabulary);
+    an empty ``modules`` list means every module in both."""
+    from fp4offload.offload import ActivationPolicy
+
+    cfg, pol = ActivationsConfig(), ActivationPolicy()
+    for name in ("format", "device", "nvme_path", "min_numel", "modules", "exclude"):
+        assert getattr(cfg, name) == getattr(pol, name), name
+    assert ActivationPolicy.from_config(cfg) == pol
+    assert ActivationPolicy.from_config(ActivationsConfig(modules=["*.mlp"], min_numel=0)).modules == ("*.mlp",)

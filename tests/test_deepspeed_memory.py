@@ -122,7 +122,8 @@ def test_allocator_control_keeps_freed_tensors_out_of_the_heap():
 def test_bf16_staging_shared_on_the_cpu_accelerator(tmp_path):
     """On the CPU accelerator the block lets ZeRO-2 offload cast the master straight into the bf16 partition:
     DeepSpeed's staging buffers become the partitions themselves (2 B/param less), and training is the same
-    bits as with the staging buffers kept (FP4OFFLOAD_SHARE_STAGING=0)."""
+    bits as with the staging buffers kept (``host.share_bf16_staging: false``, or FP4OFFLOAD_SHARE_STAGING=0:
+    the two ways of saying it do the same)."""
     from test_deepspeed import ds_config
     from test_deepspeed_worker import launch
 
@@ -131,8 +132,11 @@ def test_bf16_staging_shared_on_the_cpu_accelerator(tmp_path):
     res = launch({"cases": [
         {"name": "shared", "config": cfg, "steps": 4, "probe": "staging"},
         {"name": "kept", "config": cfg, "steps": 4, "probe": "staging", "env": {"FP4OFFLOAD_SHARE_STAGING": "0"}},
+        {"name": "kept_by_config", "config": ds_config(2, "cpu", {**block, "host": {"share_bf16_staging": False}}),
+         "steps": 4, "probe": "staging"},
         {"name": "plain", "config": ds_config(2, "cpu", None), "steps": 1, "probe": "staging"}]}, 1, tmp_path)
-    shared, kept, plain = (res["cases"][k] for k in ("shared", "kept", "plain"))
+    shared, kept, by_config, plain = (res["cases"][k] for k in ("shared", "kept", "kept_by_config", "plain"))
+    assert by_config["staging"] == kept["staging"] and by_config["losses"] == kept["losses"]
     assert shared["staging"]["aliased"] and all(shared["staging"]["aliased"])
     assert shared["staging"]["shared_bytes"] == shared["staging"]["partition_bytes"] > 0
     assert not any(kept["staging"]["aliased"]) and kept["staging"]["shared_bytes"] == 0
@@ -143,7 +147,8 @@ def test_bf16_staging_shared_on_the_cpu_accelerator(tmp_path):
 @pytest.mark.distributed
 def test_host_gradient_partition_in_bf16(tmp_path):
     """With one micro-batch per step the block keeps ZeRO-2 offload's host gradient partition in bf16 (2 B/param
-    less): without clipping training is the same bits as with the fp32 partition (FP4OFFLOAD_BF16_GRADS=0);
+    less): without clipping training is the same bits as with the fp32 partition (``host.bf16_gradient_partition:
+    false``, or FP4OFFLOAD_BF16_GRADS=0);
     clipping's scale then rounds to bf16 (close losses); with gradient accumulation it stays fp32."""
     from test_deepspeed import ds_config
     from test_deepspeed_worker import launch
@@ -156,6 +161,8 @@ def test_host_gradient_partition_in_bf16(tmp_path):
     res = launch({"cases": [
         {"name": "bf16", "config": noclip, "steps": 5, "probe": "grads"},
         {"name": "fp32", "config": noclip, "steps": 5, "probe": "grads", "env": off},
+        {"name": "fp32_by_config", "config": {**noclip, "fp4offload": {**block, "host": {"bf16_gradient_partition": False}}},
+         "steps": 5, "probe": "grads"},
         {"name": "clip_bf16", "config": clip, "steps": 5, "probe": "grads"},
         {"name": "clip_fp32", "config": clip, "steps": 5, "probe": "grads", "env": off},
         {"name": "accum", "config": accum, "steps": 2, "probe": "grads"}]}, 1, tmp_path)
@@ -166,6 +173,7 @@ def test_host_gradient_partition_in_bf16(tmp_path):
     assert not c["fp32"]["grads"]["at_init"] and not c["accum"]["grads"]["at_init"]
     assert set(c["fp32"]["grads"]["dtypes"]) == {"torch.float32"} and c["fp32"]["grads"]["saved_bytes"] == 0
     assert c["bf16"]["losses"] == c["fp32"]["losses"]
+    assert c["fp32_by_config"]["grads"] == c["fp32"]["grads"] and c["fp32_by_config"]["losses"] == c["fp32"]["losses"]
     assert set(c["clip_bf16"]["grads"]["dtypes"]) == {"torch.bfloat16"}
     assert c["clip_bf16"]["losses"] != c["clip_fp32"]["losses"]  # the clipped gradients round to bf16 ...
     for a, b in zip(c["clip_bf16"]["losses"], c["clip_fp32"]["losses"]):

@@ -291,9 +291,7 @@ def _attach_activations(model: Any, block: Fp4OffloadConfig) -> Any:
         raise ConfigError("fp4offload.activations", block.to_dict().get("activations"),
                           "a block this build can apply", f"fp4offload.offload does not import ({exc}); "
                           "remove the activations sub-block") from None
-    a = block.activations
-    policy = ActivationPolicy(format=a.format, device=a.device, nvme_path=a.nvme_path, min_numel=max(1, a.min_numel),
-                              modules=tuple(a.modules), exclude=tuple(a.exclude))
+    policy = ActivationPolicy.from_config(block.activations)
     return wrap_modules(model, policy)
 
 

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from fp4offload.config import HostConfig
+from fp4offload.config import OFF_VALUES, HostConfig
 from fp4offload.errors import ConfigError
 
 from . import ds_internals as dsi
@@ -72,8 +72,6 @@ def _from_env(name: str, raw: str) -> Any:
     var = ENV[name]
     text = raw.strip().lower()
     if name in ("share_bf16_staging", "bf16_gradient_partition"):
-        from fp4offload.config import OFF_VALUES
-
         if text in OFF_VALUES:
             return False
         if text in _ON:
@@ -84,7 +82,7 @@ def _from_env(name: str, raw: str) -> Any:
         value = int(text) or "off"
     elif name == "allocator_cache":
         try:
-            value = float(text) if text not in ("off", "none", "false", "no") else text
+            value = float(text) if text not in OFF_VALUES else text
         except ValueError:
             value = raw
     try:

@@ -248,7 +248,3 @@ def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.opti
                 if k in g_old:
                     g_new[k] = g_old[k]
 
-
-def trainable(params: Iterable[Any]) -> list[Any]:
-    """The list form of ``model_parameters`` (generators are consumed once)."""
-    return list(params)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from .fsdp_internals import AllGatherBase, local_tensor, unit_parameters
 from . import keep_bf16
 from .fsdp_policy import Policy, policy_from_yaml
 from .fsdp_weight import STATS, CollectiveError, FP4Weight, GatherGroup, Slot, WeightSpec
@@ -145,13 +146,7 @@ def _wrap(model: nn.Module, params: list[tuple[str, nn.Parameter]], world: int, 
 # all-gather byte counter (a custom FSDP2 all-gather that counts what it delivers)
 
 
-try:  # the interface FSDP2's set_custom_all_gather expects
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherBase
-except ImportError:  # pragma: no cover - older torch: duck typing is enough
-    _AllGatherBase = object
-
-
-class AllGatherCounter(_AllGatherBase):
+class AllGatherCounter(AllGatherBase):
     """An FSDP2 all-gather that counts the bytes it delivers to this rank (all parameters of a unit).
 
     Attributes:
@@ -200,14 +195,12 @@ def count_all_gathers(model: nn.Module) -> AllGatherCounter:
 
 def _unit_slots(unit: nn.Module) -> list[Slot] | None:
     """The FP4 slots of one FSDP unit, in FSDP's order (None if torch's internals moved)."""
-    try:
-        groups = list(unit._get_fsdp_state()._fsdp_param_groups)
-        params = [fp.sharded_param for g in groups for fp in g.fsdp_params]
-    except (AttributeError, AssertionError):
+    params = unit_parameters(unit)
+    if params is None:
         return None
     out = []
     for p in params:
-        local = getattr(p, "_local_tensor", None)
+        local = local_tensor(p)
         if isinstance(local, FP4Weight):
             out.append(local._slot)
     return out
@@ -219,6 +212,8 @@ def _make_groups(units: list[nn.Module], slots: list[Slot], mesh) -> None:
     for unit in units:
         members = _unit_slots(unit)
         if members is None:  # unknown internals: one group per weight (one all-reduce each, still correct)
+            log.info("fp4offload.fsdp: this torch hides FSDP's parameter groups (fsdp_internals.check()); "
+                     "one amax all-reduce per weight instead of one per unit")
             break
         members = [s for s in members if id(s) not in claimed]
         if members:
@@ -236,8 +231,8 @@ def _make_groups(units: list[nn.Module], slots: list[Slot], mesh) -> None:
 def _unwrap_value(v):
     from torch.distributed.tensor import DTensor
 
-    if isinstance(v, DTensor) and isinstance(v._local_tensor, FP4Weight):
-        return DTensor.from_local(v._local_tensor._master, v.device_mesh, v.placements, run_check=False,
+    if isinstance(v, DTensor) and isinstance(local_tensor(v), FP4Weight):
+        return DTensor.from_local(local_tensor(v)._master, v.device_mesh, v.placements, run_check=False,
                                   shape=v.shape, stride=v.stride())
     if isinstance(v, FP4Weight):
         return v._master
@@ -259,7 +254,7 @@ def fp4_parameters(model: nn.Module) -> list[tuple[str, Slot]]:
     """(name, slot) of every parameter whose all-gather is NVFP4."""
     out = []
     for name, p in model.named_parameters():
-        local = getattr(p, "_local_tensor", p)
+        local = local_tensor(p, p)
         if isinstance(local, FP4Weight):
             out.append((name, local._slot))
     return out
@@ -368,12 +363,7 @@ def _activation_policy(acts):
 
     if isinstance(acts, ActivationPolicy):
         return acts
-    modules = () if tuple(acts.modules) == ("*",) else tuple(acts.modules)
-    if acts.format == "none" and acts.device == "same":
-        raise ConfigError("activations.device", "same", "'cpu' or 'nvme' when format is 'none'")
-    return ActivationPolicy(format=acts.format, device=acts.device, nvme_path=acts.nvme_path,
-                            min_numel=max(int(acts.min_numel), 1), modules=modules, exclude=tuple(acts.exclude))
-
+    return ActivationPolicy.from_config(acts)
 
 from .fsdp_checkpoint import load, save  # noqa: E402
 from .fsdp_optim import optimizer  # noqa: E402

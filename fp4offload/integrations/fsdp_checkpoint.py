@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
+from .fsdp_internals import local_tensor
 from .fsdp_weight import FP4Weight
 
 log = logging.getLogger("fp4offload.fsdp")
@@ -64,8 +65,8 @@ def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     DTensor = _dtensor_cls()
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and isinstance(p._local_tensor, FP4Weight):
-            v = DTensor.from_local(p._local_tensor._master, p.device_mesh, p.placements, run_check=False,
+        if isinstance(p, DTensor) and isinstance(local_tensor(p), FP4Weight):
+            v = DTensor.from_local(local_tensor(p)._master, p.device_mesh, p.placements, run_check=False,
                                    shape=p.shape, stride=p.stride())
         else:
             v = p.detach()
@@ -387,7 +388,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
                      _world())
             resharder.finish()
     for _, p in model.named_parameters():
-        local = getattr(p, "_local_tensor", None)
+        local = local_tensor(p)
         if isinstance(local, FP4Weight):
             local._slot.mark_dirty()
 
@@ -401,8 +402,8 @@ def _packed_keys() -> tuple[str, ...]:
 
 
 def _copy_row_back(v: torch.Tensor, row, n, full: str) -> None:
-    local_row = getattr(row, "_local_tensor", row).reshape(-1)
-    local_n = int(getattr(n, "_local_tensor", n).reshape(-1)[0])
+    local_row = local_tensor(row, row).reshape(-1)
+    local_n = int(local_tensor(n, n).reshape(-1)[0])
     if local_n != v.numel():
         raise ConfigError(full, f"{local_n} elements in the checkpoint", f"{v.numel()} (this rank's state)",
                           "the checkpoint was written with another shard layout")

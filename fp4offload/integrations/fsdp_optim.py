@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
+from .fsdp_internals import local_tensor
 from .fsdp_policy import Policy
 from .fsdp_weight import FP4Weight
 
@@ -32,7 +33,7 @@ __all__ = ["optimizer", "ShardedOptimizerMixin", "inner_optimizer_class"]
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The plain fp32 tensor holding a parameter's local values."""
-    local = getattr(p, "_local_tensor", p)
+    local = local_tensor(p, p)
     return local._master if isinstance(local, FP4Weight) else local
 
 
@@ -50,7 +51,7 @@ class ShardedOptimizerMixin:
                     proxy.set_(m)
                 g = p.grad
                 if g is not None:
-                    g = getattr(g, "_local_tensor", g)
+                    g = local_tensor(g, g)
                 proxy.grad = g
 
     def _fsdp_grads_finite_everywhere(self) -> bool:
@@ -73,7 +74,7 @@ class ShardedOptimizerMixin:
 
     def _fsdp_after_step(self) -> None:
         for p, _ in self._fsdp_pairs:
-            local = getattr(p, "_local_tensor", None)
+            local = local_tensor(p)
             if isinstance(local, FP4Weight):
                 local._slot.mark_dirty()
 
@@ -119,10 +120,6 @@ class ShardedOptimizerMixin:
         if n is None:
             return super()._packed(group, p)
         return n >= group["min_numel"]
-
-    def fsdp_param_of(self) -> dict[int, nn.Parameter]:
-        """id(proxy) -> the model's DTensor parameter it stands for."""
-        return {id(proxy): p for p, proxy in self._fsdp_pairs}
 
     def init_state(self) -> None:
         """Create every state tensor without changing any parameter (a step with zero grads, lr 0)."""

@@ -148,7 +148,7 @@ class Policy:
         acts = self.activations
         if acts is not None and not isinstance(acts, ActivationsConfig):
             acts = ActivationsConfig(format=acts.format, device=acts.device, nvme_path=acts.nvme_path,
-                                     min_numel=acts.min_numel, modules=acts.modules or ("*",), exclude=acts.exclude)
+                                     min_numel=acts.min_numel, modules=acts.modules, exclude=acts.exclude)
         return FsdpPolicyConfig(weights=self.weights, optimizer_states=self.optimizer_states, activations=acts,
                                 monitor=self.monitor, cpu_offload=self.cpu_offload,
                                 reshard_after_forward=self.reshard_after_forward, block_classes=self.block_classes)

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .. import metrics
 from ..errors import NonFiniteError
+from .fsdp_internals import local_tensor
 
 aten = torch.ops.aten
 
@@ -237,7 +238,7 @@ class Slot:
             return None
         module, name = self.owner
         p = module._parameters.get(name)
-        local = getattr(p, "_local_tensor", None)
+        local = local_tensor(p)
         return local._master if isinstance(local, FP4Weight) else None
 
     def _key(self, master: torch.Tensor) -> tuple:

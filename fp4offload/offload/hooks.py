@@ -36,7 +36,7 @@ from collections import deque
 import torch
 
 from .errors import SavedTensorReleasedError
-from .nvme_store import NvmeStore
+from .nvme_store import ActivationFileStore
 from .packing import FLOAT_DTYPES, Layout, decode, encode, is_dense, read_parts, write_parts
 from .pinned_pool import HostSlabPool, shared_pool
 from .policy import ActivationPolicy
@@ -140,7 +140,7 @@ class ActivationOffloader:
         self.policy = policy or ActivationPolicy()
         self.stats = ActivationStats()
         self._pool = pool
-        self._nvme = NvmeStore(self.policy.nvme_path, self.policy.io_workers) if self.policy.device == "nvme" else None
+        self._nvme = ActivationFileStore(self.policy.nvme_path, self.policy.io_workers) if self.policy.device == "nvme" else None
         self._lock = threading.Lock()
         self._drops: deque = deque()
         self._entries: dict[int, _Entry] = {}

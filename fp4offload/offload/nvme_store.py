@@ -27,7 +27,7 @@ def _cleanup(folder: Path, pool: ThreadPoolExecutor) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-class NvmeStore:
+class ActivationFileStore:
     """Files of one offload context under ``<root>/fp4offload-act-XXXX/``."""
 
     def __init__(self, root, workers: int = 2):

@@ -4,18 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NUMEL, ACTIVATION_MODULE_FORMATS,
+                      ACTIVATION_MODULES, ACTIVATION_NORM_CHOICES, ROUNDINGS)
 from ..errors import ConfigError
-
-#: formats an activation can be stored in; "none" moves it without compressing
-FORMATS = ("nvfp4", "mxfp4", "mxfp8", "none")
-#: also allowed for `module_formats` and `norm_format`: "bf16" (fp32 rounded to bf16, 2 B/element;
-#: bf16 and fp16 tensors as they are)
-MODULE_FORMATS = FORMATS + ("bf16",)
-#: `norm_format` choices besides MODULE_FORMATS
-NORM_CHOICES = MODULE_FORMATS + ("keep", "inherit")
-#: where it is stored: pinned host RAM, files under `nvme_path`, or where it was (compressed in place)
-DEVICES = ("cpu", "nvme", "same")
-
 
 def _patterns(key: str, value) -> tuple[str, ...]:
     if value is None:
@@ -71,10 +62,10 @@ class ActivationPolicy:
             probability (an NVFP4 copy tripled the gradient error of the final norm in a test model).
         rounding: ``"auto"`` (default: stochastic for nvfp4 and mxfp4, nearest for mxfp8),
             ``"nearest"`` or ``"stochastic"`` (nvfp4 and mxfp4 only). Stochastic rounding is unbiased,
-            so the error of what backward multiplies with averages out over steps. On a small Llama
-            with norm layers in bf16 both trained as well as uncompressed (+0.07% and +0.19% final
-            loss); with the norms compressed too, nearest lost 2-3% and stochastic 150 steps ran even,
-            so stochastic is the default for robustness. It costs little on a GPU; the CPU kernel's
+            so the error of what backward multiplies with averages out over steps. With norm layers in
+            bf16 both train as well as uncompressed; with the norms compressed too, stochastic held up
+            where nearest fell behind, so stochastic is the default for robustness (the training runs
+            are in benchmarks/RESULTS.md). It costs little on a GPU; the CPU kernel's
             stochastic path is scalar (about 10x slower to encode than nearest), so on a CPU-only
             host ``"nearest"`` is the cheap choice (benchmarks/accuracy_activations.py, RESULTS.md).
         seed: seed of the stochastic rounding bits (the codec's counter-based hash of seed, tensor
@@ -86,9 +77,9 @@ class ActivationPolicy:
             they are, e.g. the fp32 upcast of a bf16 input is stored exactly), ``"keep"`` (left alone),
             ``"inherit"`` (like the module around them), or a format. A norm's backward combines its
             saved input with its exact statistics (rsqrt of the mean square, a tiny tensor); a 4- or
-            8-bit input no longer matches them and the mismatch biases every gradient below: on a
-            small Llama, MXFP8 and NVFP4 everywhere trained 1-8% worse, the same with the norms kept
-            as well as uncompressed (benchmarks/accuracy_activations.py). Ignored for
+            8-bit input no longer matches them and the mismatch biases every gradient below: compressed
+            everywhere, a small Llama trains worse; with the norms kept, as well as uncompressed
+            (benchmarks/accuracy_activations.py, benchmarks/RESULTS.md). Ignored for
             ``format="none"`` (which stays exact).
         norm_classes: fnmatch patterns over module class names that are normalization layers
             (default ``("*Norm*",)``: LayerNorm, RMSNorm, LlamaRMSNorm, GroupNorm, BatchNorm2d, ...).
@@ -96,12 +87,12 @@ class ActivationPolicy:
 
     format: str = "nvfp4"
     device: str = "cpu"
-    min_numel: int = 1 << 16
+    min_numel: int = ACTIVATION_MIN_NUMEL
     nvme_path: str | None = None
     max_host_bytes: int | None = None
     slab_bytes: int = 1 << 25
     prefetch: int = 2
-    modules: tuple[str, ...] = ()
+    modules: tuple[str, ...] = ACTIVATION_MODULES
     exclude: tuple[str, ...] = ()
     module_formats: tuple[tuple[str, str], ...] = ()
     error_sample_every: int = 64
@@ -115,10 +106,10 @@ class ActivationPolicy:
 
     def __post_init__(self):
         k = "ActivationPolicy."
-        if self.format not in FORMATS:
-            raise ConfigError(k + "format", self.format, " | ".join(repr(f) for f in FORMATS))
-        if self.device not in DEVICES:
-            raise ConfigError(k + "device", self.device, " | ".join(repr(d) for d in DEVICES))
+        if self.format not in ACTIVATION_FORMATS:
+            raise ConfigError(k + "format", self.format, " | ".join(repr(f) for f in ACTIVATION_FORMATS))
+        if self.device not in ACTIVATION_DEVICES:
+            raise ConfigError(k + "device", self.device, " | ".join(repr(d) for d in ACTIVATION_DEVICES))
         for name in ("min_numel", "prefetch", "error_sample_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name == "min_numel" else 0):
@@ -134,8 +125,8 @@ class ActivationPolicy:
         if self.device == "nvme" and not self.nvme_path:
             raise ConfigError(k + "nvme_path", self.nvme_path, "a folder on a fast local disk when device='nvme'",
                               "e.g. ActivationPolicy(device='nvme', nvme_path='/local_nvme')")
-        if self.rounding not in ("auto", "nearest", "stochastic"):
-            raise ConfigError(k + "rounding", self.rounding, "'auto' | 'nearest' | 'stochastic'")
+        if self.rounding not in ("auto", *ROUNDINGS):
+            raise ConfigError(k + "rounding", self.rounding, " | ".join(repr(r) for r in ("auto", *ROUNDINGS)))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise ConfigError(k + "seed", self.seed, "None or an integer >= 0")
         if self.rounding == "stochastic" and self.format in ("mxfp8", "none"):
@@ -147,8 +138,8 @@ class ActivationPolicy:
         object.__setattr__(self, "exclude", _patterns(k + "exclude", self.exclude))
         object.__setattr__(self, "skip_outputs_of", _patterns(k + "skip_outputs_of", self.skip_outputs_of))
         object.__setattr__(self, "norm_classes", _patterns(k + "norm_classes", self.norm_classes))
-        if self.norm_format not in NORM_CHOICES:
-            raise ConfigError(k + "norm_format", self.norm_format, " | ".join(repr(f) for f in NORM_CHOICES))
+        if self.norm_format not in ACTIVATION_NORM_CHOICES:
+            raise ConfigError(k + "norm_format", self.norm_format, " | ".join(repr(f) for f in ACTIVATION_NORM_CHOICES))
         if self.norm_format in ("nvfp4", "mxfp4", "mxfp8") and self.format == "none":
             raise ConfigError(k + "norm_format", self.norm_format, "'bf16', 'keep' or 'inherit' with format='none'",
                               "format='none' moves tensors exactly; compressing only the norms is not what it is for")
@@ -157,10 +148,18 @@ class ActivationPolicy:
             if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str) and item[0]):
                 raise ConfigError(k + "module_formats", self.module_formats, "((pattern, format), ...) pairs",
                                   "e.g. (('*.self_attn', 'mxfp8'),)")
-            if item[1] not in MODULE_FORMATS:
-                raise ConfigError(k + "module_formats", item, f"a format in {MODULE_FORMATS}")
+            if item[1] not in ACTIVATION_MODULE_FORMATS:
+                raise ConfigError(k + "module_formats", item, f"a format in {ACTIVATION_MODULE_FORMATS}")
             mf.append((item[0], item[1]))
         object.__setattr__(self, "module_formats", tuple(mf))
+
+    @classmethod
+    def from_config(cls, cfg) -> ActivationPolicy:
+        """The policy of an ``activations`` sub-block (fp4offload.config.ActivationsConfig, already validated),
+        as the DeepSpeed block and the FSDP2 policies apply it; everything the schema does not name keeps
+        this class's defaults."""
+        return cls(format=cfg.format, device=cfg.device, nvme_path=cfg.nvme_path, min_numel=max(1, int(cfg.min_numel)),
+                   modules=tuple(cfg.modules), exclude=tuple(cfg.exclude))
 
     def stochastic(self, fmt: str) -> bool:
         """Whether tensors stored in `fmt` are rounded stochastically under this policy."""

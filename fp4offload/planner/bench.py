@@ -33,7 +33,7 @@ def _fp4_optimizer():
     """fp4offload.FP4AdamW if the package provides it yet, else None and why."""
     try:
         from fp4offload import FP4AdamW  # noqa: PLC0415 - optional, built by another part of the package
-    except Exception as exc:  # ImportError, or a package still being assembled
+    except Exception as exc:  # ImportError: a build without the optimizer
         return None, f"FP4AdamW is not importable ({type(exc).__name__}); the nvfp4 rate keeps the default ratio"
     return FP4AdamW, None
 

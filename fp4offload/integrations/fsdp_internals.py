@@ -1,0 +1,70 @@
+"""torch's private FSDP2 and DTensor names: every one the FSDP2 policies read, in one place.
+
+FSDP2's public extension points (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` on a sharded parameter's
+local tensor, ``FSDPModule.set_custom_all_gather``) carry the NVFP4 all-gather. Three things they do not
+expose, and the policies read from torch's internals here:
+
+=========================================  ==============================  =====================================
+name                                       defined in                      what the policies do with it
+=========================================  ==============================  =====================================
+``AllGather``                              ``fsdp/_fully_shard/_fsdp_api``   base class of the counting all-gather
+``FSDPModule._get_fsdp_state()``           ``fsdp/_fully_shard/_fully_shard``  a unit's state, for its param groups
+``FSDPState._fsdp_param_groups``,          ``fsdp/_fully_shard/_fsdp_state``,  a unit's parameters in FSDP's order
+``FSDPParamGroup.fsdp_params``,            ``_fsdp_param_group``,            (one amax all-reduce per unit)
+``FSDPParam.sharded_param``                ``_fsdp_param``
+``DTensor._local_tensor``                  ``distributed/tensor/_api``       the local shard itself (an FP4Weight)
+=========================================  ==============================  =====================================
+
+Each has a fallback, so a torch that moves one of them runs slower, never wrong: no AllGather base (duck
+typing is enough), no param groups (one all-reduce per weight instead of one per unit; :func:`check` says
+so, and ``apply`` logs it once). Verified on torch 2.11 and 2.13.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["AllGatherBase", "unit_parameters", "local_tensor", "check"]
+
+try:  # the interface FSDP2's set_custom_all_gather expects
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as AllGatherBase
+except ImportError:  # pragma: no cover - a torch without it: duck typing is enough
+    AllGatherBase = object
+
+
+def unit_parameters(unit: nn.Module) -> list[Any] | None:
+    """The sharded parameters of one fully_shard unit, in FSDP's order; None if torch's internals moved."""
+    try:
+        groups = list(unit._get_fsdp_state()._fsdp_param_groups)
+        return [fp.sharded_param for g in groups for fp in g.fsdp_params]
+    except (AttributeError, AssertionError, TypeError):
+        return None
+
+
+def local_tensor(p: Any, default: Any = None) -> Any:
+    """The local tensor of a DTensor parameter (the object FSDP2 all-gathers from), else ``default``."""
+    return getattr(p, "_local_tensor", default)
+
+
+def check() -> dict[str, bool]:
+    """Which of the private names this torch has (False: the policies use the slower fallback)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_state
+
+    from torch.distributed.tensor import DTensor
+
+    state = getattr(_fsdp_state, "FSDPState", None)
+    return {"AllGather": AllGatherBase is not object,
+            "FSDPState._fsdp_param_groups": state is not None and "_fsdp_param_groups" in _init_source(state),
+            "DTensor._local_tensor": "_local_tensor" in getattr(DTensor, "__slots__", ()) or
+                                     "_local_tensor" in _init_source(DTensor)}
+
+
+def _init_source(cls: type) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""

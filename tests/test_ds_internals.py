@@ -1,0 +1,137 @@
+"""The room for DeepSpeed's private names: the table matches the installed DeepSpeed, a missing name or an
+unsupported version fails at initialize before DeepSpeed builds anything, the supported range is written once,
+and no other module of fp4offload reaches DeepSpeed's private names around it."""
+
+from __future__ import annotations
+
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+from fp4offload.errors import ConfigError
+from fp4offload.integrations import ds_internals as dsi
+
+ROOT = Path(__file__).resolve().parents[1]
+deepspeed = pytest.importorskip("deepspeed")
+
+
+def test_pyproject_bound_is_the_supported_range():
+    text = (ROOT / "pyproject.toml").read_text()
+    bounds = re.findall(r'"(deepspeed[^"]*)"', text)
+    assert bounds == [dsi.requirement()], (bounds, dsi.requirement())
+    lo, hi = dsi.SUPPORTED
+    assert dsi.supported(deepspeed.__version__)
+    assert dsi.supported(".".join(map(str, lo))) and not dsi.supported(".".join(map(str, hi)))
+    assert not dsi.supported("0.18.9") or lo <= (0, 18, 9)
+
+
+def test_every_name_of_the_table_is_in_the_installed_deepspeed():
+    assert dsi.missing(dsi.FEATURES) == []
+    dsi.check(dsi.FEATURES)  # no error
+    for row in dsi.TABLE:
+        assert row.features and set(row.features) <= set(dsi.FEATURES), row
+        assert row.kind in ("callable", "attribute", "param"), row
+
+
+def test_a_renamed_attribute_is_found_missing():
+    """The static check of instance attributes reads the class's source: a name it does not assign is missing."""
+    real = next(r for r in dsi.TABLE if r.name == "param_buffer_of_bit16_for_cpu_offload_groups")
+    renamed = dsi.Internal(real.owner, "param_buffer_of_bit16_groups_renamed", "attribute", "test", real.features)
+    assert dsi._present(real) and not dsi._present(renamed)
+    param = next(r for r in dsi.TABLE if r.kind == "param")
+    assert not dsi._present(dsi.Internal(param.owner, "ds_no_such_attribute", "param", "test", param.features))
+
+
+def test_unknown_names_are_refused_by_the_accessors():
+    class Opt:
+        cpu_offload = True
+
+    assert dsi.read(Opt(), "cpu_offload") is True
+    with pytest.raises(KeyError, match="not in ds_internals.TABLE"):
+        dsi.read(Opt(), "some_private_name")
+    with pytest.raises(RuntimeError, match="is gone in DeepSpeed"):
+        dsi.require(object(), "real_dp_process_group")
+
+
+def _tiny_engine_args():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).to(torch.bfloat16)
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "fp4offload": {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}}
+    return model, cfg
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fails the test if DeepSpeed starts building an engine (or anything is handed to deepspeed.initialize)."""
+    import deepspeed.runtime.engine as engine_mod
+
+    built = []
+
+    def refuse(self, *a, **k):
+        built.append(True)
+        raise AssertionError("DeepSpeedEngine was constructed before the internals check")
+
+    monkeypatch.setattr(engine_mod.DeepSpeedEngine, "__init__", refuse)
+    monkeypatch.setattr(deepspeed, "initialize", lambda *a, **k: built.append(True))
+    return built
+
+
+def test_a_missing_private_name_fails_at_initialize_before_anything_is_built(monkeypatch, no_engine):
+    import fp4offload.deepspeed as fds
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    monkeypatch.delattr(DeepSpeedZeroOptimizer, "initialize_optimizer_states")
+    model, cfg = _tiny_engine_args()
+    with pytest.raises(ConfigError) as e:
+        fds.initialize(model=model, config=cfg)
+    msg = str(e.value)
+    assert e.value.key == "fp4offload.bf16_gradient_partition"
+    assert "DeepSpeedZeroOptimizer.initialize_optimizer_states" in msg
+    assert f"deepspeed {deepspeed.__version__}" in msg and dsi.requirement() in msg
+    assert no_engine == []
+    # the feature that needs the name can be turned off in the config, and then the check passes
+    cfg["fp4offload"]["host"] = {"bf16_gradient_partition": False}
+    prepared = fds.prepare_config(cfg)
+    from fp4offload.integrations.deepspeed import features
+
+    assert "bf16_gradient_partition" not in features(prepared)
+    dsi.check(features(prepared))
+
+
+def test_an_unsupported_version_fails_at_initialize_before_anything_is_built(monkeypatch, no_engine):
+    import fp4offload.deepspeed as fds
+
+    monkeypatch.setattr(deepspeed, "__version__", "0.14.2")
+    model, cfg = _tiny_engine_args()
+    with pytest.raises(ConfigError) as e:
+        fds.initialize(model=model, config=cfg)
+    assert "deepspeed 0.14.2" in str(e.value) and "outside the releases" in str(e.value)
+    assert dsi.requirement() in str(e.value)
+    assert no_engine == []
+
+
+def test_no_module_reaches_deepspeed_private_names_around_the_room():
+    """Optimizer and engine attributes of the table are read only through ds_internals (read/require/patch).
+    Names too common to search for (``device``, ``partition_size``, ...) are left out of the scan."""
+    common = {"device", "cpu_offload", "partition_size", "bit16_groups", "gradient_accumulation_steps", "fp16_groups"}
+    names = {r.name for r in dsi.TABLE if r.kind in ("attribute", "callable") and not r.name.isupper()} - common
+    offenders = []
+    for path in (ROOT / "fp4offload").rglob("*.py"):
+        if path.name == "ds_internals.py":
+            continue
+        toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
+        for prev, tok in zip(toks, toks[1:]):
+            where = f"{path.relative_to(ROOT)}:{tok.start[0]}"
+            if tok.type == tokenize.NAME and tok.string in names and prev.string == ".":
+                offenders.append(f"{where}: .{tok.string}")
+            if tok.type == tokenize.STRING and tok.string.strip("\"'") in names:
+                if re.search(rf"\b(getattr|hasattr|setattr)\([^()]*{re.escape(tok.string)}", tok.line):
+                    offenders.append(f"{where}: {tok.line.strip()}")
+    assert offenders == [], offenders
