@@ -14,17 +14,15 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import metrics
+from ..config import STATE_MIN_NUMEL
 from ..errors import ConfigError
 from ..ops import backend_for
 from . import fused
 from . import reference_step as R
-from .state import PACKED_KEYS, V_FORMATS, decode_state, encode_state, packed_from_entry, step_of
+from .checks import check_arguments
+from .state import PACKED_KEYS, decode_state, encode_state, packed_from_entry, step_of
 
-STATE_DEVICES = ("same", "cpu", "nvme")
-BACKENDS = ("auto", "fused", "reference")
-M_ROUNDINGS = ("nearest", "stochastic")
 KEYED_STREAM0 = 1 << 15  # stochastic-rounding stream ids of tensors named by tensor_key start here
-WORKING_COPIES = (None, "bf16", "nvfp4", "both")
 
 
 def _pinned(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -59,9 +57,8 @@ class FP4AdamW(Optimizer):
     Args:
         params: parameters or param groups, as for any torch optimizer.
         lr, betas, eps, weight_decay, maximize: as torch.optim.AdamW (weight_decay default 1e-2).
-        m_rounding: ``"stochastic"`` (default) or ``"nearest"``. In the 1200-step, 5-seed ablation of
-            benchmarks/RESULTS.md (paired by seed) stochastic m ended -0.04% ± 0.74% from fp32 AdamW, nearest
-            +0.50% ± 0.29%, behind fp32 in all five seeds.
+        m_rounding: ``"stochastic"`` (default) or ``"nearest"`` (benchmarks/RESULTS.md, "Accuracy", compares
+            them with fp32 AdamW).
         v_format: ``"ufp4"`` (default: u = sqrt(v) in the zero-free unsigned code) or ``"nvfp4"`` (v itself in
             NVFP4, the ablation's baseline; it flushes small v to zero).
         min_numel: parameters with fewer elements keep fp32 states (default 4096).
@@ -109,38 +106,14 @@ class FP4AdamW(Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
-                 m_rounding: str = "stochastic", v_format: str = "ufp4", min_numel: int = 4096,
+                 m_rounding: str = "stochastic", v_format: str = "ufp4", min_numel: int = STATE_MIN_NUMEL,
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
                  nvme_io: str = "auto", tensor_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
                  skip_nonfinite: bool = True, metrics_every: int = 100):
-        if not 0.0 <= lr:
-            raise ConfigError("lr", lr, "a learning rate >= 0")
-        if not 0.0 < eps:
-            raise ConfigError("eps", eps, "eps > 0")
-        for i, b in enumerate(betas):
-            if not 0.0 <= b < 1.0:
-                raise ConfigError(f"betas[{i}]", b, "a value in [0, 1)")
-        if weight_decay < 0:
-            raise ConfigError("weight_decay", weight_decay, "a value >= 0")
-        if m_rounding not in M_ROUNDINGS:
-            raise ConfigError("m_rounding", m_rounding, "'nearest' | 'stochastic'")
-        if v_format not in V_FORMATS:
-            raise ConfigError("v_format", v_format, "'ufp4' | 'nvfp4'", "ufp4 stores sqrt(v) and is the default")
-        if state_device not in STATE_DEVICES:
-            raise ConfigError("state_device", state_device, "'same' | 'cpu' | 'nvme'")
-        if state_device == "nvme" and nvme_path is None:
-            raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
-        if nvme_io not in ("auto", "aio", "threads"):
-            raise ConfigError("nvme_io", nvme_io, "'auto' | 'aio' | 'threads'")
-        if tensor_key is not None and not callable(tensor_key):
-            raise ConfigError("tensor_key", tensor_key, "None or a function tensor -> str | None")
-        if backend not in BACKENDS:
-            raise ConfigError("backend", backend, "'auto' | 'fused' | 'reference'")
-        if working_copy not in WORKING_COPIES:
-            raise ConfigError("working_copy", working_copy, "None | 'bf16' | 'nvfp4' | 'both'")
-        if int(min_numel) < 1:
-            raise ConfigError("min_numel", min_numel, "an integer >= 1")
+        check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
+                        v_format=v_format, min_numel=min_numel, state_device=state_device, nvme_path=nvme_path,
+                        nvme_io=nvme_io, tensor_key=tensor_key, backend=backend, working_copy=working_copy)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
                         m_rounding=m_rounding, v_format=v_format, min_numel=int(min_numel), seed=int(seed))
         super().__init__(params, defaults)
@@ -166,9 +139,6 @@ class FP4AdamW(Optimizer):
 
             self._nvme = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes, io=nvme_io)
             self.nvme_io = self._nvme.io
-        if backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():
-            raise ConfigError("backend", backend, "'auto' or 'reference' on this machine",
-                              f"the fused CPU step does not build: {fused.failures().get('cpu')}")
 
     # ---- helpers ----------------------------------------------------------------------------------------
 

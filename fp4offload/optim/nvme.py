@@ -65,15 +65,16 @@ import numpy as np
 import torch
 
 from .. import metrics
+from ..config import NVME_IO_ENGINES
 from ..errors import CapacityError, ConfigError, CorruptionError
 from ..formats.container import MAGIC, VERSION, read_container, write_container
+from .checks import check_choice
 from .reference_step import Packed, packed_sizes
+from .state import PACKED_KEYS
 
 log = logging.getLogger("fp4offload.optim.nvme")
 
 KIND = "fp4offload.optim.segment"
-IO_ENGINES = ("auto", "aio", "threads")
-_NAMES = ("m_codes", "m_scales", "m_tscale", "v_codes", "v_scales", "v_tscale")
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _HEADER_ALLOWANCE = 4096  # bytes of container header counted when checking free space
 _PREFIX = len(MAGIC) + 8 + 4  # the container's magic, header length (u64), header CRC32 (u32)
@@ -260,8 +261,7 @@ class NvmeStore:
 
     def __init__(self, root, *, threads: int = 4, reserve_bytes: int = 0, io: str = "auto", fsync: bool = False,
                  aio_block_size: int = 1 << 20, aio_queue_depth: int = 8):
-        if io not in IO_ENGINES:
-            raise ConfigError("nvme_io", io, "'auto' | 'aio' | 'threads'")
+        check_choice("nvme_io", io, NVME_IO_ENGINES)
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
         self.dir = Path(tempfile.mkdtemp(prefix="fp4adamw-", dir=root))
@@ -301,7 +301,7 @@ class NvmeStore:
         if op is None:
             return why
         c, s, t = packed_sizes(1 << 20)
-        need = (self.max_pending_writes + 4) * (ALIGN + _aio_layout(dict(zip(_NAMES, (c, s, t) * 2)))[1])
+        need = (self.max_pending_writes + 4) * (ALIGN + _aio_layout(dict(zip(PACKED_KEYS, (c, s, t) * 2)))[1])
         why = _can_lock(need)
         if why is not None:
             return why
@@ -443,7 +443,7 @@ class NvmeStore:
     # ---- one segment ------------------------------------------------------------------------------------
 
     def _write(self, key: str, seg: int, n: int, v_format: str, m: Packed, v: Packed) -> int:
-        tensors = dict(zip(_NAMES, (*m, *v)))
+        tensors = dict(zip(PACKED_KEYS, (*m, *v)))
         meta = {"kind": KIND, "key": key, "segment": seg, "numel": n, "v_format": v_format}
         path = self.path(key, seg)
         need = _round_up(segment_file_bytes(n) + 6 * _TENSOR_ALIGN, ALIGN) + _HEADER_ALLOWANCE
@@ -480,7 +480,7 @@ class NvmeStore:
             if meta != want:
                 raise CorruptionError(path, f"{where}: header does not match", expected=want, found=meta)
             c, s, ts = packed_sizes(n)
-            sizes = dict(zip(_NAMES, (c, s, ts, c, s, ts)))
+            sizes = dict(zip(PACKED_KEYS, (c, s, ts, c, s, ts)))
             for name, size in sizes.items():
                 if name not in t or t[name].numel() != size or t[name].dtype != torch.uint8:
                     raise CorruptionError(path, f"{where}: tensor {name!r} has the wrong size", expected=size,

@@ -24,7 +24,6 @@ from ..formats import reference
 from . import reference_step as R
 
 PACKED_KEYS = ("m_codes", "m_scales", "m_tscale", "v_codes", "v_scales", "v_tscale")
-V_FORMATS = ("ufp4", "nvfp4")
 
 
 def as_u8(t: torch.Tensor, key: str, size: int) -> torch.Tensor:
