@@ -300,3 +300,34 @@ def test_tensor_key_must_be_callable():
     with pytest.raises(ConfigError) as e:
         FP4AdamW([torch.nn.Parameter(torch.ones(8))], tensor_key="ds1")
     assert e.value.key == "tensor_key"
+
+
+def test_load_param_states_takes_a_live_torch_adamw_per_parameter():
+    """A stepped torch AdamW's states go into an FP4AdamW over the same tensors, one parameter at a time,
+    exactly as loading torch AdamW's state dict would put them."""
+    from fp4offload.optim import load_param_states
+
+    model = _model()
+    topt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _steps(model, topt, 3)
+    via_dict = FP4AdamW(model.parameters(), lr=1e-2)
+    via_dict.load_state_dict(topt.state_dict())
+    direct = FP4AdamW(model.parameters(), lr=1e-2)
+    assert load_param_states(direct, topt.state) == len(list(model.parameters()))
+    _assert_same_state(via_dict.state_dict(), direct.state_dict())
+    with pytest.raises(ConfigError) as e:
+        load_param_states(direct, {torch.zeros(3): {"step": 1, "exp_avg": torch.zeros(3),
+                                                    "exp_avg_sq": torch.zeros(3)}})
+    assert e.value.key == "states"
+
+
+def test_argument_errors_list_the_allowed_values():
+    from fp4offload.config import OPTIMIZER_DEVICES, WORKING_COPIES
+
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ConfigError) as e:
+        FP4AdamW(p, state_device="disk")
+    assert all(repr(d) in e.value.allowed for d in OPTIMIZER_DEVICES)
+    with pytest.raises(ConfigError) as e:
+        FP4AdamW(p, working_copy="fp8")
+    assert e.value.allowed == " | ".join(repr(w) for w in WORKING_COPIES)

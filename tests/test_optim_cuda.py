@@ -68,3 +68,25 @@ def test_gpu_params_match_cpu_params(tier, tmp_path):
     got = run("cuda", tier)
     assert torch.equal(ref[0], got[0])
     assert torch.allclose(ref[1], got[1], rtol=0, atol=1e-6)  # fp32 small-tensor path: torch ops on two devices
+
+
+@pytest.mark.parametrize("tier", ["same", "cpu"])
+def test_bf16_gpu_params_match_bf16_cpu_params(tier):
+    """bf16 GPU parameters keep an fp32 master on the compute device and train like bf16 CPU parameters."""
+    from fp4offload import FP4AdamW
+
+    def run(device, state_device):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter((torch.randn(R.SEGMENT + 5000) * 0.1).bfloat16().to(device)),
+              torch.nn.Parameter(torch.randn(300).bfloat16().to(device))]
+        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device, m_rounding="stochastic")
+        for s in range(3):
+            for i, p in enumerate(ps):
+                g = torch.Generator().manual_seed(10 * s + i)
+                p.grad = torch.randn(p.shape, generator=g).bfloat16().to(device)
+            opt.step()
+        return [opt.state[p]["master"].cpu() for p in ps], [p.detach().cpu() for p in ps]
+
+    (ref_master, ref_p), (got_master, got_p) = run("cpu", "same"), run("cuda", tier)
+    assert torch.equal(ref_master[0], got_master[0]) and torch.equal(ref_p[0], got_p[0])
+    assert torch.allclose(ref_master[1], got_master[1], rtol=0, atol=1e-6)

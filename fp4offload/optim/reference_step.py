@@ -79,7 +79,8 @@ class StepScalars:
     weight_decay: bool
 
     @classmethod
-    def make(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int) -> "StepScalars":
+    def make(cls, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+             step: int) -> "StepScalars":
         bc1 = 1.0 - beta1 ** step
         bc2 = 1.0 - beta2 ** step
         return cls(f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps), f32(1.0 - lr * weight_decay),
@@ -121,11 +122,17 @@ def empty_packed(n: int, device) -> Packed:
     return Packed(z(c), z(s), z(t))
 
 
+def segment_ranges(n: int) -> list[tuple[int, int]]:
+    """[start, stop) of each segment of a flat tensor of n elements."""
+    return [(s0, min(n, s0 + SEGMENT)) for s0 in range(0, n, SEGMENT)]
+
+
 def segment_view(p: Packed, start: int, stop: int) -> Packed:
     """The part of a packed state covering elements [start, stop); start is a multiple of CHUNK."""
     assert start % CHUNK == 0
     c0, s0, t0 = start // 2, start // BLOCK, 4 * (start // CHUNK)
-    c1, s1, t1 = c0 + packed_sizes(stop - start)[0], s0 + packed_sizes(stop - start)[1], t0 + packed_sizes(stop - start)[2]
+    nc, ns, nt = packed_sizes(stop - start)
+    c1, s1, t1 = c0 + nc, s0 + ns, t0 + nt
     return Packed(p.codes[c0:c1], p.scales[s0:s1], p.tscale[t0:t1])
 
 

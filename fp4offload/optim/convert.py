@@ -1,0 +1,108 @@
+"""Conversions of one parameter's FP4AdamW state to and from its saved forms.
+
+Owns: the state-dict entry of a parameter (:func:`saved_entry`, the tier-independent form of state.py), loading
+an entry (:func:`load_entry`: FP4AdamW's from any tier and v format, or torch AdamW's ``exp_avg`` /
+``exp_avg_sq``, quantized once), the change of a group's ``v_format`` (:func:`change_v_format`), and
+:func:`load_param_states`, which takes the per-parameter states of a live torch AdamW (or any Adam keeping
+``step``, ``exp_avg``, ``exp_avg_sq``: DeepSpeedCPUAdam, FusedAdam) into an FP4AdamW over the same tensors,
+one parameter at a time, without building a state dict of either optimizer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+import torch
+
+from ..errors import ConfigError
+from .state import PACKED_KEYS, decode_state, encode_state, packed_from_entry, step_of
+
+if TYPE_CHECKING:
+    from .adamw import FP4AdamW
+
+
+def saved_entry(opt: FP4AdamW, p) -> dict | None:
+    """p's state-dict entry: packed states as uint8 CPU tensors, fp32 ones as fp32 (None: p has no state).
+    Call ``opt._tier.sync()`` first on the NVMe tier."""
+    st = opt.state.get(p)
+    if not st or "step" not in st:
+        return None
+    e = {"step": torch.tensor(float(step_of(st["step"])))}
+    if "master" in st:
+        e["master"] = st["master"].detach().cpu().clone()
+    if "exp_avg" in st:
+        e["exp_avg"] = st["exp_avg"].detach().cpu().clone()
+        e["exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().clone()
+    else:
+        e["v_format"] = st["v_format"]
+        m, v = opt._tier.states(st, p)
+        for k, t in zip(PACKED_KEYS, (*m, *v)):
+            e[k] = t.detach().cpu().clone()
+    return e
+
+
+def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
+    """Replace p's state by a saved entry: FP4AdamW's (packed in any v format, or fp32) or torch AdamW's
+    (``step``, ``exp_avg``, ``exp_avg_sq``), quantized to the group's ``v_format`` when p is packed here."""
+    n = p.numel()
+    opt.state.pop(p, None)
+    packed_saved = "m_codes" in entry
+    if opt._packed(group, p):
+        want = group["v_format"]
+        if packed_saved:
+            m, v = packed_from_entry(entry, n)
+            have = entry.get("v_format", "ufp4")
+            if have != want:
+                mf, vf = decode_state(m, v, n, have)
+                _, v = encode_state(mf, vf, want)
+        else:  # fp32 states (torch AdamW, or a smaller min_numel): quantize once
+            m, v = encode_state(_flat_cpu(entry["exp_avg"]), _flat_cpu(entry["exp_avg_sq"]), want)
+        st = opt._init_state(group, p, m, v)
+    else:
+        st = opt._init_state(group, p)
+        if packed_saved:
+            m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", "ufp4"))
+        else:
+            m, v = entry["exp_avg"].detach().float(), entry["exp_avg_sq"].detach().float()
+        st["exp_avg"].copy_(m.reshape(p.shape))
+        st["exp_avg_sq"].copy_(v.reshape(p.shape))
+    st["step"] = torch.tensor(float(step_of(entry.get("step", 0))))
+    if "master" in entry and "master" in st:
+        st["master"].copy_(entry["master"].reshape(-1).to(torch.float32))
+    elif "master" in entry:  # the saved run kept a master, this one does not: it is the better weight
+        p.data.copy_(entry["master"].reshape(p.shape).to(p.dtype))
+
+
+def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).cpu()
+
+
+def change_v_format(opt: FP4AdamW, group: dict, p) -> None:
+    """Re-encode p's packed states in the group's (changed) ``v_format``, once."""
+    opt._tier.sync()
+    load_entry(opt, group, p, saved_entry(opt, p))
+
+
+def load_param_states(opt: FP4AdamW, states: Mapping) -> int:
+    """Load per-parameter states into `opt`, one parameter at a time; returns how many were loaded.
+
+    `states` maps a parameter tensor of `opt` to its state: torch AdamW's (``torch_adamw.state``: ``step``,
+    ``exp_avg``, ``exp_avg_sq``; DeepSpeedCPUAdam and FusedAdam keep the same keys), quantized once, or an
+    FP4AdamW state-dict entry. Tensors without state (empty dicts) are skipped; a tensor `opt` does not
+    step raises ConfigError. Neither optimizer's state dict is built.
+    """
+    group_of = {id(p): group for group, p, _ in opt._params()}
+    loaded = 0
+    with torch.no_grad():
+        for t, entry in states.items():
+            if not entry:
+                continue
+            if id(t) not in group_of:
+                raise ConfigError("states", f"a state for a tensor of shape {tuple(t.shape)}",
+                                  "states of tensors in this optimizer's param_groups")
+            if "m_codes" not in entry and "exp_avg" not in entry:
+                raise ConfigError("states", f"an entry with keys {sorted(entry)}",
+                                  "Adam states (step, exp_avg, exp_avg_sq) or an FP4AdamW state-dict entry")
+            load_entry(opt, group_of[id(t)], t, entry)
+            loaded += 1
+    return loaded

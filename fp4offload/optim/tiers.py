@@ -1,0 +1,295 @@
+"""Where FP4AdamW's packed m and v live between steps: the state tiers, behind one small interface.
+
+- :class:`DeviceTier` (``state_device="same"``): tensors in ``optimizer.state`` beside the parameter; the
+  step runs where the parameter is.
+- :class:`HostTier` (``"cpu"``): tensors in ``optimizer.state`` in host RAM, pinned for GPU parameters; the
+  CPU runs the step. For a GPU parameter it goes segment by segment through the copy pipeline: the gradient
+  of segment s+1 comes down and the new weights of s go up on a side stream while s is updated.
+- :class:`NvmeTier` (``"nvme"``): files of optim/nvme.py's store, one per (tensor key, segment), read ahead
+  and written behind through the same segment pipeline; it also gives each tensor the key of its files.
+
+What the optimizer asks of a tier (``st`` is ``optimizer.state[p]``, whose ``"v_format"`` is set):
+
+- ``compute_device(p)``, ``pinned(p)`` (host buffers of p are page-locked), ``segmented(p)`` (the step goes
+  through :meth:`HostTier.step_segments` instead of one pass over :meth:`~DeviceTier.states`);
+- ``put(st, p, m=None, v=None)``: make p's storage and fill it with (m, v) (whole packed states, CPU), or zeros;
+- ``states(st, p)``: p's whole (m, v): the live tensors on the RAM tiers (the step updates them in place),
+  copies read from the files on the NVMe tier;
+- ``step_segments(st, p, compute, new_values)``: ``compute(s0, s1, g, m, v)`` for each segment, m and v
+  updated in place and handed back to the tier; for a GPU parameter each segment of ``new_values`` (flat,
+  on the host) is copied into p once computed;
+- ``end_step()``, ``sync()`` (pending writes done), ``disk_bytes()``, ``close()``.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+import zlib
+from typing import Callable
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import metrics
+from ..errors import ConfigError
+from . import reference_step as R
+from .state import PACKED_KEYS
+
+SegmentFn = Callable[[int, int, torch.Tensor, R.Packed, R.Packed], None]
+
+
+class DeviceTier:
+    """States beside the parameter, in ``optimizer.state`` (the ``PACKED_KEYS`` tensors)."""
+
+    name = "same"
+    store = None  # the NVMe tier's file store
+
+    def compute_device(self, p) -> torch.device:
+        return p.device
+
+    def pinned(self, p) -> bool:
+        return False
+
+    def segmented(self, p) -> bool:
+        return False
+
+    def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None) -> None:
+        n, dev = p.numel(), self.compute_device(p)
+        new = (*R.empty_packed(n, dev), *R.empty_packed(n, dev))
+        if self.pinned(p):
+            new = tuple(t.pin_memory() for t in new)
+        for k, t, src in zip(PACKED_KEYS, new, (None,) * 6 if m is None else (*m, *v)):
+            st[k] = t if src is None else t.copy_(src)
+
+    def states(self, st: dict, p) -> tuple[R.Packed, R.Packed]:
+        return R.Packed(*(st[k] for k in PACKED_KEYS[:3])), R.Packed(*(st[k] for k in PACKED_KEYS[3:]))
+
+    def step_segments(self, st: dict, p, compute: SegmentFn, new_values: torch.Tensor | None) -> None:
+        raise NotImplementedError("the device tier steps a parameter in one pass")
+
+    def end_step(self) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class _RamSegments:
+    """Segments of states held whole in RAM: views, updated in place."""
+
+    def __init__(self, m: R.Packed, v: R.Packed):
+        self.m, self.v = m, v
+
+    def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed]:
+        return R.segment_view(self.m, s0, s1), R.segment_view(self.v, s0, s1)
+
+    def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed) -> None:
+        pass
+
+
+class _GradDownload:
+    """A GPU parameter's gradient, segment by segment into two pinned buffers on the copy stream: segment s+1
+    comes down while s is stepped."""
+
+    def __init__(self, g: torch.Tensor, stream, ranges: list[tuple[int, int]]):
+        if g.dtype not in (torch.float32, torch.bfloat16):
+            g = g.to(torch.float32)
+        stream.wait_stream(torch.cuda.current_stream(g.device))  # after the gradient (and its conversion)
+        self.g, self.stream, self.ranges = g, stream, ranges
+        self.bufs = [torch.empty(ranges[0][1], dtype=g.dtype, pin_memory=True) for _ in range(min(2, len(ranges)))]
+        self.pending = self._fetch(0)
+
+    def _fetch(self, s: int):
+        s0, s1 = self.ranges[s]
+        with torch.cuda.stream(self.stream):
+            self.bufs[s % 2][: s1 - s0].copy_(self.g[s0:s1], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def get(self, s: int) -> torch.Tensor:
+        nxt = self._fetch(s + 1) if s + 1 < len(self.ranges) else None
+        with metrics.timer("optim.time.d2h_wait"):
+            self.pending.synchronize()
+        self.pending = nxt
+        s0, s1 = self.ranges[s]
+        g = self.bufs[s % 2][: s1 - s0]
+        metrics.counter("optim.bytes_d2h").add(g.numel() * g.element_size())
+        return g
+
+
+class HostTier(DeviceTier):
+    """States in host RAM, in ``optimizer.state``, pinned for GPU parameters; the CPU runs the step."""
+
+    name = "cpu"
+
+    def __init__(self):
+        self._copy_stream = None
+
+    def compute_device(self, p) -> torch.device:
+        return torch.device("cpu")
+
+    def pinned(self, p) -> bool:
+        return p.is_cuda
+
+    def segmented(self, p) -> bool:
+        return p.is_cuda
+
+    def _segments(self, st: dict, p):
+        return _RamSegments(*self.states(st, p))
+
+    def step_segments(self, st: dict, p, compute: SegmentFn, new_values: torch.Tensor | None) -> None:
+        """Segment by segment on the CPU; for a GPU parameter the gradient comes down and `new_values` goes
+        up on a side stream, overlapped with the updates."""
+        ranges = R.segment_ranges(p.numel())
+        gpu = p.is_cuda
+        g_all = p.grad.reshape(-1)
+        if gpu:
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(device=p.device)
+            cs = self._copy_stream
+            grads = _GradDownload(g_all, cs, ranges)
+        states = self._segments(st, p)
+        for s, (s0, s1) in enumerate(ranges):
+            g = grads.get(s) if gpu else g_all[s0:s1]
+            m, v = states.get(s0, s1)
+            compute(s0, s1, g, m, v)
+            states.put(s0, s1, m, v)
+            if gpu:
+                src = new_values[s0:s1]
+                with torch.cuda.stream(cs):
+                    p.data.view(-1)[s0:s1].copy_(src, non_blocking=True)
+                metrics.counter("optim.bytes_h2d").add(src.numel() * src.element_size())
+        if gpu:
+            torch.cuda.current_stream(p.device).wait_stream(cs)
+
+
+class _FileSegments:
+    """Segments of states in the NVMe store: segment s+1 is read while s is updated, s written behind."""
+
+    def __init__(self, store, key: str, n: int, v_format: str):
+        self.store, self.key, self.n, self.v_format = store, key, n, v_format
+        self.reading = self._read(0)
+
+    def _read(self, s0: int):
+        return self.store.read_async(self.key, s0 // R.SEGMENT, min(self.n, s0 + R.SEGMENT) - s0, self.v_format)
+
+    def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed]:
+        cur, self.reading = self.reading, (self._read(s1) if s1 < self.n else None)
+        with metrics.timer("optim.time.nvme_read_wait"):
+            return cur.result()
+
+    def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed) -> None:
+        self.store.write_async(self.key, s0 // R.SEGMENT, s1 - s0, self.v_format, m, v)
+
+
+class NvmeTier(HostTier):
+    """Packed states in files of an NvmeStore (optim/nvme.py), named by each tensor's key; only ``step`` and
+    ``master`` stay in ``optimizer.state``.
+
+    Keys: ``tensor_key(t)`` when given and not None (made a safe file name), else ``t<n>`` in order of first
+    use; given once and kept while the tensor lives. `has_states(t)`: whether t holds states in the optimizer
+    (two live tensors with states may not share a key; one without hands its key over).
+    """
+
+    name = "nvme"
+
+    def __init__(self, store, tensor_key: Callable | None, has_states: Callable[[torch.Tensor], bool]):
+        super().__init__()
+        self.store = store
+        self._tensor_key = tensor_key
+        self._has_states = has_states
+        self.keys = WeakIdKeyDictionary()  # tensor -> key of its files
+        self._owner: dict[str, weakref.ref] = {}
+        self._counter = 0
+
+    def segmented(self, p) -> bool:
+        return True
+
+    def key(self, p) -> str:
+        """The key of p's files: given once, kept while p lives (see FP4AdamW's ``tensor_key``)."""
+        key = self.keys.get(p)
+        if key is not None:
+            return key
+        raw = self._tensor_key(p) if self._tensor_key is not None else None
+        if raw is None:
+            while True:
+                key = f"t{self._counter:05d}"
+                self._counter += 1
+                holder = self._owner.get(key)
+                if holder is None or holder() is None:
+                    break
+        else:
+            raw = str(raw)
+            safe = re.sub(r"[^A-Za-z0-9_-]", "-", raw)[:100]
+            key = "k" + safe + ("" if safe == raw else f"-{zlib.crc32(raw.encode()):08x}")
+            holder = self._owner.get(key)
+            other = holder() if holder is not None else None
+            if other is not None and other is not p:
+                if self._has_states(other):
+                    raise ConfigError("tensor_key", raw, "a key no other tensor with states in this optimizer has",
+                                      f"two tensors ({tuple(other.shape)} and {tuple(p.shape)}) would share NVMe "
+                                      "files")
+                self.keys.pop(other, None)  # a tensor without states hands its key over (re-created tensor)
+        self.keys[p] = key
+        self._owner[key] = weakref.ref(p)
+        return key
+
+    def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None) -> None:
+        from .nvme import segment_file_bytes
+
+        key, v_format, ranges = self.key(p), st["v_format"], R.segment_ranges(p.numel())
+        self.store.check_space(sum(segment_file_bytes(s1 - s0) for s0, s1 in ranges), f"tensor {key}")
+        for s, (s0, s1) in enumerate(ranges):
+            if m is None:
+                ms, vs = R.empty_packed(s1 - s0, "cpu"), R.empty_packed(s1 - s0, "cpu")
+            else:
+                ms, vs = R.segment_view(m, s0, s1), R.segment_view(v, s0, s1)
+            self.store.write(key, s, s1 - s0, v_format, ms, vs)
+        self.store.remove(key, first_segment=len(ranges))  # a dead tensor's key reused for a smaller one
+
+    def states(self, st: dict, p) -> tuple[R.Packed, R.Packed]:
+        key, v_format = self.key(p), st["v_format"]
+        parts = [self.store.read(key, s, s1 - s0, v_format) for s, (s0, s1) in enumerate(R.segment_ranges(p.numel()))]
+        return tuple(R.Packed(*(torch.cat([pt[j][i] for pt in parts]) for i in range(3))) for j in range(2))
+
+    def _segments(self, st: dict, p):
+        return _FileSegments(self.store, self.key(p), p.numel(), st["v_format"])
+
+    def end_step(self) -> None:
+        with metrics.timer("optim.time.nvme_write_wait"):
+            self.sync()
+
+    def sync(self) -> None:
+        if self.store is not None:
+            self.store.wait_writes()
+
+    def disk_bytes(self) -> int:
+        return 0 if self.store is None else self.store.bytes_on_disk()
+
+    def close(self) -> None:
+        """Release the store's files and threads."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def make_tier(state_device: str, *, nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
+              nvme_io: str = "auto", tensor_key: Callable | None = None,
+              has_states: Callable[[torch.Tensor], bool] = lambda t: False) -> DeviceTier:
+    """The tier of ``state_device`` (arguments as FP4AdamW's)."""
+    if state_device == "same":
+        return DeviceTier()
+    if state_device == "cpu":
+        return HostTier()
+    from .nvme import NvmeStore
+
+    store = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes, io=nvme_io)
+    return NvmeTier(store, tensor_key, has_states)
