@@ -195,6 +195,33 @@ FP4_HD uint8_t block_scale(float amax_b, bool bad, float elem_max, TensorScale s
   return sc;
 }
 
+// ---- the packed layout: two 4-bit codes a byte ------------------------------------------------------
+//
+// E2M1 and ufp4 codes (0..15) are stored two a byte: element 2i in bits 0-3 of byte i, element 2i+1 in
+// bits 4-7; an odd count ends with a byte whose high nibble is code 0. Four bytes read as a little-endian
+// 32-bit word (x86 and CUDA devices are little-endian) hold elements 0..7 of the word, element j in bits
+// 4j..4j+3. Every kernel packs and unpacks through these (the AVX-512 form of the same rule is the
+// "packed layout" section of csrc/cpu/nvfp4_avx512.h; the torch form is formats/reference.py's
+// pack_nibbles / unpack_nibbles).
+
+// Code c (0..15; or a byte of two packed codes) moved to element j (0..7) of a packed word.
+FP4_HD uint32_t word_slot(uint32_t c, int j) { return c << (4 * j); }
+
+// The code of element j (0..7) of a packed word.
+FP4_HD uint8_t word_code(uint32_t w, int j) { return (uint8_t)((w >> (4 * j)) & 0xFu); }
+
+// One byte of two codes: c0 (the even element) low, c1 high.
+FP4_HD uint8_t pack2(uint8_t c0, uint8_t c1) { return (uint8_t)(word_slot(c0, 0) | word_slot(c1, 1)); }
+
+// The code of element i of a packed array.
+FP4_HD uint8_t code_at(const uint8_t* packed, int64_t i) { return word_code(packed[i >> 1], (int)(i & 1)); }
+
+// n codes -> (n + 1) / 2 packed bytes.
+FP4_HD void pack_codes(const uint8_t* codes, int n, uint8_t* out) {
+  for (int j = 0; j + 1 < n; j += 2) out[j >> 1] = pack2(codes[j], codes[j + 1]);
+  if (n & 1) out[n >> 1] = pack2(codes[n - 1], 0);
+}
+
 // ---- counter-based random bits (3.9) ----------------------------------------------------------------
 
 FP4_HD uint32_t fmix32(uint32_t h) {

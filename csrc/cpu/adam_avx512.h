@@ -42,21 +42,6 @@ static inline __m512 load_grad16(const uint16_t* g, int64_t i, __mmask16 mk) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// 16 codes of one block (8 bytes) -> the values of `table` (already multiplied by the block and chunk scales).
-// The permute reads only the low 4 bits of each index, so each lane just shifts its nibble down.
-static inline __m512 decode16(const uint8_t* codes8, __m512 table) {
-  const __m512i w = _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)codes8));
-  const __m512i sel = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  const __m512i sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_permutexvar_epi32(sel, w), sh), table);
-}
-
-// 16 codes (int32 lanes, 0..15) -> 8 packed bytes, element 2i in the low nibble: pairs meet in 64-bit lanes.
-static inline uint64_t pack16_q(__m512i codes) {
-  const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
-  return (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pairs));
-}
-
 // bf16 bits of 16 floats, round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16).
 static inline __m256i to_bf16x16(__m512 x) {
   const __m512i b = _mm512_castps_si512(x);
@@ -129,7 +114,7 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
           c = fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16)));
         else
           c = fp4cpu::e2m1_codes16(y);
-        packed = pack16_q(c);
+        packed = fp4cpu::pack16(c);
       }
       memcpy(codes + b * 8, &packed, 8);
     }
@@ -173,19 +158,6 @@ inline const Tables& tables() {
 // encoded at once by encode_chunk_avx512 above, which implements every rule of the scalar path.
 
 enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3 };
-
-// 8 packed code bytes of one block -> 16 lanes whose low nibble is the code (the other bits are junk; the
-// table permute reads only the low 4 bits). One broadcast load and one multishift.
-FP4_INLINE __m512i nibbles16(const uint8_t* codes8) {
-  uint64_t w;
-  memcpy(&w, codes8, 8);
-  const __m512i data = _mm512_set1_epi64((long long)w);
-  // dword k (qword k/2, byte 4*(k%2)) takes the 8 bits at offset 4k of its qword (all qwords hold the codes)
-  const __m512i sel = _mm512_set_epi64(0x0000003C00000038LL, 0x0000003400000030LL, 0x0000002C00000028LL,
-                                       0x0000002400000020LL, 0x0000001C00000018LL, 0x0000001400000010LL,
-                                       0x0000000C00000008LL, 0x0000000400000000LL);
-  return _mm512_multishift_epi64_epi8(sel, data);
-}
 
 // ufp4 codes of y >= +0 (finite): 0 below 2^-7 (the rounded code is then <= 0: clamp at 0), else the
 // pattern rounded to one mantissa bit minus (120 << 1); y <= 1.5 keeps it <= 15.
@@ -318,8 +290,8 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
     }
     const __m512 mt = _mm512_mul_ps(_mm512_load_ps(tab.e2m1_scaled[ms[b]]), msd);
     const __m512 vt = _mm512_mul_ps(_mm512_load_ps(VNv ? tab.e2m1_scaled[vs[b]] : tab.ufp4_scaled[vs[b]]), vsd);
-    const __m512 mo = _mm512_permutexvar_ps(nibbles16(mc + b * 8), mt);
-    const __m512 uo = _mm512_permutexvar_ps(nibbles16(vc + b * 8), vt);
+    const __m512 mo = _mm512_permutexvar_ps(fp4cpu::unpack16(mc + b * 8), mt);
+    const __m512 uo = _mm512_permutexvar_ps(fp4cpu::unpack16(vc + b * 8), vt);
     __m512 g = load_grad16(grad, i, mk);
     if (a.maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), signbit));
     __m512 p = Tail ? _mm512_maskz_loadu_ps(mk, a.param + i) : _mm512_loadu_ps(a.param + i);

@@ -44,7 +44,7 @@ inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, flo
     const float sv = fp4::e4m3_value(scales[b]);
     for (int j = 0; j < 16; ++j) {
       const int i = b * 16 + j;
-      const uint8_t c = (codes[i >> 1] >> ((i & 1) * 4)) & 0xF;
+      const uint8_t c = fp4::code_at(codes, i);
       const float val = unsigned_ ? fp4::ufp4_value(c) : fp4::e2m1_value(c);
       out[i] = i < cnt ? (val * sv) * s_dec : 0.0f;
     }
@@ -94,7 +94,7 @@ inline void encode_chunk_scalar(const float* x, int cnt, bool unsigned_, bool st
         c[j] = fp4::e2m1_encode(y, stochastic, rnd);
       }
     }
-    for (int j = 0; j < 8; ++j) codes[b * 8 + j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+    fp4::pack_codes(c, 16, codes + b * 8);
   }
 }
 

@@ -302,7 +302,7 @@ void mx_encode_impl(const T* x, int64_t n, bool fp8, bool floor_mode, bool stoch
             c1 = fp4::e2m1_encode(v[j + 1] * inv, stochastic,
                                   stochastic ? fp4::sr_bits(key, (uint64_t)(i0 + j + 1)) : 0u);
           }
-          out[j / 2] = (uint8_t)(c0 | (c1 << 4));
+          out[j / 2] = fp4::pack2(c0, c1);
         }
       }
     }
@@ -343,7 +343,7 @@ void mx_decode_impl(const uint8_t* data, const uint8_t* scales, int64_t n, bool 
       }
 #endif
       for (int j = 0; j < cnt; ++j) {
-        const float e = fp8 ? fp4::e4m3_value(data[i0 + j]) : fp4::e2m1_value((data[(i0 + j) >> 1] >> (((i0 + j) & 1) * 4)) & 0xF);
+        const float e = fp8 ? fp4::e4m3_value(data[i0 + j]) : fp4::e2m1_value(fp4::code_at(data, i0 + j));
         out[i0 + j] = static_cast<T>(e * sv);
       }
     }

@@ -13,7 +13,9 @@
 
 #include "fp4_codec.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The AVX-512 paths use F, BW, VL, DQ (vrangeps), VBMI (vpermb, vpmultishiftqb) and BMI2 (pdep).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VBMI__) && defined(__BMI2__)
 #define FP4_HAVE_AVX512 1
 #include <immintrin.h>
 #else
@@ -57,18 +59,6 @@ FP4_INLINE __m512i e2m1_codes16(__m512 y) {
                                    0xEA);
 }
 
-// 4 vectors of 16 codes (int32 lanes 0..15, blocks b..b+3) -> 32 packed bytes (element 2i low nibble), in
-// the low 256 bits. packus twice gives bytes [blk0 4L..4L+3, blk1 .., blk2 .., blk3 ..] per 128-bit lane L;
-// maddubs merges neighbour pairs into one byte per word; vpermb puts the words' low bytes in order.
-FP4_INLINE __m256i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
-  const __m512i p = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
-  const __m512i w = _mm512_maddubs_epi16(p, _mm512_set1_epi16(0x1001));
-  // output byte 8k + j (block k, byte j) <- word (16*(j>>1) + 4k + 2*(j&1)) / 2 -> its byte index
-  const __m512i idx = _mm512_set_epi64(0, 0, 0, 0, 0x3E3C2E2C1E1C0E0CLL, 0x3A382A281A180A08LL,
-                                       0x3634262416140604LL, 0x3230222012100200LL);
-  return _mm512_castsi512_si256(_mm512_permutexvar_epi8(idx, w));
-}
-
 // fp4::sr_bits on 16 consecutive element indices idx0 .. idx0 + 15 (idx0 is the low 32 bits; blocks never
 // straddle 2^32, so the lanes do not wrap). (idx0 + k) * G + key = (idx0 * G + key) + k * G modulo 2^32, so
 // the per-lane multiply is a broadcast and an add of the constant k * G.
@@ -99,13 +89,43 @@ static inline __m512i e2m1_codes16_sr(__m512 y, __m512i rnd) {
   return _mm512_ternarylogic_epi32(_mm512_srli_epi32(_mm512_castps_si512(y), 28), _mm512_set1_epi32(8), mag, 0xEA);
 }
 
-// 16 codes (int32 lanes, 0..15) -> 8 packed bytes, element 2i in the low nibble.
-static inline uint64_t pack16(__m512i codes) {
-  const __m128i b = _mm512_cvtepi32_epi8(codes);  // 16 bytes
-  const __m128i lo = _mm_and_si128(b, _mm_set1_epi16(0x00FF));
-  const __m128i hi = _mm_srli_epi16(b, 8);
-  const __m128i w = _mm_or_si128(lo, _mm_slli_epi16(hi, 4));  // 8 words, each < 256
-  return (uint64_t)_mm_cvtsi128_si64(_mm_packus_epi16(w, w));
+// ---- the packed layout, SIMD form -------------------------------------------------------------------
+//
+// The rule of fp4_codec.h's "packed layout" section (element 2i in bits 0-3 of byte i, element 2i+1 in
+// bits 4-7) on vectors of codes, one int32 lane a code. Every AVX-512 path packs and unpacks through these
+// three; tests compare them with the scalar fp4::pack_codes / fp4::code_at (set_avx512(False)).
+
+// 16 codes (int32 lanes holding 0..15, nothing above bit 3) -> 8 packed bytes as a little-endian word.
+// Each 64-bit lane holds the pair (element 2i, element 2i+1): shifting it right by 28 brings the odd code
+// next to the even one, and vpmovqb keeps the low byte of each pair.
+FP4_INLINE uint64_t pack16(__m512i codes) {
+  const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
+  return (uint64_t)_mm_cvtsi128_si64(_mm512_cvtepi64_epi8(pairs));
+}
+
+// 4 vectors of 16 codes (as for pack16; blocks b..b+3) -> 32 packed bytes, pack16 of each in turn, in the
+// low 256 bits. packus twice gives bytes [blk0 4L..4L+3, blk1 .., blk2 .., blk3 ..] per 128-bit lane L;
+// maddubs merges neighbour pairs into one byte per word; vpermb puts the words' low bytes in order.
+FP4_INLINE __m256i pack64(__m512i c0, __m512i c1, __m512i c2, __m512i c3) {
+  const __m512i p = _mm512_packus_epi16(_mm512_packus_epi32(c0, c1), _mm512_packus_epi32(c2, c3));
+  const __m512i w = _mm512_maddubs_epi16(p, _mm512_set1_epi16(0x1001));
+  // output byte 8k + j (block k, byte j) <- word (16*(j>>1) + 4k + 2*(j&1)) / 2 -> its byte index
+  const __m512i idx = _mm512_set_epi64(0, 0, 0, 0, 0x3E3C2E2C1E1C0E0CLL, 0x3A382A281A180A08LL,
+                                       0x3634262416140604LL, 0x3230222012100200LL);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi8(idx, w));
+}
+
+// 8 packed bytes -> 16 int32 lanes, lane j holding the code of element j in bits 0-3. The bits above are
+// those of the next codes: _mm512_permutexvar_ps/_epi32 read only bits 0-3 of an index, so a lookup in a
+// 16-entry table takes the lanes as they are (mask with 0xF for the bare codes). One broadcast and one
+// multishift: dword k (qword k/2, byte 4*(k%2)) takes the 8 bits at offset 4k of its qword.
+FP4_INLINE __m512i unpack16(const uint8_t* in) {
+  uint64_t w;
+  memcpy(&w, in, 8);
+  const __m512i sel = _mm512_set_epi64(0x0000003C00000038LL, 0x0000003400000030LL, 0x0000002C00000028LL,
+                                       0x0000002400000020LL, 0x0000001C00000018LL, 0x0000001400000010LL,
+                                       0x0000000C00000008LL, 0x0000000400000000LL);
+  return _mm512_multishift_epi64_epi8(sel, _mm512_set1_epi64((long long)w));
 }
 
 
@@ -285,10 +305,7 @@ static inline void encode_row16(const T* p, int cnt, float k, bool ufp4, bool st
 // Decode 8 packed bytes through a 16-entry table (value(code) * scale_b * s_dec, computed as the rule says).
 template <typename T>
 static inline void decode_row16(const uint8_t* in, __m512 table, int cnt, T* out) {
-  const __m128i nib = _mm_set1_epi8(0x0F);
-  const __m128i bytes = _mm_loadl_epi64((const __m128i*)in);
-  const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nib), _mm_and_si128(_mm_srli_epi16(bytes, 4), nib));
-  store16(out, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(codes), table), cnt);
+  store16(out, _mm512_permutexvar_ps(unpack16(in), table), cnt);
 }
 
 static inline __m512 decode_table16(bool ufp4, float scale_b, float s_dec) {

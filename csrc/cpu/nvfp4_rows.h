@@ -50,7 +50,7 @@ inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic,
     else
       codes[j] = fp4::e2m1_encode(y, stochastic, stochastic ? fp4::sr_bits(key, index0 + j) : 0u);
   }
-  for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(codes[2 * j] | (codes[2 * j + 1] << 4));
+  fp4::pack_codes(codes, 16, out);
 }
 
 template <typename T>
@@ -59,7 +59,7 @@ inline void decode_row(const uint8_t* in, bool ufp4, float scale_b, float s_dec,
   if (simd) return fp4cpu::decode_row16(in, fp4cpu::decode_table16(ufp4, scale_b, s_dec), cnt, out);
 #endif
   for (int j = 0; j < cnt; ++j) {
-    const uint8_t code = (in[j >> 1] >> ((j & 1) * 4)) & 0xF;
+    const uint8_t code = fp4::code_at(in, j);
     const float v = ufp4 ? fp4::ufp4_value(code) : fp4::e2m1_value(code);
     out[j] = static_cast<T>((v * scale_b) * s_dec);
   }

@@ -69,7 +69,7 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
         const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + j)) : 0u;
         c = fp4::e2m1_encode(y, stochastic, rnd);
       }
-      w[j >> 3] |= (uint32_t)c << ((j & 7) * 4);
+      w[j >> 3] |= fp4::word_slot(c, j & 7);
     }
   }
   reinterpret_cast<uint2*>(codes8)[0] = make_uint2(w[0], w[1]);
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const uint32_t mw = j < 8 ? mc.x : mc.y, vw = j < 8 ? vc.x : vc.y;
-      const uint8_t mcode = (mw >> ((j & 7) * 4)) & 0xF, vcode = (vw >> ((j & 7) * 4)) & 0xF;
+      const uint8_t mcode = fp4::word_code(mw, j & 7), vcode = fp4::word_code(vw, j & 7);
       const float mo = (fp4::e2m1_value(mcode) * msv) * msd;
       const float vdec = ((a.v_nvfp4 ? fp4::e2m1_value(vcode) : fp4::ufp4_value(vcode)) * vsv) * vsd;
       if (j < cnt) {

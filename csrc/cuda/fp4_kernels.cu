@@ -182,7 +182,7 @@ __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
 // ---- element encoders -------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t e2m1_pair_sw(float y0, float y1) {
-  return (uint32_t)fp4::e2m1_encode(y0, false, 0u) | ((uint32_t)fp4::e2m1_encode(y1, false, 0u) << 4);
+  return fp4::pack2(fp4::e2m1_encode(y0, false, 0u), fp4::e2m1_encode(y1, false, 0u));
 }
 
 // Nearest-even E2M1 codes of (y0, y1), y0 in the low nibble.
@@ -193,7 +193,8 @@ __device__ __forceinline__ uint32_t e2m1_pair_rn(float y0, float y1) {
   asm("{\n\t.reg .b8 t;\n\tcvt.rn.satfinite.e2m1x2.f32 t, %1, %2;\n\tmov.b16 %0, {t, 0};\n\t}"
       : "=h"(mag)
       : "f"(fp4::fabs_(y1)), "f"(fp4::fabs_(y0)));
-  return (uint32_t)mag | ((fp4::f2u(y0) >> 28) & 0x8u) | ((fp4::f2u(y1) >> 24) & 0x80u);
+  const uint8_t s0 = (uint8_t)((fp4::f2u(y0) >> 28) & 0x8u), s1 = (uint8_t)((fp4::f2u(y1) >> 28) & 0x8u);
+  return (uint32_t)mag | fp4::pack2(s0, s1);  // the codes' sign bits
 #else
   return e2m1_pair_sw(y0, y1);
 #endif
@@ -211,14 +212,14 @@ __device__ __forceinline__ uint32_t encode_run(const float (&v)[N], float s, boo
     const float y0 = v[j] * s, y1 = v[j + 1] * s;
     uint32_t pair;
     if (ufp4) {
-      pair = (uint32_t)fp4::ufp4_encode(fp4::fabs_(y0)) | ((uint32_t)fp4::ufp4_encode(fp4::fabs_(y1)) << 4);
+      pair = fp4::pack2(fp4::ufp4_encode(fp4::fabs_(y0)), fp4::ufp4_encode(fp4::fabs_(y1)));
     } else if (stochastic) {
-      pair = (uint32_t)fp4::e2m1_encode(y0, true, fp4::sr_bits(key, index0 + j)) |
-             ((uint32_t)fp4::e2m1_encode(y1, true, fp4::sr_bits(key, index0 + j + 1)) << 4);
+      pair = fp4::pack2(fp4::e2m1_encode(y0, true, fp4::sr_bits(key, index0 + j)),
+                        fp4::e2m1_encode(y1, true, fp4::sr_bits(key, index0 + j + 1)));
     } else {
       pair = e2m1_pair_rn(y0, y1);
     }
-    packed |= pair << (4 * j);
+    packed |= fp4::word_slot(pair, j);
   }
   return packed;
 }
@@ -475,7 +476,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t codes = load_u32(data + i0 / 2, words);
     float o[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = (tab[(codes >> (4 * j)) & 0xF] * sv) * sd;
+    for (int j = 0; j < 8; ++j) o[j] = (tab[fp4::word_code(codes, j)] * sv) * sd;
     store_run<DT, 8>(out, i0, n, vec, o);
   }
 }
@@ -495,7 +496,7 @@ __global__ void __launch_bounds__(kThreads)
     const uint32_t codes = load_u32(data + pos / 2, words);  // pos / 2 is a multiple of 4
     float o[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) o[j] = (tab[(codes >> (4 * j)) & 0xF] * sv) * sd;
+    for (int j = 0; j < 8; ++j) o[j] = (tab[fp4::word_code(codes, j)] * sv) * sd;
     store_run<DT, 8>(out + r * cols, c0, cols, vec, o);
   }
 }
@@ -518,7 +519,7 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       const uint32_t codes = load_u32(data + i0 / 2, words);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) o[j] = tab[(codes >> (4 * j)) & 0xF] * sv;
+      for (int j = 0; j < 8; ++j) o[j] = tab[fp4::word_code(codes, j)] * sv;
     }
     store_run<DT, 8>(out, i0, n, vec, o);
   }
