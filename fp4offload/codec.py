@@ -1,17 +1,27 @@
-"""`quantize` and `dequantize`: the public face of the codecs, with argument checking and dispatch."""
+"""`quantize` and `dequantize`: the public face of the codecs, with argument checking and dispatch.
+
+Owns the checks of the public arguments and the dispatch to a backend (fp4offload.ops). What a packed
+tensor looks like (formats, the rows/cols view, sizes) is fp4offload/formats/layout.py's, the container
+fp4offload/formats/packed.py's; both sit below this module and import nothing from it. This module installs
+its ``dequantize`` as the decoder behind ``PackedTensor.dequantize`` (``packed.set_decoder``).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .config import NONFINITE_MODES, ROUNDINGS, SCALE_MODES
 from .errors import ConfigError, NonFiniteError
-from .formats.packed import FORMATS, PackedTensor
+from .formats import packed as _packed
+from .formats.layout import FORMATS, packed_sizes, rows_cols
+from .formats.packed import PackedTensor
 from .ops import backend_for
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ROUNDINGS = ("nearest", "stochastic")
-_NONFINITE = ("raise", "propagate")
-_SCALE_MODES = ("rceil", "floor")
+
+
+def _one_of(values) -> str:
+    return " | ".join(repr(v) for v in values)
 
 
 def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
@@ -23,19 +33,19 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
     if x.device.type not in ("cpu", "cuda"):
         raise ConfigError("x.device", str(x.device), "a cpu or cuda tensor")
     if fmt not in FORMATS:
-        raise ConfigError("fmt", fmt, " | ".join(repr(f) for f in FORMATS))
+        raise ConfigError("fmt", fmt, _one_of(FORMATS))
     allowed, default = FORMATS[fmt]
     block = default if block is None else block
     if block not in allowed:
-        raise ConfigError("block", block, f"{' | '.join(repr(b) for b in allowed)} for fmt={fmt!r}")
-    if rounding not in _ROUNDINGS:
-        raise ConfigError("rounding", rounding, "'nearest' | 'stochastic'")
+        raise ConfigError("block", block, f"{_one_of(allowed)} for fmt={fmt!r}")
+    if rounding not in ROUNDINGS:
+        raise ConfigError("rounding", rounding, _one_of(ROUNDINGS))
     if rounding == "stochastic" and fmt not in ("nvfp4", "mxfp4"):
         raise ConfigError("rounding", rounding, f"'nearest' for fmt={fmt!r} (stochastic rounding is for nvfp4, mxfp4)")
-    if nonfinite not in _NONFINITE:
-        raise ConfigError("nonfinite", nonfinite, "'raise' | 'propagate'")
-    if scale_mode not in _SCALE_MODES:
-        raise ConfigError("scale_mode", scale_mode, "'rceil' | 'floor'")
+    if nonfinite not in NONFINITE_MODES:
+        raise ConfigError("nonfinite", nonfinite, _one_of(NONFINITE_MODES))
+    if scale_mode not in SCALE_MODES:
+        raise ConfigError("scale_mode", scale_mode, _one_of(SCALE_MODES))
     if scale_scope is not None:
         if fmt not in ("nvfp4", "ufp4") or block != "1x16":
             raise ConfigError("scale_scope", scale_scope, "None for this format and block",
@@ -45,14 +55,8 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
     return block
 
 
-def _rows_cols(shape: torch.Size) -> tuple[int, int]:
-    if len(shape) == 0:
-        return 1, 1
-    n = 1
-    for s in shape:
-        n *= int(s)
-    cols = int(shape[-1])
-    return (n // cols if cols else 0), cols
+#: the name fp4offload.optim and fp4offload.offload import; it is formats.layout.rows_cols
+_rows_cols = rows_cols
 
 
 def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, rounding: str = "nearest",
@@ -88,13 +92,13 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
         if not bool(torch.isfinite(amax).all()) or bool((amax < 0).any()):
             raise ConfigError("amax", amax.tolist(), "finite, non-negative values")
     kern = backend_for(x.device)
-    rows, cols = _rows_cols(x.shape)
+    rows, cols = rows_cols(x.shape)
     src = x.detach().contiguous()
     stochastic = rounding == "stochastic"
     propagate = nonfinite == "propagate"
     if fmt in ("nvfp4", "ufp4"):
         tile = 16 if block == "16x16" else 1
-        nscopes = 1 if (tile == 16 or not scale_scope) else max(-(-x.numel() // scale_scope), 1)
+        nscopes = packed_sizes(fmt, block, x.shape, scale_scope or 0).tensor_scales
         if amax is not None:
             if amax.numel() == 1:
                 amax = amax.expand(nscopes)
@@ -128,3 +132,6 @@ def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.
     else:
         out = kern.mx_decode(packed.data, packed.scales, packed.numel, packed.format == "mxfp8", dtype)
     return out.reshape(packed.shape)
+
+
+_packed.set_decoder(dequantize)

@@ -7,13 +7,19 @@ test_backends_agree.py; here each backend must satisfy the properties on its own
 
 from __future__ import annotations
 
+import ast
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from _formulas import e2m1_value, e4m3_value, ufp4_value
 
+import fp4offload.formats
 from fp4offload import ConfigError, NonFiniteError, PackedTensor, dequantize, quantize
+from fp4offload.formats import layout, reference
 
 E4M3_NAN, E8M0_NAN = 0x7F, 0xFF
 
@@ -457,9 +463,72 @@ def test_nbytes(fmt, block, per_elem):
         assert p.nbytes == sum(t.numel() * t.element_size() for t in p.tensors().values())
         assert set(p.tensors()) == ({"data", "scales"} if fmt.startswith("mx") else {"data", "scales", "tensor_scale"})
     assert abs(p.nbytes / (1024 * 1024) - per_elem) < 1e-5
+    assert layout.bytes_per_element(fmt, block) == per_elem  # the planner's sizes are these
     # against bf16: 3.56x smaller for nvfp4 1x16
     if (fmt, block) == ("nvfp4", "1x16"):
         assert abs(2 / (p.nbytes / 2 ** 20) - 3.5556) < 1e-3
+
+
+@pytest.mark.parametrize("fmt,block,scope", [("nvfp4", "1x16", 0), ("nvfp4", "1x16", 1024), ("ufp4", "1x16", 48),
+                                             ("nvfp4", "16x16", 0), ("mxfp4", "1x32", 0), ("mxfp8", "1x32", 0)])
+@pytest.mark.parametrize("shape", [(0,), (1,), (17,), (5, 33), (40, 100), (3, 1024)])
+def test_layout_sizes_are_what_quantize_allocates(fmt, block, scope, shape):
+    p = quantize(_src(shape, fmt), fmt, block=block, scale_scope=scope or None)
+    sizes = layout.packed_sizes(fmt, block, shape, scope)
+    assert (p.data.numel(), p.scales.numel()) == (sizes.data, sizes.scales)
+    assert (0 if p.tensor_scale is None else p.tensor_scale.numel()) == sizes.tensor_scales
+    assert p.nbytes == sizes.nbytes
+    assert p.rows_cols == layout.rows_cols(shape) == ((math.prod(shape[:-1]) if shape[-1] else 0), shape[-1])
+
+
+def test_bytes_per_element_with_a_scope():
+    # m and sqrt(v) of FP4AdamW: 4-bit codes, an E4M3 scale per 16, an fp32 scale per 1024 elements
+    assert layout.bytes_per_element("nvfp4", "1x16", 1024) == 0.5 + 1 / 16 + 4 / 1024 == 0.56640625
+    p = quantize(_src((8 * 1024,), "ufp4"), "ufp4", scale_scope=1024)
+    assert p.nbytes / p.numel == layout.bytes_per_element("ufp4", "1x16", 1024)
+    for bad in [("nvfp4", "16x16", 1024), ("mxfp4", "1x32", 64), ("nvfp4", "1x16", 24), ("nvfp4", "1x32", 0),
+                ("fp8", None, 0)]:
+        with pytest.raises(ValueError):
+            layout.bytes_per_element(*bad)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 16, 33])
+def test_reference_nibble_packing(n):
+    codes = torch.arange(n) * 7 % 16
+    data = reference.pack_nibbles(codes)
+    expect = [int(codes[i]) | ((int(codes[i + 1]) if i + 1 < n else 0) << 4) for i in range(0, n, 2)]
+    assert data.dtype == torch.uint8 and data.tolist() == expect  # odd tail: high nibble 0
+    back = reference.unpack_nibbles(data)
+    assert back[:n].tolist() == codes.tolist() and back[n:].tolist() == [0] * (len(back) - n)
+
+
+_CODEC_SIDE = ["fp4offload.formats.layout", "fp4offload.formats.packed", "fp4offload.formats", "fp4offload.codec"]
+
+
+@pytest.mark.parametrize("first", _CODEC_SIDE)
+def test_each_module_imports_first_in_a_fresh_interpreter(first):
+    code = (f"import {first}\n"
+            "import torch\n"
+            "from fp4offload.formats.packed import PackedTensor\n"
+            "from fp4offload.codec import quantize\n"
+            "x = torch.linspace(-3, 3, 64)\n"
+            "p = quantize(x)\n"
+            "assert isinstance(p, PackedTensor) and torch.equal(p.dequantize(), p.dequantize(torch.float32))\n"
+            "assert (p.dequantize() - x).abs().max() < 0.5\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_formats_import_nothing_from_the_codec():
+    """formats/ sits below fp4offload.codec: no module of it imports codec, at the top or inside a function."""
+    root = Path(fp4offload.formats.__file__).parent
+    for f in root.glob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+                assert not any(n == "codec" or n.endswith(".codec") for n in names), (f.name, names)
+            elif isinstance(node, ast.Import):
+                assert not any(a.name.endswith("codec") for a in node.names), f.name
 
 
 def test_sr_rule_edges():

@@ -1,18 +1,30 @@
-"""PackedTensor: the bytes of a quantized tensor and what it takes to decode them."""
+"""PackedTensor: the bytes of a quantized tensor and what it takes to decode them.
+
+Owns the container: its tensors, header, size check, file format (through ``container``) and device moves.
+Its geometry (formats, the 2-D view, the sizes it must have) comes from ``layout``. Encoding, decoding and
+the choice of backend belong to fp4offload/codec.py, which imports this module; this module imports nothing
+from it. ``PackedTensor.dequantize`` calls the decoder codec.py installs with :func:`set_decoder` when it is
+imported, which importing anything of fp4offload does first (the package's ``__init__`` imports codec).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-#: format name -> (allowed blocks, default block)
-FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
-    "nvfp4": (("1x16", "16x16"), "1x16"),
-    "ufp4": (("1x16",), "1x16"),
-    "mxfp4": (("1x32",), "1x32"),
-    "mxfp8": (("1x32",), "1x32"),
-}
+from .layout import FORMATS, packed_sizes, rows_cols
+
+#: fp4offload.codec.dequantize, installed by fp4offload.codec (see set_decoder)
+_decoder: Callable[["PackedTensor", "torch.dtype | None"], torch.Tensor] | None = None
+
+
+def set_decoder(decode: Callable[["PackedTensor", "torch.dtype | None"], torch.Tensor]) -> None:
+    """Install the function behind :meth:`PackedTensor.dequantize` (fp4offload.codec.dequantize)."""
+    global _decoder
+    _decoder = decode
 
 
 @dataclass
@@ -43,10 +55,7 @@ class PackedTensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n
+        return math.prod(int(s) for s in self.shape)
 
     @property
     def device(self) -> torch.device:
@@ -62,16 +71,13 @@ class PackedTensor:
 
     @property
     def rows_cols(self) -> tuple[int, int]:
-        """The 2-D view tiles are taken over: (prod(shape[:-1]), shape[-1])."""
-        if len(self.shape) == 0:
-            return 1, 1
-        cols = int(self.shape[-1])
-        return (self.numel // cols if cols else 0), cols
+        """The 2-D view tiles are taken over: (prod(shape[:-1]), shape[-1]) (``layout.rows_cols``)."""
+        return rows_cols(self.shape)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        from ..codec import dequantize
-
-        return dequantize(self, dtype)
+        """``fp4offload.dequantize(self, dtype)``: the values in the source shape, as ``dtype`` (default: the
+        source dtype), on this tensor's device."""
+        return _decoder(self, dtype)
 
     def to(self, device, non_blocking: bool = False) -> "PackedTensor":
         ts = None if self.tensor_scale is None else self.tensor_scale.to(device, non_blocking=non_blocking)
@@ -104,16 +110,8 @@ class PackedTensor:
                    dtype, header["format"], header["block"], int(header.get("scale_scope", 0)))
 
     def check(self) -> None:
-        """Raise ValueError unless the tensors have the sizes the header implies."""
-        per_block = {"nvfp4": (16, 8), "ufp4": (16, 8), "mxfp4": (32, 16), "mxfp8": (32, 32)}[self.format]
-        if self.block == "16x16":
-            rows, cols = self.rows_cols
-            rp, cp = -(-rows // 16) * 16, -(-cols // 16) * 16
-            nblocks, nbytes, nscopes = (rp // 16) * (cp // 16), rp * cp // 2, 1
-        else:
-            nblocks = -(-self.numel // per_block[0])
-            nbytes = nblocks * per_block[1]
-            nscopes = max(-(-self.numel // self.scale_scope), 1) if self.scale_scope else 1
+        """Raise ValueError unless the tensors have the sizes the header implies (``layout.packed_sizes``)."""
+        nbytes, nblocks, nscopes = packed_sizes(self.format, self.block, self.shape, self.scale_scope)
         if self.data.dtype != torch.uint8 or self.data.numel() != nbytes:
             raise ValueError(f"data holds {self.data.numel()} bytes, the shape needs {nbytes}")
         if self.scales.dtype != torch.uint8 or self.scales.numel() != nblocks:

@@ -8,7 +8,9 @@ Layouts (shared by all backends):
   end; codes in that order. ``scope`` elements share one fp32 tensor scale (0: the whole tensor).
 - ``tile == 16``: 16x16 tiles of the (rows, cols) view, zero-padded to (rows_p, cols_p); codes are
   stored row-major over the padded view, block scales row-major over the tile grid; one tensor scale.
-Packed nibbles: element 2i in bits 0-3 of byte i, element 2i+1 in bits 4-7.
+Packed nibbles: element 2i in bits 0-3 of byte i, element 2i+1 in bits 4-7, an odd tail padded with code
+0; :func:`pack_nibbles` and :func:`unpack_nibbles` are the only place this module writes that rule (the C++
+and CUDA kernels have theirs in csrc/fp4_codec.h). Sizes and the rows/cols view are ``layout``'s.
 """
 
 from __future__ import annotations
@@ -39,11 +41,16 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    c = codes.to(torch.uint8).reshape(-1, 2)
+    """4-bit codes (0..15, any shape, taken flat) -> uint8, two a byte: element 2i low, 2i+1 high."""
+    c = codes.to(torch.uint8).reshape(-1)
+    if c.numel() % 2:
+        c = torch.cat((c, c.new_zeros(1)))
+    c = c.view(-1, 2)
     return c[:, 0] | (c[:, 1] << 4)
 
 
 def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
+    """uint8 -> the codes, flat, two per byte (a padded odd tail comes back as a last code 0)."""
     d = data.reshape(-1)
     return torch.stack((d & 0xF, d >> 4), dim=1).reshape(-1)
 
