@@ -122,7 +122,8 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, fragment):
 
 def test_no_gpu_here_and_no_arguments_plans_the_default_target(capsys):
     """The README's main job: `fp4offload plan` alone works on a machine without a GPU."""
-    from fp4offload.planner.cli_plan import DEFAULT_GPU, DEFAULT_MODEL
+    from fp4offload.planner.cli_plan import DEFAULT_MODEL
+    from fp4offload.planner.hardware import DEFAULT_GPU
 
     rc, out, _ = run(capsys, "plan")
     assert rc == 0
@@ -170,3 +171,30 @@ def test_the_fp4offload_command_runs_plan():
                            "h100-80gb", "--format", "json"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["winner"]
+
+
+def test_no_planner_module_imports_cli_plan():
+    """cli_plan sits on top: nothing else of the planner imports it, at the top or inside a function."""
+    import ast
+
+    for f in (ROOT / "fp4offload" / "planner").glob("*.py"):
+        if f.name == "cli_plan.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            names = [a.name for a in node.names] + ([node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[-1] == "cli_plan" for n in names), (f.name, names)
+
+
+@pytest.mark.parametrize("first", ["fp4offload.planner.hardware", "fp4offload.planner.cli_plan",
+                                   "fp4offload.planner.sizes", "fp4offload.planner.memory"])
+def test_each_planner_module_imports_first_in_a_fresh_interpreter(first):
+    code = (f"import {first}\n"
+            "from fp4offload.planner.hardware import DEFAULT_GPU, build_cluster\n"
+            "from fp4offload.planner.readings import Readings\n"
+            "c = build_cluster(readings=Readings())\n"
+            "assert any(DEFAULT_GPU in n for n in c.notes), c.notes\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]

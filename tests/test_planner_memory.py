@@ -291,3 +291,27 @@ def test_host_gradient_partition_is_bf16_only_where_the_block_makes_it_so():
     assert grads("zero2-opt-cpu-fp4", 1) == pytest.approx(2.0)
     assert grads("zero2-opt-cpu-fp4", 2) == pytest.approx(4.0)
     assert grads("zero2-opt-cpu", 1) == pytest.approx(4.0)
+
+
+def test_byte_sizes_are_those_of_the_packed_formats():
+    """The planner's sizes are derived from fp4offload.formats: they equal the bytes the optimizer and the
+    codecs allocate, and the arithmetic of the layouts (codes + E4M3 scale per block + fp32 scale per scope)."""
+    import torch
+
+    from fp4offload import quantize
+    from fp4offload.optim import reference_step as R
+    from fp4offload.planner import hardware, memory, timing
+
+    m_or_v = 0.5 + 1 / 16 + 4 / 1024  # one state: 4-bit codes, an E4M3 scale per 16, an fp32 scale per 1024
+    assert memory.STATE_BYTES["nvfp4"] == 2 * m_or_v == 1.1328125
+    n = 64 * R.CHUNK
+    assert memory.STATE_BYTES["nvfp4"] == 2 * sum(R.packed_sizes(n)) / n  # what FP4AdamW allocates for m and v
+    assert memory.STATE_BYTES["fp32"] == 8.0
+    assert memory.WEIGHT_PACKED_BYTES == 0.5 + 1 / 256
+    assert memory.ACT_BYTES == {"nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32}
+    x = torch.randn(256, 1024)
+    for fmt, per in memory.ACT_BYTES.items():  # a large tensor: its one fp32 tensor scale is 4 bytes more
+        assert quantize(x, fmt).nbytes == per * x.numel() + (4 if fmt == "nvfp4" else 0)
+    # one Adam step's memory traffic: fp32 gradient, master and states read and written, bf16 copy on the GPU
+    assert hardware.CPU_ADAM_BYTES_PER_PARAM == {"fp32": 28.0, "nvfp4": 12 + 2 * 2 * m_or_v}
+    assert timing.GPU_STEP_BYTES_PER_PARAM == {"fp32": 30.0, "nvfp4": 14 + 2 * 2 * m_or_v}

@@ -5,6 +5,8 @@ catalogue) -> memory and timing (per strategy) -> rank (the plan) -> emit (DeepS
 policy YAML, validated by :mod:`fp4offload.config`). cli_plan wires it to the command line.
 
 Modules: hardware (GPU/node presets, the planning target), readings (saved measurements),
-probe (NVML, psutil, disk), bench (CPU optimizer step rate), models, strategies, memory, timing,
-rank, emit, cli_plan. None of them imports deepspeed at import time.
+probe (NVML, psutil, disk), bench (CPU optimizer step rate), models, strategies, sizes (every byte
+size, derived from fp4offload.formats), memory, timing, rank, emit, cli_plan. No planner module
+imports cli_plan, and sizes imports no other planner module. None of them imports deepspeed
+at import time.
 """

@@ -24,14 +24,14 @@ EXIT_OK, EXIT_NO_FIT, EXIT_BAD_INPUT = 0, 1, 2
 # Parsers
 
 
-#: what `fp4offload plan` plans for when told nothing: a common model on a common GPU node
+#: what `fp4offload plan` plans for when told nothing: a common model on a common GPU node (the GPU preset
+#: is hardware.py's, which build_cluster falls back to)
 DEFAULT_MODEL = "llama-3.1-8b"
-DEFAULT_GPU = "h100-80gb"
 
 
 def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``plan`` on an argparse subparsers object."""
-    from fp4offload.planner.hardware import GPU_PRESETS
+    from fp4offload.planner.hardware import DEFAULT_GPU, GPU_PRESETS
     from fp4offload.planner.models import PRESETS
 
     p = subparsers.add_parser(

@@ -13,9 +13,11 @@ from typing import Mapping
 
 from fp4offload.errors import ConfigError
 from fp4offload.planner.readings import Readings
+from fp4offload.planner.sizes import STATE_BYTES, step_bytes_per_param
 
 __all__ = ["GpuSpec", "NodeSpec", "Cluster", "GPU_PRESETS", "NODE_PRESETS", "DEFAULT_MFU", "match_gpu",
-           "pcie_bandwidth", "build_cluster", "DEFAULT_CPU_ADAM_PER_CORE", "CPU_ADAM_BYTES_PER_PARAM"]
+           "pcie_bandwidth", "build_cluster", "DEFAULT_CPU_ADAM_PER_CORE", "CPU_ADAM_BYTES_PER_PARAM",
+           "DEFAULT_GPU"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -23,6 +25,8 @@ TB = 10**12
 
 #: Fraction of the dense bf16 peak a well-tuned transformer training step sustains.
 DEFAULT_MFU = 0.45
+#: The GPU preset planned for when none is named and the machine has none (``fp4offload plan``'s default).
+DEFAULT_GPU = "h100-80gb"
 
 #: Usable fraction of PCIe's raw rate for pinned copies (protocol overhead).
 PCIE_EFFICIENCY = 0.8
@@ -36,8 +40,8 @@ _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 #: (defaults) 738 M/s; rounded down. On a many-core node the memory-bandwidth cap below binds first.
 DEFAULT_CPU_ADAM_PER_CORE: dict[str, float] = {"fp32": 1.6e9, "nvfp4": 7.0e8}
 #: Host memory traffic per parameter of one step: fp32 Adam reads/writes master, m, v and reads
-#: the gradient (28 B); the FP4 step moves packed m and v instead (14.25 B).
-CPU_ADAM_BYTES_PER_PARAM: dict[str, float] = {"fp32": 28.0, "nvfp4": 14.25}
+#: the gradient (28 B); the FP4 step moves packed m and v instead (14.265625 B).
+CPU_ADAM_BYTES_PER_PARAM: dict[str, float] = {fmt: step_bytes_per_param(fmt, bf16_copy=False) for fmt in STATE_BYTES}
 
 
 @dataclass(frozen=True)
@@ -223,8 +227,6 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
         raise ConfigError("--mfu", mfu, "a fraction in (0, 1]")
     seen = readings.gpus if readings else ()
     if gpu is None and not seen:  # no GPU here: plan for the default target node, as if --gpu named it
-        from .cli_plan import DEFAULT_GPU
-
         gpu = DEFAULT_GPU
         notes.append(f"no GPU was found on this machine: planning for a {DEFAULT_GPU} node "
                      "(name the target with --gpu PRESET, --gpus N, --nodes N)")

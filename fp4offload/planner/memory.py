@@ -7,9 +7,10 @@ partition). On top of the phase peak come the persistent tensors (weights, maste
 on the GPU), gathered ZeRO-3/FSDP units, communication buckets, the CUDA runtime, and a
 fragmentation margin of the caching allocator.
 
-Byte sizes per element: bf16 2; fp32 4; NVFP4 1x16 0.5625 (4-bit code + E4M3 scale per 16);
-NVFP4 16x16 weights 0.50390625; MXFP4 0.53125; MXFP8 1.03125; packed Adam states (m NVFP4 +
-sqrt(v) ufp4) 1.125 per parameter.
+Byte sizes per element come from sizes.py, which derives them from the formats' size functions: bf16 2;
+fp32 4; NVFP4 1x16 0.5625 (4-bit code + E4M3 scale per 16); NVFP4 16x16 weights 0.50390625; MXFP4
+0.53125; MXFP8 1.03125; packed Adam states (m NVFP4 + sqrt(v) ufp4, one fp32 scale per 1024-element
+chunk each) 1.1328125 per parameter.
 """
 
 from __future__ import annotations
@@ -19,19 +20,13 @@ from dataclasses import dataclass, field
 from fp4offload.errors import ConfigError
 from fp4offload.planner.hardware import Cluster
 from fp4offload.planner.models import ModelSpec
+from fp4offload.planner.sizes import ACT_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
 from fp4offload.planner.strategies import Strategy
 
 __all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "ACT_BYTES", "STATE_BYTES", "WEIGHT_PACKED_BYTES",
            "weight_host_bytes"]
 
 GiB = 1 << 30
-
-#: Bytes per element of a saved activation in each format (bf16 is the compute dtype's size).
-ACT_BYTES = {"nvfp4": 0.5625, "mxfp4": 0.53125, "mxfp8": 1.03125}
-#: Bytes per parameter of Adam's m and v together, per state format.
-STATE_BYTES = {"fp32": 8.0, "nvfp4": 1.125}
-#: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (DESIGN 3.3, 3.8).
-WEIGHT_PACKED_BYTES = 0.5 + 1 / 256
 
 
 @dataclass(frozen=True)

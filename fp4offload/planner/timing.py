@@ -23,15 +23,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fp4offload.planner.hardware import Cluster
-from fp4offload.planner.memory import ACT_BYTES, STATE_BYTES, MemoryEstimate, TrainSetup, weight_host_bytes
+from fp4offload.planner.memory import MemoryEstimate, TrainSetup, weight_host_bytes
 from fp4offload.planner.models import ModelSpec
+from fp4offload.planner.sizes import ACT_BYTES, STATE_BYTES, step_bytes_per_param
 from fp4offload.planner.strategies import Strategy
 
 __all__ = ["StepTime", "estimate_time", "GPU_STEP_BYTES_PER_PARAM"]
 
 #: HBM bytes per parameter of an optimizer step on the GPU (fused Adam: read grad, read/write
-#: master, m, v, write the bf16 weight).
-GPU_STEP_BYTES_PER_PARAM = {"fp32": 30.0, "nvfp4": 16.25}
+#: master, m, v, write the bf16 weight): 30 for fp32 states, 16.265625 for packed ones.
+GPU_STEP_BYTES_PER_PARAM = {fmt: step_bytes_per_param(fmt, bf16_copy=True) for fmt in STATE_BYTES}
 #: Fraction of the host's memory bandwidth that host<->device copies of all GPUs can use together.
 HOST_DMA_SHARE = 0.5
 #: Fraction of HBM bandwidth the activation pack/unpack kernels reach.
