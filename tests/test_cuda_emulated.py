@@ -239,3 +239,46 @@ def test_amax_override_matches_reference(tile, scope, emu):
     for i, (a, b) in enumerate(zip(ref, nv_encode(emu, *args, amax=amax))):
         _eq(a, b, ("encode", i))
     assert not torch.equal(ref[2], reference.nvfp4_encode(*args)[2])
+
+
+_PACK_API = r"""
+#include "fp4_codec.h"
+extern "C" {
+void e_pack_codes(const uint8_t* codes, int n, uint8_t* out) { fp4::pack_codes(codes, n, out); }
+int e_code_at(const uint8_t* packed, long i) { return fp4::code_at(packed, i); }
+unsigned e_word(const uint8_t* codes8) {  // 8 codes into a word through word_slot, then back through word_code
+  uint32_t w = 0;
+  for (int j = 0; j < 8; ++j) w |= fp4::word_slot(codes8[j], j);
+  for (int j = 0; j < 8; ++j)
+    if (fp4::word_code(w, j) != codes8[j]) return 0xFFFFFFFFu;
+  return w;
+}
+}
+"""
+
+
+def test_codec_header_pack_helpers_match_reference(tmp_path):
+    """csrc/fp4_codec.h's packed-layout helpers (which every kernel packs through) give reference.pack_nibbles'
+    bytes, an odd tail included, and read them back; a packed word is the 4 bytes read little-endian."""
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("g++ is not on PATH")
+    (tmp_path / "pack.cpp").write_text(_PACK_API)
+    lib = tmp_path / "libpack.so"
+    proc = subprocess.run([cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-I", str(CSRC), str(tmp_path / "pack.cpp"),
+                           "-o", str(lib)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    so = ctypes.CDLL(str(lib))
+    so.e_pack_codes.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    so.e_code_at.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    so.e_word.argtypes = [ctypes.c_void_p]
+    so.e_word.restype = ctypes.c_uint
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 15, 16, 17, 33, 256):
+        codes = torch.randint(0, 16, (n,), dtype=torch.uint8, generator=g)
+        out = torch.full(((n + 1) // 2,), 0xAB, dtype=torch.uint8)
+        so.e_pack_codes(_p(codes), n, _p(out))
+        _eq(reference.pack_nibbles(codes), out, ("pack", n))
+        assert [so.e_code_at(_p(out), i) for i in range(n)] == codes.tolist()
+    codes = torch.randint(0, 16, (8,), dtype=torch.uint8, generator=g)
+    assert so.e_word(_p(codes)) == int.from_bytes(bytes(reference.pack_nibbles(codes).tolist()), "little")
