@@ -5,6 +5,8 @@ in turn, threads as fibers, warp shuffles as lock-step exchanges), and its launc
 ctypes on CPU tensors. This proves the work split, the index arithmetic of every layout, the warp
 reductions (including that every shuffle is warp-uniform), the scope reduction modes, the vector and
 scalar load/store paths and the launch sequence; the GPU itself is tested by tests/test_cuda_backend.py.
+The fused CUDA FP4AdamW step (csrc/cuda/adam_kernels.cu) runs the same way against the reference step,
+through tests/test_optim_fused.py's checks (the GPU run is tests/test_optim_cuda.py).
 """
 
 from __future__ import annotations
@@ -52,35 +54,39 @@ long e_divergent() { return emu::S().divergent; }
 """
 
 
-def _rewrite_launches(source: str) -> str:
-    """`k<<<g, b, s, st>>>(args)` -> `emu::Launch(g, b, s, st)(k, args)`."""
+def _rewrite_launches(source: str, at_least: int = 8) -> str:
+    """`k<<<g, b, s, st>>>(args)` -> `emu::Launch(g, b, s, st)(k, args)`; the codecs have at least 8 launches."""
     out, n = re.subn(r"([\w:]+(?:<\w+>)?)<<<(.*?)>>>\(", r"emu::Launch(\2)(\1, ", source, flags=re.S)
-    assert n >= 8, "fewer kernel launches found than the codecs have"
+    assert n >= at_least, "fewer kernel launches found than the source has"
     return out
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
+def _emu_library(d: Path, sources: dict[str, str]) -> ctypes.CDLL:
+    """Compiles `sources` (file name -> text) with g++ against emu.h (standing in for the CUDA headers)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ is not on PATH")
-    d = tmp_path_factory.mktemp("cuda_emu")
     stub = d / "stub"
     stub.mkdir()
     for h in ("cuda_runtime.h", "cuda_runtime_api.h", "cuda_bf16.h", "cuda_fp16.h"):
         (stub / h).write_text('#include "emu.h"\n')
     shutil.copy(EMU / "emu.h", stub / "emu.h")
-    src = (CSRC / "cuda" / "fp4_kernels.cu").read_text().replace('#include "fp4_kernels.cuh"',
-                                                                  '#include "cuda/fp4_kernels.cuh"')
-    (d / "kernels.cpp").write_text(_rewrite_launches(src))
-    (d / "api.cpp").write_text(_API)
-    lib = d / "libfp4emu.so"
+    for name, text in sources.items():
+        (d / name).write_text(text)
+    lib = d / "libemu.so"
     cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas",
-           "-Wno-unused-function", "-I", str(stub), "-I", str(CSRC), "-include", "emu.h", str(d / "kernels.cpp"),
-           str(d / "api.cpp"), "-o", str(lib)]
+           "-Wno-unused-function", "-I", str(stub), "-I", str(CSRC), "-include", "emu.h",
+           *(str(d / name) for name in sources), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    so = ctypes.CDLL(str(lib))
+    return ctypes.CDLL(str(lib))
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    src = (CSRC / "cuda" / "fp4_kernels.cu").read_text().replace('#include "fp4_kernels.cuh"',
+                                                                  '#include "cuda/fp4_kernels.cuh"')
+    so = _emu_library(tmp_path_factory.mktemp("cuda_emu"), {"kernels.cpp": _rewrite_launches(src), "api.cpp": _API})
     P, I, L, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_uint
     so.e_nv_enc.argtypes = [P, I, L, L, L, L, I, I, U, U, I, P, P, P, P, P, P]
     so.e_nv_dec.argtypes = [P, P, P, L, L, L, L, I, P, I]
@@ -282,3 +288,44 @@ def test_codec_header_pack_helpers_match_reference(tmp_path):
         assert [so.e_code_at(_p(out), i) for i in range(n)] == codes.tolist()
     codes = torch.randint(0, 16, (8,), dtype=torch.uint8, generator=g)
     assert so.e_word(_p(codes)) == int.from_bytes(bytes(reference.pack_nibbles(codes).tolist()), "little")
+
+
+@pytest.fixture(scope="module")
+def emu_adam(tmp_path_factory):
+    """csrc/cuda/adam_kernels.cu (the fused CUDA FP4AdamW step) compiled with g++ against emu.h, with the
+    extension's fused_step signature, so tests/test_optim_fused.py's checks run on it."""
+    src = _rewrite_launches((CSRC / "cuda" / "adam_kernels.cu").read_text(), at_least=1)
+    so = _emu_library(tmp_path_factory.mktemp("cuda_emu_adam"),
+                      {"adam.cpp": src + '\nextern "C" long e_divergent() { return emu::S().divergent; }\n'})
+    P, I, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+    so.fp4adam_fused_step_cuda.argtypes = [P, P, I, ctypes.c_int64, P, P, P, P, P, P, P, I, I, I, I, U, U, P, P]
+    so.e_divergent.restype = ctypes.c_long
+
+    class Ext:
+        @staticmethod
+        def fused_step(param, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size, rsbc2,
+                       weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, bf16_out=None):
+            scalars = torch.tensor([b1, omb1, b2, omb2, eps, decay, step_size, rsbc2], dtype=torch.float32)
+            rc = so.fp4adam_fused_step_cuda(_p(param), _p(grad), int(grad.dtype == torch.bfloat16), param.numel(),
+                                            _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(scalars),
+                                            int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic),
+                                            seed & 0xFFFFFFFF, stream0 & 0xFFFFFFFF, _p(bf16_out), None)
+            assert rc == 0 and so.e_divergent() == 0
+
+    return Ext()
+
+
+@pytest.mark.parametrize("n", [1, 17, 1024, 5003])
+@pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_fused_adam_kernel_matches_reference_step(n, v_format, stochastic, emu_adam):
+    from test_optim_fused import _run
+
+    _run(emu_adam, n, v_format, stochastic, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros"])
+def test_fused_adam_kernel_special_values(kind, emu_adam):
+    from test_optim_fused import _run, _special
+
+    _run(emu_adam, 3001, "ufp4", True, torch.bfloat16, special=_special(kind), maximize=True)

@@ -1,13 +1,14 @@
-// emu.h: a host emulation of the CUDA features csrc/cuda/fp4_kernels.cu uses, so that the kernels'
-// index arithmetic, work split, warp reductions and launch sequence run (slowly) on a CPU in CI.
+// emu.h: a host emulation of the CUDA features csrc/cuda/fp4_kernels.cu and adam_kernels.cu use, so that
+// the kernels' index arithmetic, work split, warp reductions and launch sequence run (slowly) on a CPU in CI.
 // tests/test_cuda_emulated.py rewrites each `kernel<<<grid, block, shm, stream>>>(args)` into
 // `emu::Launch(grid, block, shm, stream)(kernel, args)` and compiles the file with g++ and this header.
 //
 // Model: the CTAs of a launch run one after another; the threads of a CTA are ucontext fibers resumed
 // round-robin. A warp shuffle is a two-phase exchange (post, yield, read, yield), so it is exact as long
 // as every lane of a warp takes the same sequence of shuffles, which the kernels guarantee (their loops
-// that shuffle are warp-uniform). __syncthreads is one yield (the kernels call it once, at entry);
-// `__shared__` becomes `static` (one CTA at a time). Atomics are plain read-modify-writes (one OS thread).
+// that shuffle are warp-uniform). __syncthreads is one yield: a barrier as long as every thread of the CTA
+// yields equally often between two of them (the codecs call it once, at entry; the fused Adam step's
+// block_max shuffles warp-uniformly between its two). `__shared__` becomes `static` (one CTA at a time). Atomics are plain read-modify-writes (one OS thread).
 // The fp4_codec.h rules compile as host code here (the CPU backend's versions); the device-only
 // intrinsics are replaced by exact host equivalents. This checks the kernels' logic, not the GPU.
 #pragma once
@@ -47,6 +48,12 @@ template <class To, class From> inline To bitcast_(From f) { To t; memcpy(&t, &f
 inline float __uint_as_float(unsigned u) { return bitcast_<float>(u); }
 inline unsigned __float_as_uint(float f) { return bitcast_<unsigned>(f); }
 inline int __float2int_rn(float a) { return (int)nearbyintf(a); }
+// the fused Adam step's explicitly rounded operations: plain fp32 ones (built with -ffp-contract=off)
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return sqrtf(a); }
 struct __half { uint16_t b; };
 struct __nv_bfloat16 { uint16_t b; };
 inline __half __ushort_as_half(uint16_t u) { return __half{u}; }
