@@ -1,4 +1,4 @@
-// fp4_codec.h: the scalar rules of DESIGN.md section 3, the one source of the math.
+// fp4_codec.h: the scalar rules of docs/design.md section 3, the one source of the math.
 //
 // Every function is inline and usable from host and device code. The CPU kernels (csrc/cpu) and the
 // CUDA kernels (csrc/cuda) are loops around these; fp4offload/formats/bits.py and reference.py

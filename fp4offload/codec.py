@@ -71,7 +71,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
         block: ``"1x16"`` or ``"16x16"`` for nvfp4 (default ``"1x16"``), ``"1x32"`` for the MX formats;
             ``None`` takes the format's default.
         rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (nvfp4 and mxfp4).
-        seed, stream: select the counter-based random bits of stochastic rounding (DESIGN.md 3.9).
+        seed, stream: select the counter-based random bits of stochastic rounding (docs/design.md 3.9).
         scale_scope: elements per fp32 tensor scale for 1x16 nvfp4/ufp4 (a multiple of 16); ``None``: whole tensor.
         nonfinite: ``"raise"`` (NonFiniteError naming the tensor and the count) or ``"propagate"`` (the block
             decodes to NaN).

@@ -172,7 +172,7 @@ class OptimizerStatesConfig:
     """Adam's m and v in 4-bit (``optimizer_states``).
 
     Attributes:
-        format: ``"nvfp4"`` (m in NVFP4 1x16, sqrt(v) in ufp4, see DESIGN 3.7) or ``"fp32"``
+        format: ``"nvfp4"`` (m in NVFP4 1x16, sqrt(v) in ufp4, see docs/design.md 3.7) or ``"fp32"``
             (unpacked; for ablations). Default ``"nvfp4"``.
         device: where the states live between steps. ``"same"`` (default): with the parameter
             partition the optimizer is handed (the GPU, or host RAM when DeepSpeed's

@@ -1,4 +1,4 @@
-"""Process-wide counters, timers and gauges (DESIGN.md section 6).
+"""Process-wide counters, timers and gauges (docs/design.md section 6).
 
 The API is deliberately small:
 

@@ -1,6 +1,6 @@
 """The published definitions of the element and scale formats, written independently of fp4offload.
 
-Tests compare fp4offload's tables and bytes against these plain-Python formulas (DESIGN.md section 3).
+Tests compare fp4offload's tables and bytes against these plain-Python formulas (docs/design.md section 3).
 """
 
 from __future__ import annotations
@@ -30,5 +30,5 @@ def e8m0_value(c: int) -> float:
 
 
 def ufp4_value(c: int) -> float:
-    """ufp4 (DESIGN 3.7): c = 2e + m -> 2^(e-7) * (1 + m/2), unsigned, no zero."""
+    """ufp4 (docs/design.md 3.7): c = 2e + m -> 2^(e-7) * (1 + m/2), unsigned, no zero."""
     return 2.0 ** ((c >> 1) - 7) * (1 + (c & 1) / 2)

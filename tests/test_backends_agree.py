@@ -1,4 +1,4 @@
-"""The CPU extension produces exactly the bytes of the torch reference (DESIGN.md section 3)."""
+"""The CPU extension produces exactly the bytes of the torch reference (docs/design.md section 3)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The CUDA extension produces exactly the bytes of the torch reference (DESIGN.md section 3), on a GPU.
+"""The CUDA extension produces exactly the bytes of the torch reference (docs/design.md section 3), on a GPU.
 
 Every case encodes on the device and compares with the reference run on the CPU (the oracle the CPU
 backend is verified against too); decoders get the reference's bytes and must return the reference's

@@ -66,7 +66,7 @@ def signed_code(x: float, grid, sign_bit: int) -> int:
 
 
 def unpack(data: torch.Tensor) -> list[int]:
-    """Nibbles of packed bytes, element 2i from the low nibble (DESIGN 3.2)."""
+    """Nibbles of packed bytes, element 2i from the low nibble (docs/design.md 3.2)."""
     out = []
     for b in data.tolist():
         out += [b & 0xF, b >> 4]
@@ -130,7 +130,7 @@ TIES = {0.25: 0.0, 0.75: 1.0, 1.25: 1.0, 1.75: 2.0, 2.5: 2.0, 3.5: 4.0, 5.0: 4.0
 
 
 def test_e2m1_ties_by_definition():
-    """The brute-force oracle agrees with DESIGN 3.1's list of ties (so it is the rule we mean)."""
+    """The brute-force oracle agrees with docs/design.md 3.1's list of ties (so it is the rule we mean)."""
     for x, v in TIES.items():
         assert e2m1_value(nearest_even(x, E2M1_GRID)) == v
         assert e2m1_value(signed_code(-x, E2M1_GRID, 8)) == -v

@@ -1,7 +1,7 @@
 """fp4offload's bytes equal an independent implementation written here from the published definitions.
 
 The quantizers below are plain Python loops over numpy float32 scalars (each operation rounds to
-fp32 exactly once, as IEEE 754 prescribes), written from DESIGN.md section 3 and the format specs
+fp32 exactly once, as IEEE 754 prescribes), written from docs/design.md section 3 and the format specs
 (NVIDIA's NVFP4 two-level scaling recipe; OCP MX v1.0 for E8M0/E2M1/E4M3 and its `floor` scale),
 without calling any fp4offload function. Element and scale codes are found by a brute-force
 "nearest value, ties to the even code" search over values computed from each format's bit fields.
@@ -112,7 +112,7 @@ def pack(codes: list[int]) -> bytes:
 
 def nvfp4_independent(x: np.ndarray, *, tile: bool = False, scope: int = 0, ufp4: bool = False,
                       seed: int | None = None, stream: int = 0):
-    """NVFP4 (or ufp4) per DESIGN 3.3 / NVIDIA's recipe. Returns (data bytes, scale bytes, [s_dec...])."""
+    """NVFP4 (or ufp4) per docs/design.md 3.3 / NVIDIA's recipe. Returns (data bytes, scale bytes, [s_dec...])."""
     elem_max = F32(1.5 if ufp4 else 6.0)
     if tile:
         shape = x.shape if x.ndim else (1,)
@@ -339,7 +339,7 @@ def _e4m3_rne(t: np.ndarray) -> np.ndarray:
 
 
 def test_nvfp4_fp32_operation_order(backend):
-    """DESIGN 3.3 fixes the order of the fp32 operations. For each step, data is searched where the
+    """docs/design.md 3.3 fixes the order of the fp32 operations. For each step, data is searched where the
     natural alternative order rounds differently, and fp4offload must follow the specified order:
     (a) s_dec = 1 / (2688 / amax), not amax / 2688;
     (b) scale_b = E4M3((amax_b / 6) * s_enc), not E4M3((amax_b * s_enc) / 6);

@@ -532,7 +532,7 @@ def test_formats_import_nothing_from_the_codec():
 
 
 def test_sr_rule_edges():
-    """The stochastic rule at its edges (fixed-point grid position + the top 22 random bits, DESIGN 3.9 as
+    """The stochastic rule at its edges (fixed-point grid position + the top 22 random bits, docs/design.md 3.9 as
     docs/numerics.md states it): grid values never move whatever the bits; a point p of the way to the
     next value rounds up for exactly the bit patterns whose top 22 bits reach (1 - p) * 2^22; 6 stays 6."""
     from fp4offload.formats import bits as B

@@ -34,3 +34,23 @@ def test_doctor_json_reports_active_backend():
     if sys.platform.startswith("linux"):  # the host allocator cache is a small C++ extension: it builds here
         assert r["host"]["host_cache"]["builds"] is True, r["host"]
         assert r["host"]["transparent_hugepages"] in ("always", "madvise", "never", "unknown")
+    if r["deepspeed"]["usable"]:  # the block's private DeepSpeed names, checked against this install
+        assert r["deepspeed"]["missing_names"] == [] and r["deepspeed"]["in_range"], r["deepspeed"]
+    assert set(r["host"]["settings"]) == {"mmap_threshold", "allocator_cache", "share_bf16_staging",
+                                          "bf16_gradient_partition"}
+
+
+def test_docs_link_only_to_files_in_the_repository():
+    """README and docs/ link to files that exist inside the repository (nothing under ../)."""
+    bad = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "RESULTS.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+://", target) or target.startswith("#"):
+                continue
+            path = (doc.parent / target.split("#")[0]).resolve()
+            if ROOT not in path.parents and path != ROOT or not path.exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {target}")
+    assert bad == [], bad
+    code = [p for p in (ROOT / "fp4offload").rglob("*.py")] + [p for p in (ROOT / "csrc").rglob("*") if p.is_file()]
+    cites = [f"{p.relative_to(ROOT)}" for p in code if "shared/DESIGN" in p.read_text(errors="replace")]
+    assert cites == [], cites

@@ -1,4 +1,4 @@
-// CUDA kernels for fp4offload: thin loops around csrc/fp4_codec.h (DESIGN.md sections 3 and 4).
+// CUDA kernels for fp4offload: thin loops around csrc/fp4_codec.h (docs/design.md sections 3 and 4).
 //
 // Each kernel is the GPU counterpart of a loop in csrc/cpu/fp4_cpu.cpp and produces the bytes of
 // fp4offload/formats/reference.py. Build with --fmad=false and without fast math (no --use_fast_math,
@@ -14,7 +14,7 @@
 // - Decoders: a thread writes 8 consecutive outputs; code values come from a 16-entry table in shared
 //   memory filled from the header's e2m1_value / ufp4_value.
 //
-// sm_100a hardware path (DESIGN.md 4): where the target is arch- or family-specific and >= sm_100, the
+// sm_100a hardware path (docs/design.md 4): where the target is arch- or family-specific and >= sm_100, the
 // nearest-rounding E2M1 pair encoder uses cvt.rn.satfinite.e2m1x2.f32. It rounds to nearest even and
 // saturates at 6, which is the software rule on magnitudes. It is fed |y| and the sign bits are set in
 // software, so the result never depends on how the hardware signs a zero (NVIDIA's host emulation in

@@ -1,4 +1,4 @@
-// fp4_kernels.cuh: host launchers of the CUDA codecs (DESIGN.md sections 3 and 4).
+// fp4_kernels.cuh: host launchers of the CUDA codecs (docs/design.md sections 3 and 4).
 //
 // Pure CUDA runtime API, no torch headers: fp4_kernels.cu compiles standalone with nvcc, and the torch
 // bindings (fp4_cuda.cpp) only allocate tensors and call these. Every launcher takes raw device

@@ -1,4 +1,4 @@
-"""Bit-level scalar rules of DESIGN.md section 3, written with torch tensor ops.
+"""Bit-level scalar rules of docs/design.md section 3, written with torch tensor ops.
 
 These functions are the oracle every compiled backend must match byte for byte; csrc/fp4_codec.h
 implements the same rules as scalar inline functions. Everything is fp32 or int32 arithmetic so
@@ -53,7 +53,7 @@ def e2m1_encode_magnitude(a: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_encode_magnitude_sr(a: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of a in [0, 6] (fp32): up with probability (a - lo) / step (DESIGN.md 3.9).
+    """Stochastic rounding of a in [0, 6] (fp32): up with probability (a - lo) / step (docs/design.md 3.9).
 
     The position of a on the grid in fixed point, 22 fraction bits per grid step (the fp32 pattern less
     126 << 23 for a >= 1, trunc(a * 2^23) for a < 1), plus the top 22 of the 32 random bits; the carry out of
@@ -133,7 +133,7 @@ def ufp4_values(device=None) -> torch.Tensor:
     return val.to(torch.float32).to(device) if device is not None else val.to(torch.float32)
 
 
-# --- counter-based random bits (DESIGN.md 3.9) -------------------------------------------------------
+# --- counter-based random bits (docs/design.md 3.9) -------------------------------------------------------
 
 _M32 = 0xFFFFFFFF
 

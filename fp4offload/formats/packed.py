@@ -29,7 +29,7 @@ def set_decoder(decode: Callable[["PackedTensor", "torch.dtype | None"], torch.T
 
 @dataclass
 class PackedTensor:
-    """A tensor quantized to NVFP4, ufp4, MXFP4 or MXFP8 (see DESIGN.md section 3).
+    """A tensor quantized to NVFP4, ufp4, MXFP4 or MXFP8 (see docs/design.md section 3).
 
     Attributes:
         data: uint8 codes. 4-bit formats hold two elements a byte, element 2i in the low nibble;

@@ -1,4 +1,4 @@
-"""The torch reference backend: DESIGN.md section 3 with tensor ops, on any device.
+"""The torch reference backend: docs/design.md section 3 with tensor ops, on any device.
 
 It is the oracle the CPU and CUDA kernels are tested against, and the fallback when neither builds.
 Every backend exposes the same four functions with the same signatures (see fp4offload/ops).
@@ -91,7 +91,7 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     """NVFP4 (or ufp4 when `ufp4`) encode. Returns (data u8, scales u8, tensor_scale f32[nscopes], nonfinite).
 
     `amax` (fp32, one per scope) replaces the measured scope amax: sharded weights use the amax
-    max-reduced across ranks so every rank encodes with the same tensor scale (DESIGN.md 3.8).
+    max-reduced across ranks so every rank encodes with the same tensor scale (docs/design.md 3.8).
     """
     elem_max = B.UFP4_MAX if ufp4 else B.E2M1_MAX
     if tile == 16:

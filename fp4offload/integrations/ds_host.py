@@ -14,7 +14,7 @@ formats. Four settings (fp4offload.config.HostConfig) shape it; each has an envi
 ================================  ============================  =================================================
 
 :func:`resolve` gives the effective value of each and where it came from (``fp4offload doctor`` prints
-it). Why each exists, with measurements: docs/design.md section 7 and benchmarks/RESULTS.md.
+it). Why each exists, with measurements: docs/design.md sections 7 and 8, and benchmarks/RESULTS.md.
 
 DeepSpeed's private names used here go through :mod:`fp4offload.integrations.ds_internals`.
 """

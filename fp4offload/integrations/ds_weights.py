@@ -15,8 +15,8 @@ Which hook, and why (DeepSpeed 0.19.8):
 - The packed copy is written inside FP4AdamW's fused step over the sub-group's flat fp32 master: each
   partition is a region of that flat tensor (``FP4AdamW.register_weight_regions``), encoded band by band
   as the step updates it. The tensor scale comes from the weight's amax, max-reduced across the
-  partition group (so every rank's shard shares it and the gathered codes decode as one tensor, DESIGN
-  3.8) and rounded up to a power of two (``FP4AdamW.copy_amax``); the step uses the previous step's
+  partition group (so every rank's shard shares it and the gathered codes decode as one tensor,
+  docs/design.md 3.8) and rounded up to a power of two (``FP4AdamW.copy_amax``); the step uses the previous step's
   value. Right where stage3.py writes the master back into the partitions
   (``_reassign_or_swap_out_partitioned_parameters``, per sub-group after the step), one all-reduce of
   the new amaxes checks it still holds; the weights whose rounded amax moved (and the first step,

@@ -1,7 +1,7 @@
 """NVFP4 all-gathers for FSDP2: a tensor subclass around each fp32 weight shard.
 
 ``fully_shard`` lets the local tensor of a sharded parameter transform itself before and after the
-all-gather (DESIGN.md section 5). :class:`FP4Weight` wraps the fp32 master shard and:
+all-gather (docs/design.md section 5). :class:`FP4Weight` wraps the fp32 master shard and:
 
 - before the all-gather, all-reduces the per-tensor amax over the shard group (one collective per
   FSDP unit and gather, for all of its FP4 weights together), packs its zero-padded local shard to

@@ -1,4 +1,4 @@
-"""``offload_activations``: the context manager users call (DESIGN.md section 5, "Activations")."""
+"""``offload_activations``: the context manager users call (docs/design.md section 5, "Activations")."""
 
 from __future__ import annotations
 

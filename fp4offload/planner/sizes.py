@@ -27,7 +27,7 @@ STATE_BYTES: dict[str, float] = {
 }
 #: Bytes per element of a saved activation in each packed format (default block, one tensor scale).
 ACT_BYTES: dict[str, float] = {fmt: bytes_per_element(fmt) for fmt in ("nvfp4", "mxfp4", "mxfp8")}
-#: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (DESIGN 3.3, 3.8).
+#: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (docs/design.md 3.3, 3.8).
 WEIGHT_PACKED_BYTES: float = bytes_per_element("nvfp4", "16x16")
 
 
