@@ -1,10 +1,11 @@
-"""The NVMe tier of FP4AdamW's states: one file per (tensor key, segment), read ahead and written behind.
+"""The file store of FP4AdamW's NVMe tier: one file per (tensor key, segment), read ahead and written behind.
 
 Keys: a file is named by the key of the tensor it belongs to (``<key>.s<segment>.fp4s``), not by the
-tensor's position in ``param_groups``: FP4AdamW gives every tensor a key the first time it steps it (the
-caller's ``tensor_key(tensor)`` when given and not None, else ``t<n>`` in order of first use) and keeps it as
-long as the tensor lives, so a caller that swaps tensors in and out of its param groups (DeepSpeed ZeRO-3
-steps one sub-group at a time, each alone in its group) still finds each tensor's own files.
+tensor's position in ``param_groups``: FP4AdamW's NVMe tier (tiers.NvmeTier) gives every tensor a key the
+first time it steps it (the caller's ``tensor_key(tensor)`` when given and not None, else ``t<n>`` in order
+of first use) and keeps it as long as the tensor lives, so a caller that swaps tensors in and out of its
+param groups (DeepSpeed ZeRO-3 steps one sub-group at a time, each alone in its group) still finds each
+tensor's own files.
 
 File layout: fp4offload's container (fp4offload/formats/container.py: magic, format version, a checksummed
 JSON header with the shape, dtype, offset and CRC32 of every tensor, then the raw bytes) holding the six
