@@ -51,9 +51,9 @@ from pathlib import Path
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from benchmarks import harness  # noqa: E402
+from benchmarks import harness
 
 VARIANTS = ("adamw", "fp4", "fp4_sr", "fp4_nvfp4v", "torchao4bit", "bnb8bit")
 ACTIVATIONS = ("none", "nvfp4", "mxfp8")
@@ -256,7 +256,7 @@ def plot(runs: list[dict], path: Path) -> None:
         key = f"{r['variant']}" + ("" if r["activations"] == "none" else f"+act:{r['activations']}")
         c = colors.setdefault(key, f"C{len(colors)}")
         steps = [s for s, _, _ in r["curve"]]
-        tr = [l for _, l, _ in r["curve"]]
+        tr = [loss for _, loss, _ in r["curve"]]
         k = max(1, len(tr) // 50)  # smooth the training loss
         sm = [sum(tr[max(0, i - k):i + 1]) / len(tr[max(0, i - k):i + 1]) for i in range(len(tr))]
         ax[0].plot(steps, sm, color=c, alpha=0.6, label=key if r["seed"] == runs[0]["seed"] else None)

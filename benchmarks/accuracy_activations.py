@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness  # noqa: E402
-from fp4offload.offload import ActivationPolicy, offload_activations  # noqa: E402
-from fp4offload.offload.hooks import _from_parameter  # noqa: E402
+from benchmarks import harness
+from fp4offload.offload import ActivationPolicy, offload_activations
+from fp4offload.offload.hooks import _from_parameter
 
 ARMS = ("uncompressed", "mxfp8", "nvfp4", "bf16-control")
 TARGETS = {"mxfp8": 0.005, "nvfp4": 0.02}
@@ -229,8 +229,10 @@ def main(argv=None) -> int:
         print(f"{arm:>12} {s['mean_val_loss']:>14.4f} {'' if gap is None else f'{100 * gap:+.2f}%':>20} "
               f"{'' if sem is None else f'{100 * sem:.2f}%':>7} {'' if tgt is None else f'{100 * tgt:.1f}%':>8}")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cpus": torch.get_num_threads(),
-            "torch": torch.__version__, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "command": "python benchmarks/accuracy_activations.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "torch": torch.__version__,
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "command": "python benchmarks/accuracy_activations.py "
+                       + " ".join(argv if argv is not None else sys.argv[1:])}
     result = {"meta": meta, "summary": summary, "runs": runs}
     if args.json:
         print(json.dumps({"summary": summary}))

@@ -25,10 +25,10 @@ the host would hold on a GPU machine (an upper bound: activations stay in it).
 Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold
 (``host.mmap_threshold``), serves torch's large CPU blocks from fp4offload.host_allocator's bounded cache
 (``host.allocator_cache``) and shares the bf16 staging buffers with the bf16 partitions
-(``host.share_bf16_staging``; fp4offload.integrations.ds_host). All three would help a run without the block too, so each configuration also
-runs the baseline with the same settings (``allocator: "fixed"``) and the ratios are given against both
-baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's definition) and
-``peak_rss_reduction_same_allocator`` (what the packed states alone save). The block also keeps ZeRO-1/2's host
+(``host.share_bf16_staging``; fp4offload.integrations.ds_host). All three would help a run without the block
+too, so each configuration also runs the baseline with the same settings (``allocator: "fixed"``) and the
+ratios are given against both baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's definition)
+and ``peak_rss_reduction_same_allocator`` (what the packed states alone save). The block also keeps ZeRO-1/2's host
 gradient partition in bf16 (bf16_gradient_partition): FP4AdamW reads bf16 gradients, DeepSpeedCPUAdam does not,
 so both baselines keep it in fp32.
 

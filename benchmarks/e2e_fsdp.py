@@ -37,7 +37,7 @@ from pathlib import Path
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
 ARMS = ("plain", "fp4", "fp4+act")
 
@@ -260,7 +260,8 @@ def main(argv=None) -> int:
     machine = (torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine())
     print(f"# e2e_fsdp: {world} rank(s) on {a.device} ({machine}), Llama hidden={args['hidden']} "
           f"layers={args['layers']} params={rows[0]['params'] / 1e6:.2f}M, batch {args['batch']}x{args['seq']} "
-          f"per rank, cpu_offload={offload}, host cache={'on' if a.host_cache else 'off'}, {args['steps']} timed steps, "
+          f"per rank, cpu_offload={offload}, host cache={'on' if a.host_cache else 'off'}, "
+          f"{args['steps']} timed steps, "
           f"torch {torch.__version__}")
     print("# backends: " + ", ".join(f"{k} {v}" for k, v in builds.items()))
     hdr = f"{'arm':8} {'optimizer':26} {'step s':>8} {'peak MiB':>9} {'AG MiB/step':>12} {'H2D MiB/step':>13} " \

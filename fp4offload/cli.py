@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="what this machine offers: GPUs, codec backends, DeepSpeed ops")
     d.add_argument("--json", action="store_true", help="one JSON object instead of text")
     d.add_argument("--config", metavar="DS_CONFIG.json",
-                   help="resolve the host settings of this DeepSpeed config's block (default: environment and defaults)")
+                   help="resolve the host settings of this DeepSpeed config's block "
+                        "(default: environment and defaults)")
     d.set_defaults(func=_doctor)
     i = sub.add_parser("inspect", help="print the header of a file fp4offload wrote (PackedTensor, state tier)")
     i.add_argument("path")

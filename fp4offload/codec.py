@@ -51,7 +51,8 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
             raise ConfigError("scale_scope", scale_scope, "None for this format and block",
                               "per-chunk tensor scales exist for nvfp4/ufp4 with block='1x16'")
         if isinstance(scale_scope, bool) or not isinstance(scale_scope, int) or scale_scope <= 0 or scale_scope % 16:
-            raise ConfigError("scale_scope", scale_scope, "None or a positive multiple of 16 (elements per tensor scale)")
+            raise ConfigError("scale_scope", scale_scope,
+                              "None or a positive multiple of 16 (elements per tensor scale)")
     return block
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import json
 import re
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
@@ -418,7 +417,8 @@ def parse_block(block: Mapping[str, Any] | None, *, prefix: str = "") -> Fp4Offl
         if block is None:
             return Fp4OffloadConfig()
         if not isinstance(block, Mapping):
-            raise ConfigError(_prefix.get().rstrip(".") or "fp4offload", block, "a JSON object with optional keys " + ", ".join(_SUBBLOCKS))
+            raise ConfigError(_prefix.get().rstrip(".") or "fp4offload", block,
+                              "a JSON object with optional keys " + ", ".join(_SUBBLOCKS))
         for k in block:
             if k not in _SUBBLOCKS:
                 raise _unknown(str(k), block[k], list(_SUBBLOCKS))
@@ -463,8 +463,9 @@ def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None =
     optimizer states need DeepSpeed to accept a client optimizer (``zero_force_ds_cpu_optimizer``
     false, ``zero_allow_untested_optimizer`` true), must not sit behind DeepSpeed's own NVMe
     optimizer swapper, and need ZeRO for an offloaded optimizer or fp16; bf16 and fp16 are not both
-    on; the batch sizes agree when ``world_size`` is given. With ``check_with_deepspeed`` the ``zero_optimization`` section is also validated by
-    DeepSpeed's own schema (imports deepspeed, slow). Returns the parsed block.
+    on; the batch sizes agree when ``world_size`` is given. With ``check_with_deepspeed`` the
+    ``zero_optimization`` section is also validated by DeepSpeed's own schema (imports deepspeed, slow).
+    Returns the parsed block.
     """
     if not isinstance(ds, Mapping):
         raise ConfigError("<deepspeed config>", type(ds).__name__, "a JSON object (dict)")
@@ -494,7 +495,8 @@ def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None =
                               f"stage is {stage}: set \"stage\": 3 and offload_param, or remove the weights block")
         dev = _offload_device(ds, "offload_param")
         if dev != w.device:
-            raise ConfigError("zero_optimization.offload_param.device", dev, f"{w.device!r} (fp4offload.weights.device)",
+            raise ConfigError("zero_optimization.offload_param.device", dev,
+                              f"{w.device!r} (fp4offload.weights.device)",
                               "packed weights live in the host/NVMe partition DeepSpeed fetches from; "
                               f"add \"offload_param\": {{\"device\": \"{w.device}\", \"pin_memory\": true}}")
 
@@ -505,7 +507,8 @@ def validate_deepspeed_config(ds: Mapping[str, Any], *, world_size: int | None =
                               "\"zero_force_ds_cpu_optimizer\": false")
         if stage >= 1 and ds.get("zero_allow_untested_optimizer") is not True:
             raise ConfigError("zero_allow_untested_optimizer", ds.get("zero_allow_untested_optimizer"), "true",
-                              "ZeRO refuses client optimizers it does not know unless \"zero_allow_untested_optimizer\": true")
+                              "ZeRO refuses client optimizers it does not know unless "
+                              "\"zero_allow_untested_optimizer\": true")
         if _offload_device(ds, "offload_optimizer") == "nvme":
             raise ConfigError("zero_optimization.offload_optimizer.device", "nvme",
                               "'cpu' or 'none' when fp4offload.optimizer_states is set",

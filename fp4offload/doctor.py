@@ -58,7 +58,7 @@ def deepspeed_report() -> dict:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, without its warning
     try:
-        import deepspeed  # noqa: F401  (slow import: only here)
+        import deepspeed
     except Exception as e:
         return {"usable": False, "why": f"import failed: {e}"}
     from .integrations import ds_internals
@@ -115,7 +115,7 @@ def host_report(config: str | None = None) -> dict:
     try:
         host_allocator._extension()
         out["host_cache"] = {"builds": True, "seconds": round(time.perf_counter() - t0, 1)}
-    except Exception as e:  # noqa: BLE001 - report, never raise
+    except Exception as e:
         out["host_cache"] = {"builds": False, "why": f"{type(e).__name__}: {e}"[:300]}
     return out
 
@@ -167,7 +167,8 @@ def _nvcc_version() -> str | None:
 
 
 def render(r: dict) -> str:
-    lines = [f"fp4offload {r['fp4offload']}  python {r['python']}  torch {r['torch']} (CUDA {r['torch_cuda'] or 'none'})"]
+    lines = [f"fp4offload {r['fp4offload']}  python {r['python']}  torch {r['torch']} "
+             f"(CUDA {r['torch_cuda'] or 'none'})"]
     g = r["gpu"]
     if g["available"]:
         lines.append(f"GPUs (driver {g['driver']}):")

@@ -18,8 +18,8 @@ there before (glibc's malloc through torch).
 
 The DeepSpeed block installs it together with its glibc setting
 (:func:`fp4offload.integrations.ds_host.control_host_allocator`, the block's ``host.allocator_cache``);
-called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or ``off``. It is process-wide, Linux only, and changes no tensor's values: only where the
-bytes of new CPU tensors come from.
+called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or ``off``. It is process-wide, Linux only,
+and changes no tensor's values: only where the bytes of new CPU tensors come from.
 
     >>> from fp4offload import host_allocator
     >>> host_allocator.install()                   # doctest: +SKIP
@@ -101,7 +101,7 @@ def install(fraction: float | None = None, *, floor_bytes: int = DEFAULT_FLOOR, 
         return {"installed": False, "reason": "not Linux"}
     try:
         ext = _extension()
-    except Exception as exc:  # noqa: BLE001 - a missing compiler must not stop training
+    except Exception as exc:
         log.warning("fp4offload: host allocator cache not built (%s); torch's allocator stays", exc)
         return {"installed": False, "reason": f"extension did not build: {exc}"}
     ok = ext.install(int(min_bytes), float(fraction), int(floor_bytes), int(ceiling_bytes), int(huge_bytes),

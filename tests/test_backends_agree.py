@@ -29,7 +29,8 @@ def _eq(a, b):
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
         if a.is_floating_point():
-            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a, b.view(torch.int32) if b.dtype == torch.float32 else b)
+            assert torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a,
+                               b.view(torch.int32) if b.dtype == torch.float32 else b)
         else:
             assert torch.equal(a, b)
     else:

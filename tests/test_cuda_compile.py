@@ -158,7 +158,8 @@ def test_binding_compiles_against_torch_headers(tmp_path):
                     None)
     if cuda_inc is None:
         pytest.skip("cuda_runtime_api.h not found (set CUDA_HOME)")
-    incs = [str(tinc), str(tinc / "torch" / "csrc" / "api" / "include"), sysconfig.get_paths()["include"], str(cuda_inc)]
+    incs = [str(tinc), str(tinc / "torch" / "csrc" / "api" / "include"), sysconfig.get_paths()["include"],
+            str(cuda_inc)]
     if not (tinc / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").exists():  # generated only in CUDA builds
         stub = tmp_path / "c10" / "cuda" / "impl"
         stub.mkdir(parents=True)

@@ -87,11 +87,11 @@ def emu(tmp_path_factory):
     src = (CSRC / "cuda" / "fp4_kernels.cu").read_text().replace('#include "fp4_kernels.cuh"',
                                                                   '#include "cuda/fp4_kernels.cuh"')
     so = _emu_library(tmp_path_factory.mktemp("cuda_emu"), {"kernels.cpp": _rewrite_launches(src), "api.cpp": _API})
-    P, I, L, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_uint
-    so.e_nv_enc.argtypes = [P, I, L, L, L, L, I, I, U, U, I, P, P, P, P, P, P]
-    so.e_nv_dec.argtypes = [P, P, P, L, L, L, L, I, P, I]
-    so.e_mx_enc.argtypes = [P, I, L, I, I, I, U, U, I, P, P, P]
-    so.e_mx_dec.argtypes = [P, P, L, I, P, I]
+    P, Int, L, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_uint
+    so.e_nv_enc.argtypes = [P, Int, L, L, L, L, Int, Int, U, U, Int, P, P, P, P, P, P]
+    so.e_nv_dec.argtypes = [P, P, P, L, L, L, L, Int, P, Int]
+    so.e_mx_enc.argtypes = [P, Int, L, Int, Int, Int, U, U, Int, P, P, P]
+    so.e_mx_dec.argtypes = [P, P, L, Int, P, Int]
     so.e_divergent.restype = ctypes.c_long
     return so
 
@@ -297,8 +297,9 @@ def emu_adam(tmp_path_factory):
     src = _rewrite_launches((CSRC / "cuda" / "adam_kernels.cu").read_text(), at_least=1)
     so = _emu_library(tmp_path_factory.mktemp("cuda_emu_adam"),
                       {"adam.cpp": src + '\nextern "C" long e_divergent() { return emu::S().divergent; }\n'})
-    P, I, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
-    so.fp4adam_fused_step_cuda.argtypes = [P, P, I, ctypes.c_int64, P, P, P, P, P, P, P, I, I, I, I, U, U, P, P]
+    P, Int, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
+    so.fp4adam_fused_step_cuda.argtypes = [P, P, Int, ctypes.c_int64, P, P, P, P, P, P, P, Int, Int, Int, Int, U, U,
+                                           P, P]
     so.e_divergent.restype = ctypes.c_long
 
     class Ext:

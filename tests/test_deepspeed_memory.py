@@ -161,7 +161,8 @@ def test_host_gradient_partition_in_bf16(tmp_path):
     res = launch({"cases": [
         {"name": "bf16", "config": noclip, "steps": 5, "probe": "grads"},
         {"name": "fp32", "config": noclip, "steps": 5, "probe": "grads", "env": off},
-        {"name": "fp32_by_config", "config": {**noclip, "fp4offload": {**block, "host": {"bf16_gradient_partition": False}}},
+        {"name": "fp32_by_config",
+         "config": {**noclip, "fp4offload": {**block, "host": {"bf16_gradient_partition": False}}},
          "steps": 5, "probe": "grads"},
         {"name": "clip_bf16", "config": clip, "steps": 5, "probe": "grads"},
         {"name": "clip_fp32", "config": clip, "steps": 5, "probe": "grads", "env": off},

@@ -170,7 +170,8 @@ def test_optimizer_fused_equals_reference_backend():
     for k in sa["state"]:
         for key, t in sa["state"][k].items():
             if torch.is_tensor(t):
-                assert torch.equal(t.reshape(-1).view(torch.uint8), sb["state"][k][key].reshape(-1).view(torch.uint8)), key
+                assert torch.equal(t.reshape(-1).view(torch.uint8),
+                                   sb["state"][k][key].reshape(-1).view(torch.uint8)), key
 
 
 @pytest.mark.parametrize("shape", [(40, 128), (16, 64), (300, 192), (3, 5, 64), (37, 50)], ids=str)

@@ -251,8 +251,8 @@ def test_memory_model_matches_measurement(name, measurements):
     predicted, detail = _predict(name)
     measured = measurements[name]["measured"]
     err = predicted / measured - 1
-    assert abs(err) <= TOLERANCE, (f"{name}: predicted {predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB "
-                                   f"({err:+.1%}); {detail}")
+    assert abs(err) <= TOLERANCE, (f"{name}: predicted {predicted / 2**20:.1f} MiB, "
+                                   f"measured {measured / 2**20:.1f} MiB ({err:+.1%}); {detail}")
 
 
 def test_parameter_count_of_test_model_matches_spec():

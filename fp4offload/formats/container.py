@@ -2,9 +2,9 @@
 
 Layout: ``MAGIC`` (8 bytes) | header length (uint64 little endian) | CRC32 of the header (uint32 little
 endian) | header (UTF-8 JSON) | payload. The header holds ``version``, the caller's metadata and, per
-tensor, dtype, shape, offset, nbytes and crc32; the file must end where the last tensor ends. Files are written to a temporary name in the same folder, fsynced and renamed, so a crash
-leaves either the old file or the new one; they are created readable by their owner only. Nothing is
-pickled.
+tensor, dtype, shape, offset, nbytes and crc32; the file must end where the last tensor ends. Files are
+written to a temporary name in the same folder, fsynced and renamed, so a crash leaves either the old file
+or the new one; they are created readable by their owner only. Nothing is pickled.
 """
 
 from __future__ import annotations

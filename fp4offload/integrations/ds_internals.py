@@ -73,12 +73,14 @@ _WEIGHTS = ("weights",)
 
 TABLE: tuple[Internal, ...] = (
     # the engine
-    Internal(_ENGINE, "basic_optimizer", "attribute", "read: the client optimizer inside ZeRO (FP4AdamW)", ("monitor",)),
+    Internal(_ENGINE, "basic_optimizer", "attribute", "read: the client optimizer inside ZeRO (FP4AdamW)",
+             ("monitor",)),
     # ZeRO-1/2 (stage_1_and_2.py)
     Internal(_Z12, "initialize_optimizer_states", "callable",
              "replaced while deepspeed.initialize runs: allocates the host gradient partition in bf16", _GRADS),
     Internal(_Z12, "single_partition_of_fp32_groups", "attribute",
-             "read: the fp32 master partitions; their .grad is set to the bf16 gradient partition", _GRADS + ("monitor",)),
+             "read: the fp32 master partitions; their .grad is set to the bf16 gradient partition",
+             _GRADS + ("monitor",)),
     Internal(_Z12, "bit16_groups", "attribute", "read: the parameters' dtype (bf16 required)", _GRADS),
     Internal(_Z12, "partition_size", "attribute", "read: elements of each rank's partition", _GRADS),
     Internal(_Z12, "cpu_offload", "attribute", "read: whether offload_optimizer is on", _GRADS),

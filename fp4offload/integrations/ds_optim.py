@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -144,8 +144,10 @@ def is_fp4_optimizer(opt: Any) -> bool:
 def settings_from_ds_section(section: Mapping[str, Any] | None) -> AdamSettings:
     """Adam settings from a DeepSpeed ``"optimizer"`` section; ConfigError for anything but Adam/AdamW."""
     if section is None:
-        raise ConfigError("optimizer", None, "an {\"type\": \"AdamW\", \"params\": {...}} section, or a client optimizer "
-                          "passed to initialize", "fp4offload.optimizer_states replaces Adam's states; it needs an Adam")
+        raise ConfigError("optimizer", None,
+                          "an {\"type\": \"AdamW\", \"params\": {...}} section, or a client optimizer "
+                          "passed to initialize",
+                          "fp4offload.optimizer_states replaces Adam's states; it needs an Adam")
     if not isinstance(section, Mapping):
         raise ConfigError("optimizer", section, "a JSON object with 'type' and 'params'")
     typ = section.get("type")

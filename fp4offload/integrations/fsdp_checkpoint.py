@@ -351,7 +351,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
             if e.kind == "number":
                 t = torch.zeros(1, dtype=torch.float64)
                 sd[full] = t
-                after.append(lambda st=e.st, key=e.key, t=t, typ=type(e.v): st.__setitem__(key, typ(t.item())))
+                typ = type(e.v)  # bound now, like the other defaults: the loop moves on before the call
+                after.append(lambda st=e.st, key=e.key, t=t, typ=typ: st.__setitem__(key, typ(t.item())))
             elif e.kind == "replicated":
                 sd[full] = e.v
             elif e.kind == "like_param":

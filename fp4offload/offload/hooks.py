@@ -140,7 +140,8 @@ class ActivationOffloader:
         self.policy = policy or ActivationPolicy()
         self.stats = ActivationStats()
         self._pool = pool
-        self._nvme = ActivationFileStore(self.policy.nvme_path, self.policy.io_workers) if self.policy.device == "nvme" else None
+        self._nvme = (ActivationFileStore(self.policy.nvme_path, self.policy.io_workers)
+                      if self.policy.device == "nvme" else None)
         self._lock = threading.Lock()
         self._drops: deque = deque()
         self._entries: dict[int, _Entry] = {}
@@ -161,7 +162,9 @@ class ActivationOffloader:
         fmt = fmt or self.policy.format
         pack = self._hook_fns.get(fmt)
         if pack is None:
-            def pack(t, _fmt=fmt, _self=weakref.ref(self)):
+            self_ref = weakref.ref(self)
+
+            def pack(t, _fmt=fmt, _self=self_ref):
                 off = _self()
                 return _alias(t) if off is None else off.pack(t, _fmt)
 
@@ -177,7 +180,9 @@ class ActivationOffloader:
         """
         fn = self._hook_fns.get("shield:" + reason)
         if fn is None:
-            def fn(t, _reason=reason, _self=weakref.ref(self)):
+            self_ref = weakref.ref(self)
+
+            def fn(t, _reason=reason, _self=self_ref):
                 off = _self()
                 if off is not None and type(t) is torch.Tensor and not _from_parameter(t):
                     off.stats.skip(_reason, t.numel() * t.element_size())

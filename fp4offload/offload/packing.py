@@ -84,11 +84,13 @@ def quantize_async(src: torch.Tensor, fmt: str, stochastic: bool = False, seed: 
                 import warnings
 
                 _fast_ok = False
-                warnings.warn(f"fp4offload: activation packing falls back to quantize() ({e})", RuntimeWarning)
+                warnings.warn(f"fp4offload: activation packing falls back to quantize() ({e})", RuntimeWarning,
+                              stacklevel=2)
     return quantize(src, fmt, nonfinite="propagate", rounding="stochastic" if stochastic else "nearest", seed=seed)
 
 
-def encode(t: torch.Tensor, fmt: str, stochastic: bool = False, seed: int = 0) -> tuple[dict[str, torch.Tensor], Layout]:
+def encode(t: torch.Tensor, fmt: str, stochastic: bool = False,
+           seed: int = 0) -> tuple[dict[str, torch.Tensor], Layout]:
     """Compress `t` (or take it as is for ``fmt="none"``; round fp32 to bf16 for ``"bf16"``).
 
     Returns the parts and their layout.

@@ -16,7 +16,8 @@ def _patterns(key: str, value) -> tuple[str, ...]:
     try:
         out = tuple(value)
     except TypeError:
-        raise ConfigError(key, value, "a tuple of fnmatch patterns over qualified module names, e.g. ('*.mlp',)")
+        raise ConfigError(key, value,
+                          "a tuple of fnmatch patterns over qualified module names, e.g. ('*.mlp',)") from None
     for p in out:
         if not isinstance(p, str) or not p:
             raise ConfigError(key, value, "non-empty strings, e.g. ('*.mlp', 'model.layers.0.*')")

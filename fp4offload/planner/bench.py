@@ -32,13 +32,14 @@ def _rate(step: Callable[[], None], numel: int, max_seconds: float, min_steps: i
 def _fp4_optimizer():
     """fp4offload.FP4AdamW if the package provides it yet, else None and why."""
     try:
-        from fp4offload import FP4AdamW  # noqa: PLC0415 - optional, built by another part of the package
+        from fp4offload import FP4AdamW
     except Exception as exc:  # ImportError: a build without the optimizer
         return None, f"FP4AdamW is not importable ({type(exc).__name__}); the nvfp4 rate keeps the default ratio"
     return FP4AdamW, None
 
 
-def bench_cpu_adam(numel: int = DEFAULT_BENCH_NUMEL, max_seconds: float = 3.0) -> tuple[dict[str, float], int, list[str]]:
+def bench_cpu_adam(numel: int = DEFAULT_BENCH_NUMEL,
+                   max_seconds: float = 3.0) -> tuple[dict[str, float], int, list[str]]:
     """CPU optimizer step rate, parameters/s, per state format; the thread count; notes.
 
     fp32: torch's fused AdamW on CPU (the same memory traffic as DeepSpeedCPUAdam).

@@ -77,7 +77,8 @@ def _offload(device: str, nvme_path: str | None, **extra: Any) -> dict[str, Any]
 
 
 def deepspeed_config(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup,
-                     optimizer: OptimizerSettings = OptimizerSettings(), nvme_path: str | None = None) -> dict[str, Any]:
+                     optimizer: OptimizerSettings = OptimizerSettings(),
+                     nvme_path: str | None = None) -> dict[str, Any]:
     """A complete DeepSpeed config for ``strategy`` (engine deepspeed), validated."""
     s, t = strategy, setup
     if s.engine != "deepspeed":
@@ -142,7 +143,8 @@ def fsdp_policy(strategy: Strategy, model: ModelSpec, nvme_path: str | None = No
     block = fp4offload_block(s, nvme_path)
     return FsdpPolicyConfig(weights=block.weights, optimizer_states=block.optimizer_states,
                             activations=block.activations, monitor=block.monitor, cpu_offload=s.fsdp_cpu_offload,
-                            reshard_after_forward=s.fsdp_reshard, block_classes=(model.block_class,) if model.block_class else ())
+                            reshard_after_forward=s.fsdp_reshard,
+                            block_classes=(model.block_class,) if model.block_class else ())
 
 
 def _atomic_write(path: str | Path, text: str) -> None:

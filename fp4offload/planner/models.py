@@ -330,7 +330,8 @@ def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = No
             try:
                 extra = _llama4_vision_params(cfg["vision_config"], text["hidden_size"])
             except KeyError as exc:
-                raise ConfigError("vision_config", f"<missing {exc.args[0]}>", "a complete Llama 4 vision_config") from None
+                raise ConfigError("vision_config", f"<missing {exc.args[0]}>",
+                                  "a complete Llama 4 vision_config") from None
         cfg = text
     else:
         mt = top_type
@@ -421,7 +422,8 @@ def parse_dims(text: str) -> ModelSpec:
         try:
             vals[k] = (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v)
         except ValueError:
-            raise ConfigError(f"--model {k}", v, {int: "an integer", str: "a string"}.get(typ, "true or false")) from None
+            raise ConfigError(f"--model {k}", v,
+                              {int: "an integer", str: "a string"}.get(typ, "true or false")) from None
     for k in ("hidden", "layers", "heads", "vocab"):
         if k not in vals:
             raise ConfigError(f"--model {k}", None, "given", "explicit dims need hidden, layers, heads, vocab and ffn")

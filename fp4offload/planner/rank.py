@@ -153,7 +153,8 @@ def _why_lost(loser: Candidate, winner: Candidate) -> str:
     more = (loser.memory.device_total - winner.memory.device_total) / GiB
     if more > 0.05:
         return f"as fast within {TIE_TOLERANCE:.0%}, with {more:.1f} GiB more per GPU (less headroom)"
-    return f"as fast within {TIE_TOLERANCE:.0%}; ranked by step time ({loser.time.step_s:.3f} s vs {winner.time.step_s:.3f})"
+    return (f"as fast within {TIE_TOLERANCE:.0%}; ranked by step time "
+            f"({loser.time.step_s:.3f} s vs {winner.time.step_s:.3f})")
 
 
 def make_plan(strategies: Iterable[Strategy], model: ModelSpec, cluster: Cluster, setup: TrainSetup,
