@@ -78,7 +78,7 @@ def _available(backend: str, device: str) -> tuple[bool, str]:
     try:
         fp4offload.quantize(torch.ones(32, device=device))
         return True, ""
-    except Exception as e:  # noqa: BLE001 - any failure means: not available here, say why
+    except Exception as e:
         return False, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
     finally:
         if old is None:
@@ -105,7 +105,7 @@ def _torchao_peers(srcs, repeats, modes, notes) -> list[Variant]:
             from torchao.prototype.mx_formats.mx_tensor import MXTensor, to_mx
             from torchao.prototype.mx_formats.nvfp4_tensor import (NVFP4Tensor, nvfp4_quantize,
                                                                    per_tensor_amax_to_scale)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         notes.append(f"torchao peers skipped: {type(e).__name__}: {e}")
         return []
     rceil = ScaleCalculationMode.RCEIL
@@ -188,7 +188,7 @@ def measure(variants: list[Variant], device: str, notes: list[str]) -> list[Vari
         try:
             v.fn()
             _sync(device)
-        except Exception as e:  # noqa: BLE001 - a peer that fails is reported, not fatal
+        except Exception as e:
             why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
             notes.append(f"{v.backend} {v.fmt} {v.src} {v.op} skipped: {type(e).__name__}: {why}")
             continue

@@ -26,7 +26,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4of
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
 
 def _numel(s: str) -> int:
@@ -204,7 +204,7 @@ def main(argv=None) -> None:
         for r in rows:
             print(json.dumps(r))
         return
-    print(f"| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam | m+v bytes/param |")
+    print("| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam | m+v bytes/param |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         if r["bench"] == "step":

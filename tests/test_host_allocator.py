@@ -164,7 +164,7 @@ def test_threads_allocating_and_freeing_at_once(cache):
                 t = torch.full(((k + 1) * 64 * 1024,), float(i))
                 if t[-1].item() != i:
                     errors.append((k, i))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]

@@ -65,7 +65,7 @@ def test_emit_fsdp_policy(capsys, tmp_path):
     path = tmp_path / "fsdp.yaml"
     rc, out, _ = run(capsys, "plan", "--model", "qwen3-32b", "--gpu", "h200-141gb", "--engine", "fsdp2",
                      "--emit", "fsdp", str(path))
-    assert rc == 0 and f"wrote fsdp config" in out
+    assert rc == 0 and "wrote fsdp config" in out
     pol = load_fsdp_policy_yaml(path)
     assert pol.block_classes == ("Qwen3DecoderLayer",)
 

@@ -23,7 +23,6 @@ Fallbacks (each logged once per model):
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import torch
 import torch.distributed as dist
