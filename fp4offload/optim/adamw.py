@@ -107,9 +107,10 @@ class FP4AdamW(Optimizer):
         self._copies = WorkingCopies(working_copy)
         self._tensor_key_fn = tensor_key
         self._stream_numbers: dict[str, int] = {}  # tensor_key name -> its stochastic-rounding stream number
+        me = weakref.ref(self)  # the tier must not keep the optimizer alive (its __del__ closes the tier)
         self._tier = make_tier(state_device, nvme_path=nvme_path, nvme_threads=nvme_threads,
                                nvme_reserve_bytes=nvme_reserve_bytes, nvme_io=nvme_io, tensor_key=tensor_key,
-                               has_states=lambda t, me=weakref.ref(self): "step" in me().state.get(t, {}))
+                               has_states=lambda t: "step" in me().state.get(t, {}))
         self.nvme_io = None if self._tier.store is None else self._tier.store.io
 
     # ---- the NVMe tier's store and keys, as tests and integrations reach them -------------------------
