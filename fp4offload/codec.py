@@ -56,10 +56,6 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
     return block
 
 
-#: the name fp4offload.optim and fp4offload.offload import; it is formats.layout.rows_cols
-_rows_cols = rows_cols
-
-
 def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, rounding: str = "nearest",
              seed: int = 0, scale_scope: int | None = None, nonfinite: str = "raise", scale_mode: str = "rceil",
              stream: int = 0, name: str | None = None, amax: torch.Tensor | float | None = None) -> PackedTensor:

@@ -54,3 +54,17 @@ def test_docs_link_only_to_files_in_the_repository():
     code = [p for p in (ROOT / "fp4offload").rglob("*.py")] + [p for p in (ROOT / "csrc").rglob("*") if p.is_file()]
     cites = [f"{p.relative_to(ROOT)}" for p in code if "shared/DESIGN" in p.read_text(errors="replace")]
     assert cites == [], cites
+
+
+def test_ruff_is_clean():
+    """The lint configured in pyproject.toml ([tool.ruff]) passes on the whole tree."""
+    import shutil
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        import pytest
+
+        pytest.skip("ruff is not installed: pip install -e '.[test]'")
+    out = subprocess.run([ruff, "check", "--no-cache", str(ROOT)], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]

@@ -65,7 +65,7 @@ def quantize_async(src: torch.Tensor, fmt: str, stochastic: bool = False, seed: 
     """
     global _fast_ok
     if _fast_ok and src.device.type in ("cpu", "cuda"):
-        from ..codec import _rows_cols
+        from ..formats.layout import rows_cols
         from ..ops import backend_for
 
         kern = backend_for(src.device)
@@ -74,7 +74,7 @@ def quantize_async(src: torch.Tensor, fmt: str, stochastic: bool = False, seed: 
             x = src.contiguous()
             try:
                 if fmt == "nvfp4":
-                    rows, cols = _rows_cols(x.shape)
+                    rows, cols = rows_cols(x.shape)
                     data, scales, ts, _ = ext().nvfp4_encode(x, rows, cols, 1, 0, False, stochastic,
                                                              seed & 0xFFFFFFFF, 0, True, None)
                     return PackedTensor(data, scales, ts, x.shape, x.dtype, "nvfp4", "1x16", 0)

@@ -1,4 +1,4 @@
-"""FP4AdamW: AdamW whose moments are stored in 4 bits (DESIGN.md 3.7), on the GPU, in host RAM or on NVMe.
+"""FP4AdamW: AdamW whose moments are stored in 4 bits (docs/design.md 3.7), on the GPU, in host RAM or on NVMe.
 
 Owns the optimizer: param groups, the step (which parameters, the fused or reference kernel, the stochastic-
 rounding streams, the quantization-error sample) and the state_dict / load_state_dict entry points. Where the

@@ -20,7 +20,7 @@ Per element, fp32, each line one correctly rounded operation (no fused multiply-
 6. ``u = sqrt(v)`` (correctly rounded; see :func:`sqrt_rn`)
 7. ``d = (u * rsbc2) + eps``
 8. ``p = p - ((m / d) * step_size)``
-9. store: m -> NVFP4 1x16 with one fp32 scale per chunk of ``CHUNK`` elements (DESIGN.md 3.3), nearest or
+9. store: m -> NVFP4 1x16 with one fp32 scale per chunk of ``CHUNK`` elements (docs/design.md 3.3), nearest or
    stochastic rounding; u -> ufp4 1x16 per chunk (3.7), nearest; or v -> NVFP4 nearest for the ablation.
    The update of step 8 uses the unquantized m and v of this step; only what is stored is rounded.
 10. optional working copies of the new weight: bf16 (round to nearest even, as ``Tensor.to(torch.bfloat16)``)
@@ -34,7 +34,7 @@ Chunks are grouped in segments of ``SEGMENT = 2**20`` elements: the unit of tran
 tiers and of the stochastic-rounding streams. Tensors with fewer than ``min_numel`` elements (default 4096)
 keep fp32 m and v and take steps 1-8 on fp32 states.
 
-Stochastic rounding of m (DESIGN.md 3.9) draws the 32 random bits of element ``i`` of segment ``s`` of the
+Stochastic rounding of m (docs/design.md 3.9) draws the 32 random bits of element ``i`` of segment ``s`` of the
 parameter with stream id ``pid`` (its position in the optimizer's parameter order; for a tensor FP4AdamW's
 ``tensor_key`` names, ``2**15`` + the number of names first stepped before its own) as
 ``random_bits(seed, stream, i - s * SEGMENT)`` with ``seed = (base_seed * 0x01000193 + t) mod 2**32`` and
@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 
 from ..formats import reference
+from ..formats.layout import packed_sizes as layout_sizes
 
 CHUNK = 1024
 SEGMENT = 1 << 20
@@ -110,9 +111,10 @@ class Packed(NamedTuple):
 
 
 def packed_sizes(n: int) -> tuple[int, int, int]:
-    """(code bytes, block scales, chunk-scale bytes) of a packed state of n elements."""
-    nb = -(-n // BLOCK)
-    return nb * (BLOCK // 2), nb, 4 * -(-n // CHUNK)
+    """(code bytes, block scales, chunk-scale bytes) of a packed state of n elements (formats.layout's sizes of
+    nvfp4 1x16 with one fp32 scale per CHUNK; ufp4 has the same)."""
+    sz = layout_sizes("nvfp4", "1x16", (n,), scope=CHUNK)
+    return sz.data, sz.scales, 4 * -(-n // CHUNK)
 
 
 def empty_packed(n: int, device) -> Packed:

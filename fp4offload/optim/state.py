@@ -1,6 +1,6 @@
 """Per-parameter state of FP4AdamW: what it holds, and its tier-independent state-dict form.
 
-A parameter with at least ``min_numel`` elements holds packed states (DESIGN.md 3.7), all uint8 so that a
+A parameter with at least ``min_numel`` elements holds packed states (docs/design.md 3.7), all uint8 so that a
 caller who casts state tensors to another floating dtype (DeepSpeed's checkpoint loader casts them to the
 parameter's dtype) loses nothing: every value is an integer in [0, 255], exact in fp32, bf16 and fp16.
 

@@ -110,12 +110,12 @@ class WorkingCopies:
 
     def _own_region(self, p, w, fused_cpu: bool) -> WeightRegion | None:
         """p's NVFP4 working copy as a region of the fused step, once an amax is known; else None."""
-        from ..codec import _rows_cols
+        from ..formats.layout import rows_cols
 
         amax = self._slots.get(id(p), {}).get("nvfp4_amax")
         if amax is None or w.device.type != "cpu" or p.is_cuda or not fused_cpu:
             return None
-        rows, cols = _rows_cols(p.shape)
+        rows, cols = rows_cols(p.shape)
         # one band of 16 rows is one thread's work: with too few bands a large copy would be encoded serially
         if not rows or not cols or (p.numel() >= 1 << 20 and -(-rows // 16) < 4 * torch.get_num_threads()):
             return None

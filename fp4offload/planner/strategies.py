@@ -74,10 +74,6 @@ class Strategy:
     source: str = ""
 
     @property
-    def uses_nvme(self) -> bool:
-        return any(p.device == "nvme" for p in self.placements().values())
-
-    @property
     def optimizer_on_host(self) -> bool:
         return self.master.device != "gpu"
 
