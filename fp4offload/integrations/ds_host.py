@@ -270,7 +270,7 @@ def _wants_bf16_grads(zero_opt: Any, settings: HostSettings) -> bool:
     return (bool(dsi.read(zero_opt, "single_partition_of_fp32_groups"))
             and bool(dsi.read(zero_opt, "cpu_offload", False))
             and dsi.read(zero_opt, "gradient_accumulation_steps") == 1
-            and isinstance(getattr(zero_opt, "optimizer", None), FP4AdamW)
+            and isinstance(dsi.read(zero_opt, "optimizer"), FP4AdamW)
             and all(p.dtype == torch.bfloat16 for g in dsi.read(zero_opt, "bit16_groups", []) for p in g))
 
 

@@ -17,8 +17,8 @@ How a name is checked depends on its kind:
 - ``callable``: a function, method or enum member of the class; looked up on it.
 - ``attribute``: an attribute DeepSpeed sets on instances (``self.<name>``); the class's source must
   assign it. Cheap, and it catches a rename, which is what DeepSpeed releases do to these names.
-- ``param``: an attribute ZeRO-3 sets on every partitioned parameter (``param.<name>``), checked in the
-  source of ``partition_parameters.py`` the same way.
+- ``param``: an attribute ZeRO-3 sets on the tensors it hands around (``param.<name>``, or the flat fp32
+  masters' ``ds_id``), checked in the source of the module that sets it the same way.
 
 :data:`SUPPORTED` is the one definition of the DeepSpeed releases the block has been run on (the
 ``deepspeed`` bound of pyproject.toml agrees with it; tests/test_ds_internals.py checks that).
@@ -76,6 +76,8 @@ TABLE: tuple[Internal, ...] = (
     Internal(_ENGINE, "basic_optimizer", "attribute", "read: the client optimizer inside ZeRO (FP4AdamW)",
              ("monitor",)),
     # ZeRO-1/2 (stage_1_and_2.py)
+    Internal(_Z12, "optimizer", "attribute", "read: the client optimizer ZeRO wraps (FP4AdamW or not)",
+             _GRADS + ("monitor",)),
     Internal(_Z12, "initialize_optimizer_states", "callable",
              "replaced while deepspeed.initialize runs: allocates the host gradient partition in bf16", _GRADS),
     Internal(_Z12, "single_partition_of_fp32_groups", "attribute",
@@ -92,6 +94,10 @@ TABLE: tuple[Internal, ...] = (
     Internal(_Z12, "parallel_partitioned_bit16_groups", "attribute", "read: this rank's bf16 partitions", _STAGING),
     Internal(_Z12, "real_dp_process_group", "attribute", "read: the data-parallel group of each partition", _STAGING),
     # ZeRO-3 (stage3.py)
+    Internal(_Z3, "optimizer", "attribute", "read: the client optimizer ZeRO wraps (FP4AdamW or not)",
+             _WEIGHTS + ("monitor",)),
+    Internal("deepspeed.runtime.zero.stage3", "ds_id", "param",
+             "read: the id stage3 gives each sub-group's flat fp32 master (names FP4AdamW's files and streams)", _OPT),
     Internal(_Z3, "_reassign_or_swap_out_partitioned_parameters", "callable",
              "wrapped per optimizer: packs the new weights after each sub-group's step", _WEIGHTS),
     Internal(_Z3, "fp16_groups", "attribute", "read: the parameters of each sub-group", _WEIGHTS),
@@ -183,8 +189,8 @@ def _present(row: Internal) -> bool:
     if row.kind == "callable":
         owner = _resolve(row.owner)
         return owner is not None and hasattr(owner, row.name)
-    prefix = "self" if row.kind == "attribute" else r"\w+"
-    return re.search(rf"\b{prefix}\.{re.escape(row.name)}\b", _source(row.owner)) is not None
+    pattern = rf"\bself\.{re.escape(row.name)}\b" if row.kind == "attribute" else rf"\.{re.escape(row.name)}\b"
+    return re.search(pattern, _source(row.owner)) is not None
 
 
 def missing(features: Iterable[str]) -> list[Internal]:

@@ -75,7 +75,7 @@ def optimizer_host_bytes(engine: Any) -> dict[str, int]:
     partitions}``. Tensors shared between parts are counted once.
     """
     zero_opt = engine.optimizer
-    inner = dsi.read(engine, "basic_optimizer") or getattr(zero_opt, "optimizer", None)
+    inner = dsi.read(engine, "basic_optimizer") or dsi.read(zero_opt, "optimizer")
     seen: set[int] = set()
     masters = _masters(zero_opt)
     master = sum(tensor_bytes(m, seen) for m in masters)

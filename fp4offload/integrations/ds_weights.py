@@ -304,7 +304,7 @@ def _after_step(pw: PackedWeights, params: list, sources: list[torch.Tensor]) ->
 def _register_regions(pw: PackedWeights, opt) -> None:
     """Ask FP4AdamW (when it is the inner optimizer) to write each packed partition's NVFP4 copy inside its
     fused step over the sub-group's flat fp32 master."""
-    inner = getattr(opt, "optimizer", None)
+    inner = dsi.read(opt, "optimizer")
     if not hasattr(inner, "register_weight_regions"):
         return
     from fp4offload.optim import WeightRegion
