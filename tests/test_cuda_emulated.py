@@ -158,7 +158,22 @@ def _eq(ref, got, what=""):
     assert not bool(bad.any()), (what, bad.nonzero()[:8].flatten().tolist())
 
 
+def _eq_each(ref, got, *what):
+    """_eq on each output of an encoder (ref's i-th against got's i-th), named (*what, i)."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        _eq(a, b, (*what, i))
+
+
 _data = codec_data
+
+
+def _nonfinite(x, variant, nan_at, inf_at, inf):
+    """Whether the case is a "...nonfinite" one; if so, x (flat) gets a NaN at nan_at and `inf` at inf_at."""
+    prop = variant.endswith("nonfinite")
+    if prop:
+        x.view(-1)[nan_at] = float("nan")
+        x.view(-1)[inf_at] = inf
+    return prop
 
 
 # (shape, variant): 1x16 with whole/per-warp/per-block scopes, tiles with ragged edges, SR, ufp4, non-finite
@@ -177,10 +192,7 @@ def test_nvfp4_kernels_match_reference(shape, variant, dtype, emu):
     ufp4 = variant.startswith("ufp4")
     if ufp4:
         x = x.abs()
-    prop = variant.endswith("nonfinite")
-    if prop:
-        x.view(-1)[5] = float("nan")
-        x.view(-1)[-1] = float("inf")
+    prop = _nonfinite(x, variant, 5, -1, float("inf"))
     rows, cols = (x.numel() // shape[-1] if shape[-1] else 0), shape[-1]
     tile = 16 if "16x16" in variant else 1
     scope = int(re.search(r"scope(\d+)", variant).group(1)) if "scope" in variant else 0
@@ -188,8 +200,7 @@ def test_nvfp4_kernels_match_reference(shape, variant, dtype, emu):
     args = (x, rows, cols, tile, scope, ufp4, sr, 1234, 7, prop)
     ref = reference.nvfp4_encode(*args)
     got = nv_encode(emu, *args)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        _eq(a, b, ("encode", i))
+    _eq_each(ref, got, "encode")
     for out_dtype in DT:
         dec = (ref[0], ref[1], ref[2], rows, cols, tile, scope, ufp4, out_dtype)
         _eq(reference.nvfp4_decode(*dec), nv_decode(emu, *dec), ("decode", out_dtype))
@@ -200,16 +211,12 @@ def test_nvfp4_kernels_match_reference(shape, variant, dtype, emu):
 @pytest.mark.parametrize("shape,variant", MX_CASES, ids=[f"{v}-{s}" for s, v in MX_CASES])
 def test_mx_kernels_match_reference(shape, variant, dtype, emu):
     x = _data(shape, dtype, (shape, variant))
-    prop = variant.endswith("nonfinite")
-    if prop:
-        x.view(-1)[3] = float("nan")
-        x.view(-1)[39] = -float("inf")
+    prop = _nonfinite(x, variant, 3, 39, -float("inf"))
     fp8 = variant.startswith("mxfp8")
     args = (x, fp8, "floor" in variant, variant.endswith("sr"), 99, 3, prop)
     ref = reference.mx_encode(*args)
     got = mx_encode(emu, *args)
-    for i, (a, b) in enumerate(zip(ref, got)):
-        _eq(a, b, ("encode", i))
+    _eq_each(ref, got, "encode")
     for out_dtype in DT:
         _eq(reference.mx_decode(ref[0], ref[1], x.numel(), fp8, out_dtype),
             mx_decode(emu, ref[0], ref[1], x.numel(), fp8, out_dtype), ("decode", out_dtype))
@@ -223,16 +230,14 @@ def test_misaligned_buffers_match_reference(dtype, emu):
     assert x.data_ptr() % 16 != 0
     for tile, rows, cols in [(1, 1, 2000), (16, 20, 100)]:
         ref = reference.nvfp4_encode(x, rows, cols, tile, 0, False, False, 5, 6, False)
-        for i, (a, b) in enumerate(zip(ref, nv_encode(emu, x, rows, cols, tile, 0, False, False, 5, 6, False))):
-            _eq(a, b, ("encode", tile, i))
+        _eq_each(ref, nv_encode(emu, x, rows, cols, tile, 0, False, False, 5, 6, False), "encode", tile)
         buf = torch.empty(ref[0].numel() + 1, dtype=torch.uint8)
         buf[1:] = ref[0]  # codes at an odd address: the byte-wise code path of the decoders
         _eq(reference.nvfp4_decode(ref[0], ref[1], ref[2], rows, cols, tile, 0, False, dtype),
             nv_decode(emu, buf[1:], ref[1], ref[2], rows, cols, tile, 0, False, dtype), ("decode", tile))
     for fp8 in (False, True):
         ref = reference.mx_encode(x, fp8, False, False, 1, 2, False)
-        for i, (a, b) in enumerate(zip(ref, mx_encode(emu, x, fp8, False, False, 1, 2, False))):
-            _eq(a, b, ("mx encode", fp8, i))
+        _eq_each(ref, mx_encode(emu, x, fp8, False, False, 1, 2, False), "mx encode", fp8)
 
 
 @pytest.mark.parametrize("tile,scope", [(1, 0), (1, 32), (16, 0)])
@@ -242,8 +247,7 @@ def test_amax_override_matches_reference(tile, scope, emu):
     amax = torch.full((nscopes,), float(x.abs().max()) * 3.0)
     args = (x, 40, 48, tile, scope, False, False, 0, 0, False)
     ref = reference.nvfp4_encode(*args, amax=amax)
-    for i, (a, b) in enumerate(zip(ref, nv_encode(emu, *args, amax=amax))):
-        _eq(a, b, ("encode", i))
+    _eq_each(ref, nv_encode(emu, *args, amax=amax), "encode")
     assert not torch.equal(ref[2], reference.nvfp4_encode(*args)[2])
 
 

@@ -175,6 +175,32 @@ __device__ __forceinline__ void finite_amax(const float (&v)[N], float& m, uint3
   }
 }
 
+// A thread's run of a 1x16 or 1x32 block: when `active`, loads x[i0 .. i0+N) (as load_run) with its finite amax
+// and non-finite count; m = 0 and bad = 0 otherwise (v is then left unset).
+template <int DT, int N>
+__device__ __forceinline__ void load_run_amax(const typename Elem<DT>::raw* __restrict__ x, int64_t i0, int64_t n,
+                                              bool vec, bool active, float (&v)[N], float& m, uint32_t& bad) {
+  m = 0.0f;
+  bad = 0;
+  if (active) {
+    load_run<DT, N>(x, i0, n, vec, v);
+    finite_amax(v, m, bad);
+  }
+}
+
+// A lane's 8 elements of a 16x16 tile: row r, columns c0 .. c0+8 of the (rows, cols) source; zeros for a row
+// past the last (load_run zero-fills past the last column).
+template <int DT>
+__device__ __forceinline__ void load_tile_run(const typename Elem<DT>::raw* __restrict__ x, int64_t r, int64_t c0,
+                                              int64_t rows, int64_t cols, bool vec, float (&v)[8]) {
+  if (r < rows) {
+    load_run<DT, 8>(x + r * cols, c0, cols, vec, v);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = 0.0f;
+  }
+}
+
 __device__ __forceinline__ void atomic_max_nonneg(float* addr, float v) {
   atomicMax(reinterpret_cast<unsigned int*>(addr), __float_as_uint(v));  // order of bits == order of values
 }
@@ -248,13 +274,9 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t bad_run = 0;
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x - lane); base < total; base += stride) {
     const int64_t u = base + lane;
-    float v[N];
-    float m = 0.0f;
-    uint32_t bad = 0;
-    if (u < total) {
-      load_run<DT, N>(x, u * N, n, vec, v);
-      finite_amax(v, m, bad);
-    }
+    float v[N], m;
+    uint32_t bad;
+    load_run_amax<DT, N>(x, u * N, n, vec, u < total, v, m, bad);
     bad_run += bad;
     m = group_max<G>(m);
     if (mode == kWhole) {
@@ -288,12 +310,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t = warp; t < ntiles; t += nwarps) {
     const int64_t r = (t / C) * 16 + (lane >> 1), c0 = (t % C) * 16 + (lane & 1) * 8;
     float v[8];
-    if (r < rows) {
-      load_run<DT, 8>(x + r * cols, c0, cols, vec, v);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-    }
+    load_tile_run<DT>(x, r, c0, rows, cols, vec, v);
     finite_amax(v, run, bad_run);
   }
   if (amax_s) {
@@ -346,13 +363,9 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x - lane); base < total; base += stride) {
     const int64_t u = base + lane, i0 = u * N;
     const bool active = u < total;
-    float v[N];
-    float m = 0.0f;
-    uint32_t bad = 0;
-    if (active) {
-      load_run<DT, N>(x, i0, n, a.vec, v);
-      finite_amax(v, m, bad);
-    }
+    float v[N], m;
+    uint32_t bad;
+    load_run_amax<DT, N>(x, i0, n, a.vec, active, v, m, bad);
     m = group_max<G>(m);
     bad = group_or<G>(bad);
     if (!active) continue;
@@ -375,12 +388,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t = warp; t < ntiles; t += nwarps) {
     const int64_t r = (t / C) * 16 + (lane >> 1), c0 = (t % C) * 16 + (lane & 1) * 8;
     float v[8];
-    if (r < rows) {
-      load_run<DT, 8>(x + r * cols, c0, cols, a.vec, v);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.0f;
-    }
+    load_tile_run<DT>(x, r, c0, rows, cols, a.vec, v);
     float m = 0.0f;
     uint32_t bad = 0;
     finite_amax(v, m, bad);
@@ -416,13 +424,9 @@ __global__ void __launch_bounds__(kThreads) mx_encode_k(const void* xv, int64_t 
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x - lane); base < total; base += stride) {
     const int64_t u = base + lane, i0 = u * N;
     const bool active = u < total;
-    float v[N];
-    float m = 0.0f;
-    uint32_t bad = 0;
-    if (active) {
-      load_run<DT, N>(x, i0, n, a.vec, v);
-      finite_amax(v, m, bad);
-    }
+    float v[N], m;
+    uint32_t bad;
+    load_run_amax<DT, N>(x, i0, n, a.vec, active, v, m, bad);
     bad_run += bad;
     m = group_max<G>(m);
     bad = group_or<G>(bad);

@@ -86,6 +86,17 @@ def _finite_magnitudes(blocks: torch.Tensor):
     return a, bad, count
 
 
+def _e2m1_codes(y: torch.Tensor, stochastic: bool, seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """Signed E2M1 codes of the scaled elements y: magnitude clamped to 6, nearest-even or stochastic rounding
+    (random bits keyed on each element's `index`), sign from the sign bit (so -0 -> 8)."""
+    ya = y.abs().clamp(max=B.E2M1_MAX)
+    if stochastic:
+        mag = B.e2m1_encode_magnitude_sr(ya, B.random_bits(seed, stream, index))
+    else:
+        mag = B.e2m1_encode_magnitude(ya)
+    return mag | (B.signbit(y).to(torch.int32) << 3)
+
+
 def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, ufp4: bool,
                  stochastic: bool, seed: int, stream: int, propagate: bool, amax: torch.Tensor | None = None):
     """NVFP4 (or ufp4 when `ufp4`) encode. Returns (data u8, scales u8, tensor_scale f32[nscopes], nonfinite).
@@ -123,12 +134,7 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     if ufp4:
         codes = B.ufp4_encode(y.abs())
     else:
-        ya = y.abs().clamp(max=B.E2M1_MAX)
-        if stochastic:
-            mag = B.e2m1_encode_magnitude_sr(ya, B.random_bits(seed, stream, index))
-        else:
-            mag = B.e2m1_encode_magnitude(ya)
-        codes = mag | (B.signbit(y).to(torch.int32) << 3)
+        codes = _e2m1_codes(y, stochastic, seed, stream, index)
     codes = torch.where(live[:, None], codes, torch.zeros_like(codes))
     if propagate:
         scale_code = torch.where(bad, torch.full_like(scale_code, B.E4M3_NAN), scale_code)
@@ -172,12 +178,7 @@ def mx_encode(x: torch.Tensor, fp8: bool, floor_mode: bool, stochastic: bool, se
     if fp8:
         codes = B.e4m3_encode(y)
     else:
-        ya = y.abs().clamp(max=B.E2M1_MAX)
-        if stochastic:
-            mag = B.e2m1_encode_magnitude_sr(ya, B.random_bits(seed, stream, index))
-        else:
-            mag = B.e2m1_encode_magnitude(ya)
-        codes = mag | (B.signbit(y).to(torch.int32) << 3)
+        codes = _e2m1_codes(y, stochastic, seed, stream, index)
     codes = torch.where(bad[:, None], torch.zeros_like(codes), codes)
     scale_code = e + 127
     if propagate:
