@@ -29,7 +29,6 @@ go through here; a config without the block is passed through untouched.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from typing import Any, Mapping
 
 from fp4offload.config import Fp4OffloadConfig, parse_block, validate_deepspeed_config
 from fp4offload.errors import ConfigError
+from fp4offload.jsonfile import read_json
 
 from . import ds_host, ds_internals, ds_optim
 
@@ -74,17 +74,9 @@ def read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict:
     if isinstance(config, Mapping):
         return copy.deepcopy(dict(config))
     if isinstance(config, (str, os.PathLike)):
-        p = Path(config)
-        try:
-            doc = json.loads(p.read_text())
-        except OSError as exc:
-            raise ConfigError("config", str(config), "a readable DeepSpeed JSON file or a dict", str(exc)) from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError("config", str(config), "valid JSON", f"line {exc.lineno} column {exc.colno}: {exc.msg}") \
-                from None
-        if not isinstance(doc, dict):
-            raise ConfigError("config", str(config), "a JSON object at the top level")
-        return doc
+        return read_json(Path(config), "config", str(config), readable="a readable DeepSpeed JSON file or a dict",
+                         valid="valid JSON", detail="line {exc.lineno} column {exc.colno}: {exc.msg}",
+                         top="a JSON object at the top level")
     raise ConfigError("config", type(config).__name__, "a dict or a path to a DeepSpeed JSON file")
 
 

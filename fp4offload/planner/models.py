@@ -8,12 +8,12 @@ implementations, so they match the published totals (see ``PUBLISHED_TOTALS``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from fp4offload.errors import ConfigError
+from fp4offload.jsonfile import read_json
 
 __all__ = ["ModelSpec", "PRESETS", "PUBLISHED_TOTALS", "PUBLISHED_ACTIVE", "from_hf_config", "parse_dims",
            "resolve_model"]
@@ -306,15 +306,8 @@ def _read_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     p = Path(source)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        cfg = json.loads(p.read_text())
-    except OSError as exc:
-        raise ConfigError("--model", str(source), "a readable config.json", str(exc)) from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError("--model", str(source), "a JSON file", f"not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ConfigError("--model", str(source), "a JSON object (a Hugging Face config.json)")
-    return cfg
+    return read_json(p, "--model", str(source), readable="a readable config.json", valid="a JSON file",
+                     top="a JSON object (a Hugging Face config.json)")
 
 
 def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> ModelSpec:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fp4offload.errors import ConfigError
+from fp4offload.jsonfile import read_json
 
 __all__ = ["GpuReading", "HostReading", "DiskReading", "Readings", "SCHEMA_VERSION"]
 
@@ -143,12 +144,7 @@ class Readings:
     @classmethod
     def load(cls, path: str | Path) -> "Readings":
         p = Path(path)
-        try:
-            doc = json.loads(p.read_text())
-        except OSError as exc:
-            raise ConfigError("--readings", str(p), "a readable readings file", str(exc)) from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError("--readings", str(p), "a JSON readings file", f"not valid JSON: {exc}") from None
+        doc = read_json(p, "--readings", str(p), readable="a readable readings file", valid="a JSON readings file")
         return cls.from_dict(doc, source=str(p))
 
     def merged(self, newer: "Readings") -> "Readings":
