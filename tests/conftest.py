@@ -24,3 +24,38 @@ def cpu_ext():
         return cpu.extension()
     except Exception as e:  # pragma: no cover - depends on the machine's toolchain
         pytest.skip(f"CPU extension does not build here: {e}")
+
+
+@pytest.fixture(params=["cpu", "reference"])
+def backend(request, monkeypatch):
+    """Run the public API on the CPU extension, then on the torch reference (FP4OFFLOAD_BACKEND forces it).
+    tests/test_formats_tables.py has its own (AVX-512 on and off)."""
+    if request.param == "cpu":
+        request.getfixturevalue("cpu_ext")
+    monkeypatch.setenv("FP4OFFLOAD_BACKEND", request.param)
+    return request.param
+
+
+LIBAIO_FIX = "apt-get install -y libaio-dev"
+
+
+def skip_or_fail(why: str) -> None:
+    """Skip a test that needs an optional system library, naming the fix; under CI (``CI`` set, as .ci/run
+    does) fail instead, so CI always runs it."""
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+        pytest.fail(f"{why} (CI installs it: see .ci/run)")
+    pytest.skip(why)
+
+
+def require_libaio() -> None:
+    """DeepSpeed's async_io op needs libaio (its NVMe swapper, and FP4AdamW's aio engine)."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        ok = bool(AsyncIOBuilder().is_compatible(verbose=False))
+    except Exception as e:  # DeepSpeed missing or its builder broken
+        ok, why = False, f"{type(e).__name__}: {e}"
+    else:
+        why = "libaio is not installed"
+    if not ok:
+        skip_or_fail(f"DeepSpeed's async_io op is unavailable ({why}); install it: {LIBAIO_FIX}")

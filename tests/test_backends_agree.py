@@ -3,6 +3,7 @@
 import pytest
 import torch
 from _codec_data import codec_data, rows_cols
+from _extensions import avx512_switched
 
 from fp4offload.formats import reference
 from fp4offload.ops import cpu
@@ -17,12 +18,7 @@ _data, _rows_cols = codec_data, rows_cols
 
 @pytest.fixture(params=[True, False], ids=["simd", "scalar"])
 def simd(request, cpu_ext):
-    before = cpu_ext.have_avx512()
-    on = cpu_ext.set_avx512(request.param)
-    if request.param and not on:
-        pytest.skip("AVX-512 paths not compiled for this CPU")
-    yield on
-    cpu_ext.set_avx512(before)
+    yield from avx512_switched(cpu_ext, request.param, "AVX-512 paths not compiled for this CPU")
 
 
 def _eq(a, b):

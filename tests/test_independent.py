@@ -218,14 +218,6 @@ def sample(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.fixture(params=["cpu", "reference"])
-def backend(request, monkeypatch):
-    if request.param == "cpu":
-        request.getfixturevalue("cpu_ext")
-    monkeypatch.setenv("FP4OFFLOAD_BACKEND", request.param)
-    return request.param
-
-
 def _np(x: torch.Tensor) -> np.ndarray:
     return x.float().numpy()
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _extensions import fused_extension
 
 from fp4offload.optim import reference_step as R
 
@@ -10,12 +11,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def cuda_ext():
-    from fp4offload.optim import fused
-
-    e = fused.cuda_extension()
-    if e is None:
-        pytest.skip(f"CUDA FP4AdamW step does not build: {fused.failures()}")
-    return e
+    return fused_extension(cuda=True)
 
 
 @pytest.mark.parametrize("n", [1, 17, 1000, 1025, 70001, R.SEGMENT + 3000])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from _extensions import avx512_switched, fused_extension
 
 from fp4offload.optim import reference_step as R
 
@@ -10,22 +11,12 @@ SIZES = [1, 15, 16, 17, 1000, 1024, 1025, 4096, 5003, 70001]
 
 @pytest.fixture(scope="module")
 def ext():
-    from fp4offload.optim import fused
-
-    e = fused.cpu_extension()
-    if e is None:
-        pytest.skip(f"fused CPU step does not build: {fused.failures()}")
-    return e
+    return fused_extension(cuda=False)
 
 
 @pytest.fixture(params=[True, False], ids=["avx512", "scalar"])
 def simd(request, ext):
-    before = ext.have_avx512()
-    on = ext.set_avx512(request.param)
-    if request.param and not on:
-        pytest.skip("AVX-512 path not compiled for this CPU")
-    yield on
-    ext.set_avx512(before)
+    yield from avx512_switched(ext, request.param, "AVX-512 path not compiled for this CPU")
 
 
 def _bits(t):

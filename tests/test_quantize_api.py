@@ -34,14 +34,6 @@ def codes_of(p: PackedTensor) -> torch.Tensor:
     return torch.stack((p.data & 15, p.data >> 4), dim=1).reshape(-1).long()
 
 
-@pytest.fixture(params=["cpu", "reference"])
-def backend(request, monkeypatch):
-    if request.param == "cpu":
-        request.getfixturevalue("cpu_ext")
-    monkeypatch.setenv("FP4OFFLOAD_BACKEND", request.param)
-    return request.param
-
-
 def gauss(shape, seed=0, scale=1.0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * scale).to(dtype)
