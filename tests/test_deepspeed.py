@@ -215,6 +215,9 @@ def test_zero_1_2_3_two_ranks_train_like_the_baseline(tmp_path):
 def test_nvme_states_through_fp4adamw_tier(tmp_path):
     """ZeRO-2 with packed states on NVMe (DeepSpeed itself cannot offload ZeRO-2 to NVMe), and a ZeRO-3 config
     written for DeepSpeed's NVMe swapper: with the block the states go to FP4AdamW's tier instead."""
+    from conftest import require_libaio
+
+    require_libaio()  # the ZeRO-3 baseline is DeepSpeed's own NVMe swapper
     nv = {"optimizer_states": {"format": "nvfp4", "device": "nvme", "nvme_path": str(tmp_path / "nvme2")}}
     z3 = ds_config(3, "nvme")
     z3["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "ds_nvme")

@@ -17,6 +17,7 @@ from fp4offload import FP4AdamW
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 from fp4offload.formats.container import read_container
 from fp4offload.optim import SEGMENT
+from conftest import LIBAIO_FIX, skip_or_fail
 from fp4offload.optim import nvme as nvme_mod
 
 ENGINES = ("threads", "aio")
@@ -27,7 +28,7 @@ def engine(request):
     if request.param == "aio":
         op, why = nvme_mod.aio_op()
         if op is None:
-            pytest.skip(f"DeepSpeed's async_io op does not load here: {why}")
+            skip_or_fail(f"DeepSpeed's async_io op does not load here ({why}); install it: {LIBAIO_FIX}")
     return request.param
 
 
@@ -94,7 +95,7 @@ def test_state_dict_round_trip_across_engines(tmp_path, engine):
     """A state dict saved from one engine loads into the other and training continues bit-identically."""
     other = "threads" if engine == "aio" else "aio"
     if other == "aio" and nvme_mod.aio_op()[0] is None:
-        pytest.skip("DeepSpeed's async_io op does not load here")
+        skip_or_fail(f"DeepSpeed's async_io op does not load here; install it: {LIBAIO_FIX}")
     pa, pb = _params(), _params()
     a = _disk(pa, tmp_path / "a", engine)
     _train(a, pa, 2)
@@ -157,7 +158,7 @@ def test_aio_gaps_and_tail_are_checked(tmp_path, where, what):
     """
     op, why = nvme_mod.aio_op()
     if op is None:
-        pytest.skip(f"DeepSpeed's async_io op does not load here: {why}")
+        skip_or_fail(f"DeepSpeed's async_io op does not load here ({why}); install it: {LIBAIO_FIX}")
     assert what in _damaged_run(tmp_path, "aio", _flip(where), seg=2)
 
 
@@ -351,7 +352,7 @@ def test_engine_choice(tmp_path, monkeypatch):
 
 def test_auto_picks_aio_when_it_loads(tmp_path):
     if nvme_mod.aio_op()[0] is None:
-        pytest.skip(f"DeepSpeed's async_io op does not load here: {nvme_mod.aio_op()[1]}")
+        skip_or_fail(f"DeepSpeed's async_io op does not load here ({nvme_mod.aio_op()[1]}); install it: {LIBAIO_FIX}")
     opt = FP4AdamW([torch.nn.Parameter(torch.randn(8))], state_device="nvme", nvme_path=tmp_path)
     assert opt.nvme_io == "aio" and opt._nvme.io_reason is None
     opt.close()

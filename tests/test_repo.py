@@ -68,3 +68,17 @@ def test_ruff_is_clean():
     out = subprocess.run([ruff, "check", "--no-cache", str(ROOT)], capture_output=True, text=True, timeout=300,
                          cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
+
+
+def test_a_missing_system_library_skips_with_the_fix_and_fails_under_ci(monkeypatch):
+    """Outside CI a test that needs libaio skips and names the fix; with CI set it fails instead."""
+    import pytest
+    from _pytest.outcomes import Failed, Skipped
+    from conftest import LIBAIO_FIX, skip_or_fail
+
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(Skipped, match="libaio-dev"):
+        skip_or_fail(f"no async_io; install it: {LIBAIO_FIX}")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(Failed, match="CI installs it"):
+        skip_or_fail(f"no async_io; install it: {LIBAIO_FIX}")
