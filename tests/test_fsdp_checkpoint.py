@@ -47,12 +47,10 @@ def _step(model, opt, step: int, rank: int, world: int) -> float:
     return loss.item()
 
 
-def _opt_states_full(model, opt) -> dict[str, torch.Tensor]:
-    """Every rank's decoded m and v of every parameter, gathered to whole tensors (flattened)."""
-    import torch.distributed as dist
+def _opt_states_local(model, opt):
+    """(parameter name, m, v) of every parameter: this rank's shard of its state, decoded and flattened."""
     from fp4offload.optim.state import decode_state, packed_from_entry
 
-    out = {}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, proxy in opt._fsdp_pairs:
         st = opt.state[proxy]
@@ -60,10 +58,19 @@ def _opt_states_full(model, opt) -> dict[str, torch.Tensor]:
             m, v = decode_state(*packed_from_entry(st, proxy.numel()), proxy.numel(), st["v_format"])
         else:
             m, v = st["exp_avg"].reshape(-1).clone(), st["exp_avg_sq"].reshape(-1).clone()
+        yield names[id(p)], m, v
+
+
+def _opt_states_full(model, opt) -> dict[str, torch.Tensor]:
+    """Every rank's decoded m and v of every parameter, gathered to whole tensors (flattened)."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, m, v in _opt_states_local(model, opt):
         for key, t in (("m", m), ("v", v)):
             parts = [None] * dist.get_world_size()
             dist.all_gather_object(parts, t.cpu())
-            out[f"{names[id(p)]}.{key}"] = torch.cat(parts)
+            out[f"{name}.{key}"] = torch.cat(parts)
     return out
 
 
@@ -95,20 +102,13 @@ def _keys(opt, model):
 def _worker_1rank(rank, world, tmp, ckpt):
     import fp4offload.fsdp as ff
     from fp4offload.errors import ConfigError
-    from fp4offload.optim.state import decode_state, packed_from_entry
 
     model, opt = _setup()
     ff.load(ckpt, model, opt)
     masters = {k: v.full_tensor().clone() for k, v in ff.state_dict(model).items()}
     states = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, proxy in opt._fsdp_pairs:
-        st = opt.state[proxy]
-        if "m_codes" in st:
-            m, v = decode_state(*packed_from_entry(st, proxy.numel()), proxy.numel(), st["v_format"])
-        else:
-            m, v = st["exp_avg"].reshape(-1).clone(), st["exp_avg_sq"].reshape(-1).clone()
-        states[f"{names[id(p)]}.m"], states[f"{names[id(p)]}.v"] = m, v
+    for name, m, v in _opt_states_local(model, opt):
+        states[f"{name}.m"], states[f"{name}.v"] = m, v
     steps = [int(float(opt.state[proxy]["step"])) for _, proxy in opt._fsdp_pairs]
     losses = [_step(model, opt, step, 0, 1) for step in range(SAVE_AT, SAVE_AT + 2)]
     one_rank_offload = _one_rank_offload(ckpt)
