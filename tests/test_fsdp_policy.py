@@ -44,6 +44,37 @@ def test_policy_accepts_mappings_and_names():
     assert not ff.Policy(weights=None).packs_weights
 
 
+def test_policy_takes_module_classes_as_well_as_names():
+    """Policy(block_classes=(MyBlock,)) as torchtitan passes them; names and classes pick the same blocks and
+    the same keep_bf16 first/last blocks, and the YAML form writes names."""
+    from fp4offload.integrations import keep_bf16
+    from fp4offload.integrations.fsdp import _blocks
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 16)
+            self.layers = nn.ModuleList(Block() for _ in range(4))
+
+    net = Net()
+    by_class, by_name = ff.Policy(block_classes=Block), ff.Policy(block_classes=("Block",))
+    assert by_class.block_classes == (Block,) and ff.Policy(block_classes=[Block, "Other"]).block_classes == \
+        (Block, "Other")
+    blocks = _blocks(net, by_class.block_classes)
+    assert [n for n, _ in blocks] == [n for n, _ in _blocks(net, by_name.block_classes)] == \
+        [f"layers.{i}" for i in range(4)]
+    kept = keep_bf16.kept_parameters(net, ("first:1", "last:1", "embed"), blocks)
+    names = {n for n, p in net.named_parameters() if id(p) in kept}
+    assert names == {"embed.weight", "layers.0.lin.weight", "layers.0.lin.bias", "layers.3.lin.weight",
+                     "layers.3.lin.bias"}
+    assert by_class.to_config().block_classes == ("Block",)
+
+
 @pytest.mark.parametrize("kwargs, key", [
     ({"weights": {"format": "nvfp8"}}, "weights.format"),
     ({"weights": {"device": "nvme"}}, "weights.device"),
@@ -55,6 +86,7 @@ def test_policy_accepts_mappings_and_names():
     ({"cpu_offload": "yes"}, "cpu_offload"),
     ({"reshard_after_forward": 2}, "reshard_after_forward"),
     ({"block_classes": [3]}, "block_classes"),
+    ({"block_classes": [int]}, "block_classes"),  # a class, but not a module class
     ({"param_dtype": torch.int8}, "param_dtype"),
     ({"weights": 5}, "weights"),
 ])

@@ -81,10 +81,11 @@ class Policy:
         reshard_after_forward: free gathered weights after forward and gather again for backward
             (True, ZeRO-3 like, default) or keep them until backward (False). Booleans only: FSDP's
             resharding to a smaller world size cannot carry packed shards.
-        block_classes: the modules given their own ``fully_shard`` (one all-gather each): class names
-            (``("LlamaDecoderLayer",)``) or a callable ``module -> bool``, the way auto-wrap policies
-            are written. Empty (default): the model's ``_no_split_modules`` (Hugging Face models), or
-            a ConfigError if it has none. The root module is always sharded as well.
+        block_classes: the modules given their own ``fully_shard`` (one all-gather each): module classes
+            or their names (``(LlamaDecoderLayer,)`` or ``("LlamaDecoderLayer",)``, mixed if you like) or a
+            callable ``module -> bool``, the way auto-wrap policies are written. Empty (default): the
+            model's ``_no_split_modules`` (Hugging Face models), or a ConfigError if it has none. The
+            root module is always sharded as well.
         param_dtype: dtype forward and backward compute in (what gathered weights are decoded to).
             Default torch.bfloat16.
         reduce_dtype: dtype gradients are reduce-scattered in. Default torch.float32.
@@ -96,7 +97,7 @@ class Policy:
     monitor: MonitorConfig | None = None
     cpu_offload: bool = False
     reshard_after_forward: bool = True
-    block_classes: tuple[str, ...] | Callable[[torch.nn.Module], bool] = ()
+    block_classes: tuple[str | type, ...] | Callable[[torch.nn.Module], bool] = ()
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
 
@@ -110,14 +111,14 @@ class Policy:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, getattr(self, key), "True or False")
         bc = self.block_classes
-        if isinstance(bc, str):
+        if isinstance(bc, (str, type)):
             bc = (bc,)
         if not callable(bc):
-            if isinstance(bc, (list, tuple)) and all(isinstance(c, str) and c for c in bc):
+            if isinstance(bc, (list, tuple)) and all(_is_block_class(c) for c in bc):
                 bc = tuple(bc)
             else:
-                raise ConfigError("block_classes", bc, "a list of module class names or a callable module -> bool",
-                                  "e.g. ['LlamaDecoderLayer']")
+                raise ConfigError("block_classes", bc, "module classes or their names, or a callable module -> bool",
+                                  "e.g. ['LlamaDecoderLayer'] or (LlamaDecoderLayer,)")
         object.__setattr__(self, "block_classes", bc)
         object.__setattr__(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
@@ -142,16 +143,22 @@ class Policy:
         return cls(**kw)
 
     def to_config(self) -> FsdpPolicyConfig:
-        """The YAML-able part of this policy (raises ConfigError for a callable ``block_classes``)."""
+        """The YAML-able part of this policy (classes are written by name; a callable ``block_classes`` is a
+        ConfigError)."""
         if callable(self.block_classes):
             raise ConfigError("block_classes", self.block_classes, "class names to be written as YAML")
+        names = tuple(c if isinstance(c, str) else c.__name__ for c in self.block_classes)
         acts = self.activations
         if acts is not None and not isinstance(acts, ActivationsConfig):
             acts = ActivationsConfig(format=acts.format, device=acts.device, nvme_path=acts.nvme_path,
                                      min_numel=acts.min_numel, modules=acts.modules, exclude=acts.exclude)
         return FsdpPolicyConfig(weights=self.weights, optimizer_states=self.optimizer_states, activations=acts,
                                 monitor=self.monitor, cpu_offload=self.cpu_offload,
-                                reshard_after_forward=self.reshard_after_forward, block_classes=self.block_classes)
+                                reshard_after_forward=self.reshard_after_forward, block_classes=names)
+
+
+def _is_block_class(c: Any) -> bool:
+    return (isinstance(c, str) and bool(c)) or (isinstance(c, type) and issubclass(c, torch.nn.Module))
 
 
 def policy_from_yaml(path: str | Path, **runtime: Any) -> Policy:
