@@ -40,7 +40,7 @@ __all__ = ["SUPPORTED", "requirement", "TABLE", "Internal", "FEATURES", "check",
            "require", "patch_class", "wrap_instance", "installed_version", "supported"]
 
 #: DeepSpeed releases the block is run on, [low, high); pyproject.toml's bound is built from the same numbers.
-SUPPORTED = ((0, 19, 0), (0, 20, 0))
+SUPPORTED = ((0, 19, 8), (0, 20, 0))
 
 #: The block's features that need private names (keys of the table's ``features``).
 FEATURES = ("optimizer_states", "bf16_gradient_partition", "share_bf16_staging", "weights", "monitor")
