@@ -18,6 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 deepspeed = pytest.importorskip("deepspeed")
 
 
+def _dotted(v: tuple[int, ...]) -> str:
+    return ".".join(map(str, v))
+
+
 def test_pyproject_bound_is_the_supported_range():
     text = (ROOT / "pyproject.toml").read_text()
     bounds = re.findall(r'"(deepspeed[^"]*)"', text)
@@ -25,7 +29,8 @@ def test_pyproject_bound_is_the_supported_range():
     lo, hi = dsi.SUPPORTED
     assert dsi.supported(deepspeed.__version__)
     assert dsi.supported(".".join(map(str, lo))) and not dsi.supported(".".join(map(str, hi)))
-    assert not dsi.supported("0.18.9") or lo <= (0, 18, 9)
+    below = (lo[0], lo[1] - 1, 99) if lo[2] == 0 else (lo[0], lo[1], lo[2] - 1)  # the release just before
+    assert not dsi.supported(".".join(map(str, below))) and dsi.supported(f"{_dotted(lo)}+cpu")
 
 
 def test_every_name_of_the_table_is_in_the_installed_deepspeed():
