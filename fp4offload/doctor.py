@@ -57,10 +57,12 @@ def _try_backend(name: str) -> dict:
 def deepspeed_report() -> dict:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, without its warning
+    from .integrations.deepspeed import auto_status
+
     try:
-        import deepspeed
+        import deepspeed  # the start-up hook, when active, patches deepspeed.initialize here
     except Exception as e:
-        return {"usable": False, "why": f"import failed: {e}"}
+        return {"usable": False, "why": f"import failed: {e}", "auto": auto_status()}
     from .integrations import ds_internals
 
     gone = ds_internals.missing(ds_internals.FEATURES)
@@ -68,7 +70,8 @@ def deepspeed_report() -> dict:
            "accelerator": os.environ.get("DS_ACCELERATOR", "auto"),
            "supported": ds_internals.requirement(),
            "in_range": ds_internals.supported(deepspeed.__version__),
-           "missing_names": [f"{r.qualname} ({', '.join(r.features)})" for r in gone]}
+           "missing_names": [f"{r.qualname} ({', '.join(r.features)})" for r in gone],
+           "auto": auto_status()}
     try:
         from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -200,6 +203,9 @@ def render(r: dict) -> str:
         lines.append(f"  block on this DeepSpeed ({d['supported']}): {names}{rng}")
     else:
         lines.append(f"deepspeed: not usable ({d['why']})")
+    auto = d["auto"]
+    lines.append(f"  zero-code block (fp4offload-auto.pth): {'active' if auto['active'] else 'inactive'}, "
+                 f"{auto['state']} ({auto['why']})")
     h = r["host"]
     cache = h["host_cache"]
     cache_txt = "builds" if cache["builds"] else f"unavailable ({cache['why']})"

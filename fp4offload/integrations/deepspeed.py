@@ -22,8 +22,10 @@ accelerator, the shared bf16 staging buffers.
 Every private DeepSpeed name the block touches is listed and checked, before anything is built, by
 :mod:`fp4offload.integrations.ds_internals`.
 
-``install()`` makes a plain ``deepspeed.initialize`` (the call inside Accelerate and the HF Trainer)
-go through here; a config without the block is passed through untouched.
+A plain ``deepspeed.initialize`` (the user's own, Accelerate's, the HF Trainer's) comes here with no code
+change: the start-up hook ``_fp4offload_auto`` (``fp4offload-auto.pth`` in site-packages) wraps it when
+deepspeed is first imported; ``FP4OFFLOAD_AUTO=0`` turns that off, and ``install()`` does the same by
+hand. A config without the block is passed through untouched.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from . import ds_host, ds_internals, ds_optim
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "Prepared", "read_config",
-           "features"]
+           "features", "auto_status"]
 
 BLOCK_KEY = "fp4offload"
 _TORCH_DISTRIBUTED_DEFAULT_PORT = 29500
@@ -129,10 +131,17 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
 # initialize
 
 
+def _unwrap(fn: Any) -> Any:
+    """DeepSpeed's own initialize under the start-up hook's wrapper (_fp4offload_auto) and install()'s."""
+    while getattr(fn, "_fp4offload_hook", False) or fn is _patched_initialize:
+        fn = _ORIGINAL if fn is _patched_initialize else fn.__wrapped__
+    return fn
+
+
 def _original_initialize():
     import deepspeed
 
-    return _ORIGINAL or deepspeed.initialize
+    return _unwrap(_ORIGINAL or deepspeed.initialize)
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:
@@ -308,7 +317,7 @@ def install() -> None:
 
     if deepspeed.initialize is _patched_initialize:
         return
-    _ORIGINAL = deepspeed.initialize
+    _ORIGINAL = deepspeed.initialize  # may be the start-up hook's wrapper: uninstall() puts it back
     deepspeed.initialize = _patched_initialize
 
 
@@ -323,8 +332,33 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    """True while :func:`install` is in effect."""
+    """True while a plain ``deepspeed.initialize`` goes through :func:`initialize`: after :func:`install`, or
+    once the start-up hook (:func:`auto_status`) has patched an imported deepspeed."""
     import sys
 
     ds = sys.modules.get("deepspeed")
-    return ds is not None and ds.initialize is _patched_initialize
+    fn = getattr(ds, "initialize", None)
+    return ds is not None and (fn is _patched_initialize or getattr(fn, "_fp4offload_hook", False))
+
+
+def auto_status() -> dict[str, Any]:
+    """The zero-code start-up hook (``fp4offload-auto.pth``, module ``_fp4offload_auto``), for doctor.
+
+    ``{"active": bool, "state": str, "why": str}``; state is "not installed" (no .pth ran: the package was
+    installed without it, or Python was started with -S), "disabled" (FP4OFFLOAD_AUTO off), "waiting"
+    (deepspeed not imported yet: the next import patches it), "patched", or "imported" (deepspeed was
+    imported but its loader could not be wrapped)."""
+    import sys
+
+    hook = sys.modules.get("_fp4offload_auto")
+    if hook is None:
+        return {"active": False, "state": "not installed",
+                "why": "fp4offload-auto.pth did not run at start-up (reinstall fp4offload with pip; python -S "
+                       "skips .pth files); call fp4offload.deepspeed.install() instead"}
+    state = hook.state
+    why = {"disabled": f"{hook.ENV}={os.environ.get(hook.ENV, '')!r} turns it off",
+           "waiting": "deepspeed.initialize is routed through fp4offload when deepspeed is imported",
+           "patched": "deepspeed.initialize goes through fp4offload (configs without the block pass untouched)",
+           "imported": "deepspeed was imported but its loader could not be wrapped; call "
+                       "fp4offload.deepspeed.install()"}.get(state, state)
+    return {"active": state in ("waiting", "patched"), "state": state, "why": why}
