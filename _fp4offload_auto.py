@@ -1,44 +1,48 @@
 """fp4offload's start-up hook: a DeepSpeed program whose config carries the ``"fp4offload"`` block gets it.
 
-``fp4offload-auto.pth``, installed beside this module in site-packages, imports it when the interpreter
-starts. It imports nothing but ``sys`` and ``os`` and puts one finder in front of ``sys.meta_path`` that
-answers only for ``deepspeed``: when deepspeed is first imported (by the user's script, Accelerate or the
-Hugging Face Trainer, under any launcher), the finder lets the real import run and then replaces
-``deepspeed.initialize`` with a wrapper of :func:`_initialize`, and leaves ``sys.meta_path``. ``_initialize`` imports
-``fp4offload.integrations.deepspeed`` on its first call and hands every call to its ``initialize``, which
-passes configs without the block to DeepSpeed untouched.
+``fp4offload-auto.pth``, installed at the top of site-packages, runs one line at interpreter start: unless
+``FP4OFFLOAD_AUTO`` is 0/off/false/no, it puts a finder first in ``sys.meta_path`` that answers ``None`` for
+every name but ``deepspeed`` and, for ``deepspeed``, imports this module and calls :func:`find_spec`. So a
+program that never imports deepspeed pays one string comparison per import and imports nothing (not even
+this module); the line is one line because ``site`` executes ``.pth`` lines one at a time.
 
-A program that never imports deepspeed pays one string comparison per import and imports nothing of torch,
-deepspeed or fp4offload. ``FP4OFFLOAD_AUTO=0`` (or off/false/no) leaves everything as it is.
+:func:`find_spec` returns the spec the other finders give for deepspeed with its loader wrapped: right
+after deepspeed's ``__init__`` has run, ``deepspeed.initialize`` is replaced by a wrapper (marked
+``_fp4offload_hook``, the original in ``__wrapped__``) that hands every call to
+``fp4offload.integrations.deepspeed.initialize`` (imported on the first call; configs without the block
+pass through untouched), and the finder leaves ``sys.meta_path``. It stays until then because
+``importlib.util.find_spec("deepspeed")`` (how Accelerate and transformers probe) asks it without importing.
 See docs/design.md section 5 (DeepSpeed, zero-code entry).
 """
 
-import os
 import sys
 
-ENV = "FP4OFFLOAD_AUTO"
-OFF = ("0", "off", "false", "no")
 MARK = "_fp4offload_hook"  # set on the wrapper; fp4offload.integrations.deepspeed unwraps through it
+PTH = "fp4offload-auto.pth"
 
-#: what happened, for ``fp4offload doctor``: "disabled", "waiting" (deepspeed not imported yet), "patched"
-state = "disabled"
+#: "waiting" until deepspeed's module has run, then "patched" (or "imported" when it had no initialize)
+state = "waiting"
 
 
-def _initialize(*args, **kwargs):
-    """``deepspeed.initialize`` through fp4offload (installed in its place by the finder)."""
-    from fp4offload.integrations import deepspeed as fds
+def _ours(finder) -> bool:
+    return bool(getattr(finder, "fp4offload_auto", False))
 
-    return fds.initialize(*args, **kwargs)
+
+def _remove() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not _ours(f)]
 
 
 def _patch(module) -> None:
     global state
     original = getattr(module, "initialize", None)
     if original is None or getattr(original, MARK, False):
+        state = "patched" if original is not None else "imported"
         return
 
     def initialize(*args, **kwargs):
-        return _initialize(*args, **kwargs)
+        from fp4offload.integrations import deepspeed as fds
+
+        return fds.initialize(*args, **kwargs)
 
     initialize.__wrapped__ = original
     initialize.__doc__ = original.__doc__
@@ -66,53 +70,22 @@ class _Loader:
         return getattr(self._inner, name)
 
 
-class _Finder:
-    """Answers only for ``deepspeed``, with the spec the other finders give and its loader wrapped.
-
-    It stays in ``sys.meta_path`` until deepspeed's module has run: ``importlib.util.find_spec("deepspeed")``
-    (how Accelerate and transformers ask whether deepspeed is installed) calls it without importing."""
-
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name != "deepspeed":
-            return None
-        for finder in sys.meta_path:
-            if finder is cls:
-                continue
-            find = getattr(finder, "find_spec", None)
-            spec = find(name, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader)
-                return spec
+def find_spec(name, path=None, target=None):
+    """deepspeed's spec from the finders after ours, with its loader wrapped (None for any other name)."""
+    if name != "deepspeed":
         return None
-
-    @classmethod
-    def invalidate_caches(cls):
-        return None
-
-
-def _remove() -> None:
-    global state
-    while _Finder in sys.meta_path:
-        sys.meta_path.remove(_Finder)
-    if state == "waiting":  # deepspeed ran but had no initialize to wrap
-        state = "imported"
+    for finder in list(sys.meta_path):
+        find = getattr(finder, "find_spec", None)
+        if _ours(finder) or find is None:
+            continue
+        spec = find(name, path, target)
+        if spec is not None:
+            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                spec.loader = _Loader(spec.loader)
+            return spec
+    return None
 
 
-def enable() -> None:
-    """Put the finder in place (or patch an already imported deepspeed). Done at start-up unless disabled."""
-    global state
-    if os.environ.get(ENV, "1").strip().lower() in OFF:
-        state = "disabled"
-        return
-    ds = sys.modules.get("deepspeed")
-    if ds is not None:
-        _patch(ds)
-        return
-    if _Finder not in sys.meta_path:
-        sys.meta_path.insert(0, _Finder)
-    state = "waiting"
-
-
-enable()
+def waiting() -> bool:
+    """True while the start-up finder is in ``sys.meta_path`` (deepspeed not imported yet)."""
+    return any(_ours(f) for f in sys.meta_path)

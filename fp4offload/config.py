@@ -44,7 +44,7 @@ __all__ = [
     "NVME_IO_ENGINES", "ACTIVATION_FORMATS", "ACTIVATION_MODULE_FORMATS", "ACTIVATION_NORM_CHOICES",
     "ACTIVATION_DEVICES", "WEIGHT_FORMATS", "WEIGHT_DEVICES", "NONFINITE_MODES", "SCALE_MODES",
     "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16", "MMAP_THRESHOLD",
-    "ALLOCATOR_CACHE", "OFF_VALUES",
+    "ALLOCATOR_CACHE", "OFF_VALUES", "PREFLIGHT_MODES",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -94,6 +94,8 @@ MMAP_THRESHOLD = 128 * 1024
 ALLOCATOR_CACHE = 0.125
 #: what turns a host setting off, in the config (a string) or in its FP4OFFLOAD_* environment override
 OFF_VALUES = ("off", "0", "none", "false", "no")
+#: what initialize does when the host-memory estimate does not fit (``host.preflight``)
+PREFLIGHT_MODES = ("error", "warn", "off")
 
 _KEEP_RULE = re.compile(r"^(first|last):(\d+)$")
 
@@ -298,14 +300,22 @@ class HostConfig:
             Override: ``FP4OFFLOAD_SHARE_STAGING`` (0/1).
         bf16_gradient_partition: with one micro-batch per step, ZeRO-1/2 offload's host gradient partition
             is bf16 instead of fp32 (2 B/param). Default true. Override: ``FP4OFFLOAD_BF16_GRADS`` (0/1).
+        preflight: before DeepSpeed allocates, initialize estimates the host RAM this rank and the node's
+            local ranks will hold and compares it with what the process may use (available memory, the
+            cgroup limit). ``"error"`` (default) raises CapacityError when it does not fit, ``"warn"``
+            logs and goes on, ``"off"`` skips the check. The one host key allowed without
+            optimizer_states. Override: ``FP4OFFLOAD_PREFLIGHT``.
     """
 
     mmap_threshold: int | str = MMAP_THRESHOLD
     allocator_cache: float | str = ALLOCATOR_CACHE
     share_bf16_staging: bool = True
     bf16_gradient_partition: bool = True
+    preflight: str = "error"
 
     def __post_init__(self) -> None:
+        _check_choice("host.preflight", self.preflight, PREFLIGHT_MODES,
+                      "error stops before allocating when the estimate does not fit, warn logs it, off skips it")
         object.__setattr__(self, "mmap_threshold", _size_or_off("host.mmap_threshold", self.mmap_threshold))
         object.__setattr__(self, "allocator_cache", _fraction_or_off("host.allocator_cache", self.allocator_cache))
         _check_bool("host.share_bf16_staging", self.share_bf16_staging)
@@ -366,9 +376,11 @@ class Fp4OffloadConfig:
             if v is not None and not isinstance(v, cls):
                 raise _error(name, v, f"a {cls.__name__} or None")
         if self.host is not None and self.optimizer_states is None:
-            raise _error("host", _to_plain(self.host), "a host block only together with optimizer_states",
-                         "the host settings shape the memory of the offloaded optimizer step; add "
-                         "optimizer_states or remove host")
+            set_keys = {f.name for f in fields(HostConfig) if getattr(self.host, f.name) != getattr(HostConfig(), f.name)}
+            if set_keys - {"preflight"}:
+                raise _error("host", _to_plain(self.host), "only host.preflight without optimizer_states",
+                             "the other host settings shape the memory of the offloaded optimizer step; add "
+                             "optimizer_states or remove them")
 
     @property
     def enabled(self) -> bool:

@@ -344,21 +344,26 @@ def installed() -> bool:
 def auto_status() -> dict[str, Any]:
     """The zero-code start-up hook (``fp4offload-auto.pth``, module ``_fp4offload_auto``), for doctor.
 
-    ``{"active": bool, "state": str, "why": str}``; state is "not installed" (no .pth ran: the package was
-    installed without it, or Python was started with -S), "disabled" (FP4OFFLOAD_AUTO off), "waiting"
-    (deepspeed not imported yet: the next import patches it), "patched", or "imported" (deepspeed was
-    imported but its loader could not be wrapped)."""
+    ``{"active": bool, "state": str, "why": str}``; state is "waiting" (its finder is in sys.meta_path:
+    the first import of deepspeed patches it), "patched", "disabled" (FP4OFFLOAD_AUTO off), "not
+    installed" (no fp4offload-auto.pth on sys.path's site directories, or Python started with -S), or
+    "inactive" (the .pth is there but nothing of it ran: deepspeed imported without it)."""
     import sys
 
     hook = sys.modules.get("_fp4offload_auto")
-    if hook is None:
+    env = os.environ.get("FP4OFFLOAD_AUTO", "")
+    if hook is not None and hook.state == "patched":
+        return {"active": True, "state": "patched",
+                "why": "deepspeed.initialize goes through fp4offload (configs without the block pass untouched)"}
+    if any(getattr(f, "fp4offload_auto", False) for f in sys.meta_path):
+        return {"active": True, "state": "waiting",
+                "why": "deepspeed.initialize is routed through fp4offload when deepspeed is imported"}
+    if env.strip().lower() in ("0", "off", "false", "no"):
+        return {"active": False, "state": "disabled", "why": f"FP4OFFLOAD_AUTO={env!r} turns it off"}
+    if not any((Path(p) / "fp4offload-auto.pth").is_file() for p in sys.path if p):
         return {"active": False, "state": "not installed",
-                "why": "fp4offload-auto.pth did not run at start-up (reinstall fp4offload with pip; python -S "
-                       "skips .pth files); call fp4offload.deepspeed.install() instead"}
-    state = hook.state
-    why = {"disabled": f"{hook.ENV}={os.environ.get(hook.ENV, '')!r} turns it off",
-           "waiting": "deepspeed.initialize is routed through fp4offload when deepspeed is imported",
-           "patched": "deepspeed.initialize goes through fp4offload (configs without the block pass untouched)",
-           "imported": "deepspeed was imported but its loader could not be wrapped; call "
-                       "fp4offload.deepspeed.install()"}.get(state, state)
-    return {"active": state in ("waiting", "patched"), "state": state, "why": why}
+                "why": "no fp4offload-auto.pth in site-packages (reinstall fp4offload with pip; python -S skips "
+                       ".pth files); call fp4offload.deepspeed.install() instead"}
+    return {"active": False, "state": "inactive",
+            "why": "fp4offload-auto.pth is installed but deepspeed was imported without it; call "
+                   "fp4offload.deepspeed.install()"}

@@ -2,7 +2,8 @@
 
 With ``optimizer_states`` the offloaded fp32 master, the gradient partition and the packed states live in
 host RAM, and what the host's allocator and DeepSpeed's own buffers do with it weighs as much as the
-formats. Four settings (fp4offload.config.HostConfig) shape it; each has an environment override:
+formats. Four settings (fp4offload.config.HostConfig) shape it, and a fifth says what the host-memory
+preflight (:mod:`fp4offload.integrations.ds_preflight`) does; each has an environment override:
 
 ================================  ============================  =================================================
 ``host.`` key                     override                      what it does
@@ -11,6 +12,7 @@ formats. Four settings (fp4offload.config.HostConfig) shape it; each has an envi
 ``allocator_cache``               ``FP4OFFLOAD_HOST_CACHE``       torch's large CPU blocks from a bounded cache
 ``share_bf16_staging``            ``FP4OFFLOAD_SHARE_STAGING``    CPU accelerator: no second bf16 copy
 ``bf16_gradient_partition``       ``FP4OFFLOAD_BF16_GRADS``       ZeRO-1/2 host gradient partition in bf16
+``preflight``                     ``FP4OFFLOAD_PREFLIGHT``        error, warn or off when the estimate does not fit
 ================================  ============================  =================================================
 
 :func:`resolve` gives the effective value of each and where it came from (``fp4offload doctor`` prints
@@ -38,7 +40,8 @@ __all__ = ["ENV", "Setting", "HostSettings", "resolve", "control_host_allocator"
 
 #: the environment override of each ``host`` key
 ENV = {"mmap_threshold": "FP4OFFLOAD_MMAP_THRESHOLD", "allocator_cache": "FP4OFFLOAD_HOST_CACHE",
-       "share_bf16_staging": "FP4OFFLOAD_SHARE_STAGING", "bf16_gradient_partition": "FP4OFFLOAD_BF16_GRADS"}
+       "share_bf16_staging": "FP4OFFLOAD_SHARE_STAGING", "bf16_gradient_partition": "FP4OFFLOAD_BF16_GRADS",
+       "preflight": "FP4OFFLOAD_PREFLIGHT"}
 
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number (malloc.h)
 _ON = ("1", "on", "true", "yes")
@@ -55,12 +58,13 @@ class Setting:
 
 @dataclass(frozen=True)
 class HostSettings:
-    """The four effective host settings (see the module docstring)."""
+    """The five effective host settings (see the module docstring)."""
 
     mmap_threshold: Setting
     allocator_cache: Setting
     share_bf16_staging: Setting
     bf16_gradient_partition: Setting
+    preflight: Setting
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: {"value": getattr(self, f.name).value, "source": getattr(self, f.name).source}

@@ -1,0 +1,258 @@
+"""Host RAM of one DeepSpeed rank, from its config: the memory model the preflight and ``plan --check`` share.
+
+:func:`estimate_host` takes a DeepSpeed config (with or without the ``"fp4offload"`` block), the model's
+parameter count, the accelerator and the world, and returns each consumer's bytes for one rank: what
+DeepSpeed allocates for the ZeRO stage and offload targets (fp32 master, gradient partition, Adam's m and
+v, the bf16 copy-back buffer, NVMe swap buffers), what the block changes in it (packed states, states on
+its own NVMe tier, bf16 gradient partition, shared bf16 staging, packed ZeRO-3 weights), and, on the CPU
+accelerator, the device-side buffers too (the bf16 parameters, gradient buckets, gathered ZeRO-3
+parameters), since there the "device" is host RAM. The process's own bytes (Python, torch, DeepSpeed, the
+data) are not modelled: the caller measures them (``runtime_bytes``: the RSS before initialize, less the
+model's parameters, which DeepSpeed's flattening replaces).
+
+Byte sizes per element come from :mod:`fp4offload.planner.sizes`. What each term is in DeepSpeed (the
+attribute holding it, 0.19.8) is written beside it; docs/design.md section 9 ("Host preflight") has the
+table and how the model compares with measured peaks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from fp4offload.planner.sizes import BF16_BYTES, FP32_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
+
+__all__ = ["Inputs", "HostEstimate", "estimate_host", "inputs_from_config", "alternatives"]
+
+#: DeepSpeed 0.19.8's defaults for the keys the model reads (DeepSpeedZeroConfig, the offload configs)
+DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
+               "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
+               "stage3_max_live_parameters": 1_000_000_000, "buffer_count": 4}
+#: elements per segment of FP4AdamW's NVMe tier (fp4offload.optim.nvme), and segments in flight
+NVME_SEGMENT = 1 << 20
+NVME_SEGMENTS_IN_FLIGHT = 3
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the model reads. Built from a DeepSpeed config by :func:`inputs_from_config`.
+
+    Attributes:
+        params: parameters of the model (all ranks together). world: data-parallel ranks.
+        local_ranks: ranks on this node. accelerator: ``"cpu"`` (DeepSpeed's CPU accelerator: device
+        buffers are host RAM) or ``"gpu"``. stage: ZeRO stage. compute_bytes: 2 (bf16/fp16) or 4.
+        offload_optimizer / offload_param: ``"none"``, ``"cpu"`` or ``"nvme"``, as DeepSpeed sees them
+        (after the block's rewrites). grad_accum: micro-steps per step.
+        states: the block's states, ``None`` (DeepSpeed's fp32 m and v) or (format, device).
+        bf16_grads / share_staging: the block's host settings, as they apply. packed_weights: ZeRO-3
+        offload_param host partitions as NVFP4 (``weights``). reduce_bucket ... buffer_count: the
+        DeepSpeed keys of the same names.
+    """
+
+    params: int
+    world: int = 1
+    local_ranks: int = 1
+    accelerator: str = "gpu"
+    stage: int = 0
+    compute_bytes: int = BF16_BYTES
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    grad_accum: int = 1
+    states: tuple[str, str] | None = None
+    bf16_grads: bool = False
+    share_staging: bool = False
+    packed_weights: bool = False
+    reduce_bucket: int = DS_DEFAULTS["reduce_bucket_size"]
+    sub_group: int = DS_DEFAULTS["sub_group_size"]
+    prefetch_bucket: int = DS_DEFAULTS["stage3_prefetch_bucket_size"]
+    max_live: int = DS_DEFAULTS["stage3_max_live_parameters"]
+    buffer_count: int = DS_DEFAULTS["buffer_count"]
+
+    @property
+    def block(self) -> bool:
+        return self.states is not None or self.packed_weights
+
+
+@dataclass(frozen=True)
+class HostEstimate:
+    """Bytes of host RAM for one rank, by consumer, beside what the process held before initialize.
+
+    ``consumers`` are the new allocations (largest first in :meth:`largest`); ``runtime`` is the process's
+    own share (measured by the caller, or assumed); ``nvme`` what goes to disk instead."""
+
+    consumers: dict[str, int] = field(default_factory=dict)
+    runtime: int = 0
+    nvme: dict[str, int] = field(default_factory=dict)
+    local_ranks: int = 1
+    inputs: Inputs | None = None
+
+    @property
+    def added(self) -> int:
+        """Bytes initialize and training add to this rank's process."""
+        return sum(self.consumers.values())
+
+    @property
+    def per_rank(self) -> int:
+        return self.runtime + self.added
+
+    @property
+    def node_total(self) -> int:
+        return self.per_rank * self.local_ranks
+
+    def largest(self, n: int = 3) -> list[tuple[str, int]]:
+        return sorted(self.consumers.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _zero_key(zero: Mapping[str, Any], key: str) -> int:
+    v = zero.get(key, DS_DEFAULTS[key])
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else DS_DEFAULTS[key]
+
+
+def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, local_ranks: int = 1,
+                       accelerator: str = "gpu", host: Any = None) -> Inputs:
+    """:class:`Inputs` from a DeepSpeed config dict with the block's rewrites applied (as
+    ``fp4offload.integrations.deepspeed.prepare_config`` returns it) or a plain one.
+
+    ``host``: the block's effective host settings (``ds_host.HostSettings``), None for DeepSpeed's own
+    behaviour."""
+    zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), Mapping) else {}
+    stage = int(zero.get("stage", 0) or 0)
+
+    def device(key: str) -> str:
+        off = zero.get(key)
+        d = off.get("device", "none") if isinstance(off, Mapping) else "none"
+        return d if d in ("cpu", "nvme") else "none"
+
+    mixed = any(isinstance(ds.get(k), Mapping) and ds[k].get("enabled") is True for k in ("bf16", "fp16"))
+    block = ds.get("fp4offload") if isinstance(ds.get("fp4offload"), Mapping) else {}
+    states = None
+    st = block.get("optimizer_states") if isinstance(block.get("optimizer_states"), Mapping) else None
+    if st is not None:
+        fmt = st.get("format", "nvfp4")
+        dev = st.get("device", "same")
+        if dev == "same":
+            dev = "cpu" if device("offload_optimizer") != "none" else "device"
+        states = (fmt, dev)
+    weights = block.get("weights") if isinstance(block.get("weights"), Mapping) else None
+    off = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), Mapping) else {}
+    grad_accum = ds.get("gradient_accumulation_steps", 1)
+    grad_accum = grad_accum if isinstance(grad_accum, int) and grad_accum > 0 else 1
+    bf16_grads = share = False
+    if states is not None and host is not None and stage in (1, 2) and device("offload_optimizer") == "cpu":
+        bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
+        share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
+    buffers = off.get("buffer_count", DS_DEFAULTS["buffer_count"])
+    return Inputs(
+        params=int(params), world=max(1, int(world)), local_ranks=max(1, int(local_ranks)), accelerator=accelerator,
+        stage=stage, compute_bytes=BF16_BYTES if mixed else FP32_BYTES,
+        offload_optimizer=device("offload_optimizer"), offload_param=device("offload_param") if stage == 3 else "none",
+        grad_accum=grad_accum, states=states, bf16_grads=bf16_grads, share_staging=share,
+        packed_weights=weights is not None and weights.get("format", "nvfp4") == "nvfp4" and stage == 3,
+        reduce_bucket=_zero_key(zero, "reduce_bucket_size"), sub_group=_zero_key(zero, "sub_group_size"),
+        prefetch_bucket=_zero_key(zero, "stage3_prefetch_bucket_size"),
+        max_live=_zero_key(zero, "stage3_max_live_parameters"),
+        buffer_count=int(buffers) if isinstance(buffers, int) and buffers > 0 else DS_DEFAULTS["buffer_count"])
+
+
+def estimate_host(x: Inputs, runtime_bytes: int = 0) -> HostEstimate:
+    """Host bytes of one rank for ``x`` (see the module docstring); ``runtime_bytes``: the process's own."""
+    P, N, e = x.params, x.world, x.compute_bytes
+    part = -(-P // N) if x.stage >= 1 else P  # this rank's partition of the optimizer (ZeRO-1 and up)
+    on_cpu_accel = x.accelerator == "cpu"
+    host: dict[str, float] = {}
+    nvme: dict[str, float] = {}
+
+    def put(key: str, nbytes: float, where: str = "host") -> None:
+        if nbytes > 0:
+            target = host if where == "host" else nvme
+            target[key] = target.get(key, 0) + nbytes
+
+    def device(key: str, nbytes: float) -> None:  # device memory: host RAM only on the CPU accelerator
+        if on_cpu_accel:
+            put(key, nbytes)
+
+    offload_opt = x.offload_optimizer != "none"
+    # Parameters in the compute dtype. ZeRO-0/1/2: every rank holds them all (bit16_groups_flat).
+    # ZeRO-3: its partition (fp16_partitioned_groups_flat), host-side with offload_param, plus the
+    # parameters gathered for the layers in flight (at most max_live, and a prefetch bucket ahead).
+    if x.stage < 3:
+        device("bf16 parameters", e * P)
+    else:
+        if x.offload_param == "none":
+            device("bf16 parameter partition", e * part)
+        elif x.packed_weights:  # the block's NVFP4 host partitions (keep_bf16 parts are small; counted packed)
+            put("packed weight partition (NVFP4)", WEIGHT_PACKED_BYTES * part, "host" if x.offload_param == "cpu"
+                else "nvme")
+        else:
+            put("bf16 parameter partition", e * part, "host" if x.offload_param == "cpu" else "nvme")
+        device("gathered parameters", e * min(P, x.max_live + x.prefetch_bucket))
+
+    # fp32 master and gradients.
+    master_where = "host" if offload_opt else "device"
+    if x.offload_optimizer == "nvme" and x.states is None and x.stage == 3:
+        master_where = "nvme"  # DeepSpeed's optimizer swapper holds master, m and v on disk
+    if e == FP32_BYTES and x.stage < 3 and not offload_opt:
+        pass  # pure fp32 without offload: the parameters are the master
+    elif master_where == "host":
+        put("fp32 master partition", FP32_BYTES * part)
+    elif master_where == "device":
+        device("fp32 master partition", FP32_BYTES * part)
+    else:
+        put("fp32 master partition", FP32_BYTES * part, "nvme")
+
+    if offload_opt:
+        g = BF16_BYTES if x.bf16_grads else FP32_BYTES
+        put(("bf16" if x.bf16_grads else "fp32") + " gradient partition", g * part)
+        if x.stage < 3 and not x.share_staging:
+            put("bf16 copy-back buffer", e * part)  # param_buffer_of_bit16_for_cpu_offload_groups
+        device("gradient bucket", e * min(x.reduce_bucket, P))
+    else:
+        device("gradient partition" if x.stage >= 2 else "gradients", (e if x.stage >= 2 else e) * (part if
+                                                                                                  x.stage >= 2 else P))
+        device("gradient bucket", e * min(x.reduce_bucket, P))
+
+    # Adam's m and v.
+    if x.states is None:
+        if x.offload_optimizer == "nvme" and x.stage == 3:
+            put("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part, "nvme")
+            sub = min(x.sub_group, part)
+            put("NVMe swap buffers", x.buffer_count * FP32_BYTES * sub)
+        elif offload_opt:
+            put("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part)
+        else:
+            device("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part)
+    else:
+        fmt, where = x.states
+        b = STATE_BYTES.get(fmt, STATE_BYTES["fp32"])
+        if where == "nvme":
+            put(f"optimizer states ({fmt})", b * part, "nvme")
+            put("NVMe state segments in flight", NVME_SEGMENTS_IN_FLIGHT * b * min(NVME_SEGMENT, part))
+        elif where == "cpu":
+            put(f"optimizer states ({fmt})", b * part)
+        else:
+            device(f"optimizer states ({fmt})", b * part)
+    return HostEstimate(consumers={k: int(v) for k, v in host.items()}, runtime=int(runtime_bytes),
+                        nvme={k: int(v) for k, v in nvme.items()}, local_ranks=x.local_ranks, inputs=x)
+
+
+def alternatives(x: Inputs) -> list[tuple[str, Inputs]]:
+    """Changes to the config that lower host RAM, each as (what to write, the inputs it gives); the caller
+    estimates each with :func:`estimate_host` and keeps those that fit."""
+    out: list[tuple[str, Inputs]] = []
+    if x.states is None and x.offload_optimizer != "none":
+        dev = "nvme" if x.offload_optimizer == "nvme" else "cpu"
+        out.append(('add "fp4offload": {"optimizer_states": {"format": "nvfp4"}} (packed m and v)',
+                    replace(x, states=("nvfp4", dev), offload_optimizer="cpu")))
+    if x.states is not None and x.states[1] != "nvme" and x.offload_optimizer != "none":
+        out.append(('fp4offload.optimizer_states.device "nvme" (with nvme_path)',
+                    replace(x, states=(x.states[0], "nvme"))))
+    if x.states is None and x.offload_optimizer == "cpu" and x.stage == 3:
+        out.append(('zero_optimization.offload_optimizer.device "nvme"', replace(x, offload_optimizer="nvme")))
+    if x.stage == 3 and x.offload_param != "none" and not x.packed_weights:
+        out.append(('fp4offload.weights {"format": "nvfp4"} (packed ZeRO-3 weight partitions)',
+                    replace(x, packed_weights=True)))
+    if x.stage == 3 and x.offload_param == "cpu":
+        out.append(('zero_optimization.offload_param.device "nvme"', replace(x, offload_param="nvme")))
+    if x.stage in (1, 2) and x.world > 1:
+        out.append(('zero_optimization.stage 3', replace(x, stage=3)))
+    return out
