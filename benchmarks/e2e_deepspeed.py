@@ -9,7 +9,9 @@ Configurations (one rank, DS_ACCELERATOR=cpu, bf16, a Llama from benchmarks.harn
 
 Each configuration runs in its own process (so peak RSS is its own) and reports: seconds per step (median after
 one warm-up step), minor page faults per step (median, getrusage), peak host RSS while training (sampled every 5
-ms; ``peak_rss_incl_init`` is ru_maxrss, which also holds the model-construction transient), the optimizer's
+ms; ``peak_rss_incl_init`` is ru_maxrss, which also holds the model-construction transient) beside the
+preflight's estimate of it (``estimate_peak_rss``, fp4offload.integrations.ds_preflight, computed before
+initialize as the block's initialize does), the optimizer's
 host bytes counted from its tensors, and NVMe bytes per step: storage-level bytes from /proc/self/io (exact for
 DeepSpeed's O_DIRECT swapper) and, for FP4AdamW's buffered tier, the bytes it asks the disk for (its counters;
 the page cache may absorb some reads). Ratios are block / baseline from the same invocation.
@@ -210,7 +212,15 @@ def child(args) -> dict:
     allocator = None
     if not args.fp4 and args.allocator == "fixed":  # the baseline with the block's allocator setting
         allocator = ds_host.control_host_allocator()
-    init = fds.initialize if args.fp4 else deepspeed.initialize
+    # the preflight's estimate of this process's host RAM (what initialize computes before DeepSpeed allocates)
+    from fp4offload.integrations import ds_preflight
+
+    if args.fp4:
+        prepared = fds.prepare_config(cfg)
+        estimate = ds_preflight.estimate(prepared.ds_config, model, prepared.host)
+    else:
+        estimate = ds_preflight.estimate(cfg, model, None)
+    init = fds.initialize if args.fp4 else deepspeed.initialize  # without the block: DeepSpeed untouched
     engine, _, _, _ = init(model=model, config=cfg)
     shared = 0
     if not args.fp4 and args.allocator == "fixed":  # ... and its bf16 staging buffers shared, as the block does
@@ -272,6 +282,8 @@ def child(args) -> dict:
             "mmap_threshold": (allocator or {}).get("mmap_threshold"), "host_cache": _host_cache_stats(),
             "s_per_step": statistics.median(times), "step_times": times,
             "page_faults_per_step": statistics.median(faults), "peak_rss": peak_train[0],
+            "estimate_peak_rss": estimate.per_rank, "estimate_error": estimate.per_rank / peak_train[0] - 1,
+            "estimate_consumers": estimate.consumers, "estimate_runtime": estimate.runtime,
             "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss, "malloc_end": _rss_ladder(),
             "buffers": buffers, "device_side_bytes": device_side, "staging_shared_bytes": shared,
             # a GPU machine's host keeps the staging copy the CPU accelerator lets the block share: add it back
@@ -599,12 +611,14 @@ def main() -> None:
     if a.plot:
         plot(rows, a.plot)
     if not a.json:
-        print(f"{'config':10} {'variant':25} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'host-side':>10} "
-              f"{'opt host':>10} {'B/param':>8} {'NVMe B/step':>12} {'faults/step':>12}")
+        print(f"{'config':10} {'variant':25} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'estimate':>15} "
+              f"{'host-side':>10} {'opt host':>10} {'B/param':>8} {'NVMe B/step':>12} {'faults/step':>12}")
         for r in rows:
             if "fp4" in r:
                 print(f"{r['config']:10} {r['variant']:25} {r['params'] / 1e6:7.1f}M "
-                      f"{r['s_per_step']:8.2f} {r['peak_rss'] / 2**30:9.2f}G {r['peak_rss_host_side'] / 2**30:9.2f}G "
+                      f"{r['s_per_step']:8.2f} {r['peak_rss'] / 2**30:9.2f}G "
+                      f"{r['estimate_peak_rss'] / 2**30:6.2f}G ({100 * r['estimate_error']:+4.0f}%) "
+                      f"{r['peak_rss_host_side'] / 2**30:9.2f}G "
                       f"{r['optimizer_host_bytes'] / 2**30:9.2f}G "
                       f"{r['optimizer_host_B_per_param']:8.2f} {r['nvme_bytes_per_step'] / 2**20:10.1f}Mi "
                       f"{r['page_faults_per_step']:12.0f}")

@@ -66,10 +66,11 @@ def main() -> None:
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="fp4offload-startup-") as tmp:
         arms = {"with": make_env(Path(tmp) / "with", True), "without": make_env(Path(tmp) / "without", False)}
-        check = subprocess.run([str(arms["with"]), "-c", "import sys; print('_fp4offload_auto' in sys.modules)"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        if check != "True":
-            raise SystemExit("the 'with' arm did not run the hook")
+        probe = "import sys; print(any(getattr(f, 'fp4offload_auto', False) for f in sys.meta_path))"
+        for arm, want in (("with", "True"), ("without", "False")):
+            got = subprocess.run([str(arms[arm]), "-c", probe], capture_output=True, text=True, check=True).stdout
+            if got.strip() != want:
+                raise SystemExit(f"the {arm!r} arm's start-up hook finder: {got.strip()}, expected {want}")
         rows = []
         for label, code in COMMANDS.items():
             times = {k: [] for k in arms}

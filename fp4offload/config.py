@@ -376,7 +376,8 @@ class Fp4OffloadConfig:
             if v is not None and not isinstance(v, cls):
                 raise _error(name, v, f"a {cls.__name__} or None")
         if self.host is not None and self.optimizer_states is None:
-            set_keys = {f.name for f in fields(HostConfig) if getattr(self.host, f.name) != getattr(HostConfig(), f.name)}
+            default = HostConfig()
+            set_keys = {f.name for f in fields(HostConfig) if getattr(self.host, f.name) != getattr(default, f.name)}
             if set_keys - {"preflight"}:
                 raise _error("host", _to_plain(self.host), "only host.preflight without optimizer_states",
                              "the other host settings shape the memory of the offloaded optimizer step; add "

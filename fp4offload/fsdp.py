@@ -10,10 +10,15 @@
     ...
     ff.save("ckpt/step100", model, opt)                       # torch.distributed.checkpoint, safetensors
     ff.load("ckpt/step100", model, opt)
+
+Under Hugging Face Accelerate (FSDP2), one call shards, builds FP4AdamW and prepares both::
+
+    model, opt = ff.prepare(accelerator, model, policy, lr=3e-4)   # policy: a Policy or a YAML path
 """
 
 from .integrations.fsdp import (AllGatherCounter, Policy, apply, count_all_gathers, fp4_parameters, load, optimizer,
                                 policy_from_yaml, refresh, reset_stats, save, state_dict, stats)
+from .integrations.accelerate_fsdp import prepare
 
 __all__ = ["apply", "Policy", "policy_from_yaml", "optimizer", "save", "load", "refresh", "stats", "reset_stats",
-           "count_all_gathers", "AllGatherCounter", "fp4_parameters", "state_dict"]
+           "count_all_gathers", "AllGatherCounter", "fp4_parameters", "state_dict", "prepare"]

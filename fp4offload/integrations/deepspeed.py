@@ -10,7 +10,8 @@ config carries the block it, in this order, before DeepSpeed builds anything:
    on NVMe itself (DeepSpeed's swapper cannot hold uint8 states; the fp32 master stays in host RAM);
 3. validates the result (``fp4offload.config.validate_deepspeed_config`` plus DeepSpeed's own schema
    of ``zero_optimization``), raising ConfigError with the key path, the value and what is allowed;
-4. builds FP4AdamW from the client optimizer or the config's ``optimizer`` section;
+4. checks that the host RAM the config needs fits (``ds_preflight``; CapacityError, ``host.preflight``);
+5. builds FP4AdamW from the client optimizer or the config's ``optimizer`` section;
 
 then calls the real ``deepspeed.initialize`` and attaches what needs the engine: packed ZeRO-3 weight
 shards (``ds_weights``), saved-activation packing, and the metrics writer (``ds_monitor``).
@@ -41,7 +42,7 @@ from fp4offload.config import Fp4OffloadConfig, parse_block, validate_deepspeed_
 from fp4offload.errors import ConfigError
 from fp4offload.jsonfile import read_json
 
-from . import ds_host, ds_internals, ds_optim
+from . import ds_host, ds_internals, ds_optim, ds_preflight
 
 log = logging.getLogger("fp4offload.deepspeed")
 
@@ -184,6 +185,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     for note in prepared.rewrites:
         log.info("fp4offload: %s", note)
     ds_internals.check(features(prepared))  # DeepSpeed's private names: fail before anything is built
+    preflight = ds_preflight.check(prepared, model)  # host RAM: fail before DeepSpeed allocates
     block, host, states = prepared.block, prepared.host, prepared.block.optimizer_states is not None
     if states:
         kwargs["optimizer"], kwargs["lr_scheduler"] = _client_optimizer(prepared, optimizer, lr_scheduler, model,
@@ -212,7 +214,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_host.release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
-                        bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0)
+                        bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0,
+                        preflight=preflight)
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import ds_weights
 
@@ -254,6 +257,7 @@ class Attached:
     staging_shared_bytes: int = 0  # share_bf16_staging
     bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
     bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (ds_host.bf16_grads_at_init)
+    preflight: Any = None  # the host-memory estimate (planner.host_model.HostEstimate); None when off
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):

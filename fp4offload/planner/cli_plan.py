@@ -71,6 +71,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--format", choices=("table", "json"), default="table", help="output format")
     s.add_argument("--emit", nargs=2, metavar=("KIND", "OUT"),
                    help="write the config of the best strategy of KIND: 'deepspeed OUT.json' or 'fsdp OUT.yaml'")
+    s.add_argument("--check", metavar="CONFIG.json",
+                   help="instead of planning: the host-RAM estimate of this DeepSpeed config for --model on this "
+                        "machine (the preflight initialize runs), with and without its fp4offload block; "
+                        "--gpus is the ranks per node (default 1), --nodes the nodes")
     p.set_defaults(func=run_plan)
     return p
 
@@ -232,8 +236,71 @@ def _emit(plan, args: argparse.Namespace) -> str:
     return pick.name
 
 
+def run_check(args: argparse.Namespace) -> int:
+    """``fp4offload plan --check CONFIG.json``: the preflight's estimate for ``--model``, with and without the
+    block, against what this machine (and its cgroup) lets a process use. Exit 0 fits, 1 does not, 2 bad input."""
+    import copy
+    import os
+
+    from fp4offload.planner import host_model
+    from fp4offload.planner.models import resolve_model
+
+    try:
+        for name in ("nodes", "gpus"):
+            _positive("--" + name, getattr(args, name))
+        from fp4offload.integrations import ds_preflight
+        from fp4offload.integrations.deepspeed import BLOCK_KEY, prepare_config, read_config
+
+        model = resolve_model(args.model)
+        local = args.gpus or 1
+        world = local * (args.nodes or 1)
+        raw = read_config(args.check)
+        prepared = prepare_config(raw, world_size=world) if BLOCK_KEY in raw else None
+    except ConfigError as exc:
+        print(f"fp4offload plan --check: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    import psutil
+
+    try:  # what a rank's process holds before it builds its model: Python, torch and DeepSpeed imported
+        import deepspeed  # noqa: F401
+    except Exception:
+        pass
+    runtime = psutil.Process().memory_info().rss
+    accelerator = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else ds_preflight._accelerator()
+    lim = ds_preflight.limits()
+    params = model.param_count()
+    arms = []
+    plain = copy.deepcopy(raw)
+    plain.pop(BLOCK_KEY, None)
+    arms.append(("without the block", plain, None))
+    if prepared is not None:
+        arms.append(("with the block", prepared.ds_config, prepared.host))
+    out, fits_all = [], True
+    for label, cfg, host in arms:
+        x = host_model.inputs_from_config(cfg, params, world=world, local_ranks=local, accelerator=accelerator,
+                                          host=host)
+        est = host_model.estimate_host(x, runtime)
+        fits = ds_preflight._fits(est, lim, 0)
+        fits_all = fits_all and (fits or label == "without the block")
+        out.append({"arm": label, "fits": fits, "per_rank_bytes": est.per_rank, "node_bytes": est.node_total,
+                    "consumers": est.consumers, "runtime_bytes": est.runtime, "nvme": est.nvme, "text":
+                    ds_preflight.render(est, lim)})
+    if args.format == "json":
+        print(json.dumps({"config": args.check, "model": model.name, "params": params, "accelerator": accelerator,
+                          "world": world, "local_ranks": local, "free_bytes": lim.free, "arms":
+                          [{k: v for k, v in a.items() if k != "text"} for a in out]}, indent=2))
+    else:
+        print(f"host RAM of {args.check} for {model.name} ({params / 1e9:.2f}B parameters), {world} rank(s), "
+              f"{local} per node, accelerator {accelerator}:")
+        for a in out:
+            print(f"\n{a['arm']}: {'fits' if a['fits'] else 'does NOT fit'}\n{a['text']}")
+    return EXIT_OK if fits_all else EXIT_NO_FIT
+
+
 def run_plan(args: argparse.Namespace) -> int:
     """``fp4offload plan``."""
+    if getattr(args, "check", None):
+        return run_check(args)
     try:
         plan, _ = build_plan(args)
         emitted = _emit(plan, args) if args.emit else None

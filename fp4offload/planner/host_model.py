@@ -44,7 +44,10 @@ class Inputs:
         offload_optimizer / offload_param: ``"none"``, ``"cpu"`` or ``"nvme"``, as DeepSpeed sees them
         (after the block's rewrites). grad_accum: micro-steps per step.
         states: the block's states, ``None`` (DeepSpeed's fp32 m and v) or (format, device).
-        bf16_grads / share_staging: the block's host settings, as they apply. packed_weights: ZeRO-3
+        bf16_grads / share_staging: the block's host settings, as they apply. allocator: ``"glibc"``
+        (its adaptive mmap threshold: freed blocks under 32 MiB stay in the heap) or ``"fixed"`` (the
+        block's ``host.mmap_threshold``: they go back to the kernel), with ``cache_fraction`` the block's
+        ``host.allocator_cache`` (0 when off). packed_weights: ZeRO-3
         offload_param host partitions as NVFP4 (``weights``). reduce_bucket ... buffer_count: the
         DeepSpeed keys of the same names.
     """
@@ -62,6 +65,8 @@ class Inputs:
     bf16_grads: bool = False
     share_staging: bool = False
     packed_weights: bool = False
+    allocator: str = "glibc"
+    cache_fraction: float = 0.0
     reduce_bucket: int = DS_DEFAULTS["reduce_bucket_size"]
     sub_group: int = DS_DEFAULTS["sub_group_size"]
     prefetch_bucket: int = DS_DEFAULTS["stage3_prefetch_bucket_size"]
@@ -138,15 +143,21 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
     grad_accum = ds.get("gradient_accumulation_steps", 1)
     grad_accum = grad_accum if isinstance(grad_accum, int) and grad_accum > 0 else 1
     bf16_grads = share = False
-    if states is not None and host is not None and stage in (1, 2) and device("offload_optimizer") == "cpu":
-        bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
-        share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
+    allocator, cache = "glibc", 0.0
+    if states is not None and host is not None:  # the host settings apply with optimizer_states
+        if host.mmap_threshold.value != "off":
+            allocator = "fixed"
+        cache = 0.0 if host.allocator_cache.value == "off" else float(host.allocator_cache.value)
+        if stage in (1, 2) and device("offload_optimizer") == "cpu":
+            bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
+            share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
     buffers = off.get("buffer_count", DS_DEFAULTS["buffer_count"])
     return Inputs(
         params=int(params), world=max(1, int(world)), local_ranks=max(1, int(local_ranks)), accelerator=accelerator,
         stage=stage, compute_bytes=BF16_BYTES if mixed else FP32_BYTES,
         offload_optimizer=device("offload_optimizer"), offload_param=device("offload_param") if stage == 3 else "none",
-        grad_accum=grad_accum, states=states, bf16_grads=bf16_grads, share_staging=share,
+        grad_accum=grad_accum, states=states, bf16_grads=bf16_grads, share_staging=share, allocator=allocator,
+        cache_fraction=cache,
         packed_weights=weights is not None and weights.get("format", "nvfp4") == "nvfp4" and stage == 3,
         reduce_bucket=_zero_key(zero, "reduce_bucket_size"), sub_group=_zero_key(zero, "sub_group_size"),
         prefetch_bucket=_zero_key(zero, "stage3_prefetch_bucket_size"),
@@ -154,8 +165,9 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
         buffer_count=int(buffers) if isinstance(buffers, int) and buffers > 0 else DS_DEFAULTS["buffer_count"])
 
 
-def estimate_host(x: Inputs, runtime_bytes: int = 0) -> HostEstimate:
-    """Host bytes of one rank for ``x`` (see the module docstring); ``runtime_bytes``: the process's own."""
+def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> HostEstimate:
+    """Host bytes of one rank for ``x`` (see the module docstring). ``runtime_bytes``: the process's own;
+    ``built_bytes``: the model's parameters as built in host RAM (freed when DeepSpeed flattens them)."""
     P, N, e = x.params, x.world, x.compute_bytes
     part = -(-P // N) if x.stage >= 1 else P  # this rank's partition of the optimizer (ZeRO-1 and up)
     on_cpu_accel = x.accelerator == "cpu"
@@ -200,23 +212,24 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0) -> HostEstimate:
     else:
         put("fp32 master partition", FP32_BYTES * part, "nvme")
 
-    if offload_opt:
+    sub = min(x.sub_group, part)  # ZeRO-3 steps one sub-group at a time
+    if offload_opt and x.stage < 3:  # ZeRO-1/2: the host gradient partition the optimizer reads
         g = BF16_BYTES if x.bf16_grads else FP32_BYTES
         put(("bf16" if x.bf16_grads else "fp32") + " gradient partition", g * part)
-        if x.stage < 3 and not x.share_staging:
+        if not x.share_staging:
             put("bf16 copy-back buffer", e * part)  # param_buffer_of_bit16_for_cpu_offload_groups
-        device("gradient bucket", e * min(x.reduce_bucket, P))
+    elif offload_opt:  # ZeRO-3: the partition in the compute dtype, and the sub-group's fp32 copy at its step
+        put("gradient partition", e * part)  # grad_partitions_flat_buffer
+        put("fp32 gradient of a sub-group", FP32_BYTES * sub)
     else:
-        device("gradient partition" if x.stage >= 2 else "gradients", (e if x.stage >= 2 else e) * (part if
-                                                                                                  x.stage >= 2 else P))
-        device("gradient bucket", e * min(x.reduce_bucket, P))
+        device("gradients", e * (part if x.stage >= 2 else P))
+    device("gradient bucket", e * min(x.reduce_bucket, P))
 
     # Adam's m and v.
     if x.states is None:
         if x.offload_optimizer == "nvme" and x.stage == 3:
             put("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part, "nvme")
-            sub = min(x.sub_group, part)
-            put("NVMe swap buffers", x.buffer_count * FP32_BYTES * sub)
+            put("NVMe swap buffers", x.buffer_count * FP32_BYTES * sub)  # SwapBufferManager: master, m, v, grad
         elif offload_opt:
             put("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part)
         else:
@@ -231,6 +244,14 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0) -> HostEstimate:
             put(f"optimizer states ({fmt})", b * part)
         else:
             device(f"optimizer states ({fmt})", b * part)
+    # Memory freed but still resident. Under glibc's adaptive threshold the heap keeps the model as built
+    # (replaced by DeepSpeed's flat buffers), the parameter gradients freed block by block in backward and,
+    # for ZeRO-3, the fp32 gradient buffer that initialize_optimizer_states drops. With the block's fixed
+    # threshold those go back to the kernel, and its host cache keeps at most cache_fraction of the bytes in use.
+    if x.allocator == "glibc":
+        put("freed, kept in glibc's heap", built_bytes + e * P + (FP32_BYTES * sub if x.stage == 3 else 0))
+    elif x.cache_fraction > 0:
+        put("host allocator cache (bound)", x.cache_fraction * sum(host.values()))
     return HostEstimate(consumers={k: int(v) for k, v in host.items()}, runtime=int(runtime_bytes),
                         nvme={k: int(v) for k, v in nvme.items()}, local_ranks=x.local_ranks, inputs=x)
 
@@ -247,7 +268,9 @@ def alternatives(x: Inputs) -> list[tuple[str, Inputs]]:
         out.append(('fp4offload.optimizer_states.device "nvme" (with nvme_path)',
                     replace(x, states=(x.states[0], "nvme"))))
     if x.states is None and x.offload_optimizer == "cpu" and x.stage == 3:
-        out.append(('zero_optimization.offload_optimizer.device "nvme"', replace(x, offload_optimizer="nvme")))
+        sub = min(x.sub_group, 100_000_000)  # DeepSpeed's swap buffers: buffer_count x the sub-group, in fp32
+        out.append((f'zero_optimization.offload_optimizer.device "nvme" with sub_group_size {sub:.0e}',
+                    replace(x, offload_optimizer="nvme", sub_group=sub)))
     if x.stage == 3 and x.offload_param != "none" and not x.packed_weights:
         out.append(('fp4offload.weights {"format": "nvfp4"} (packed ZeRO-3 weight partitions)',
                     replace(x, packed_weights=True)))

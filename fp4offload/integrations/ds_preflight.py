@@ -1,0 +1,222 @@
+"""Host-memory preflight of the DeepSpeed block: does this config fit in the RAM this process may use?
+
+``initialize`` calls :func:`check` after the config is validated and before DeepSpeed allocates anything.
+It estimates the host RAM this rank will hold (:mod:`fp4offload.planner.host_model`, fed with the model's
+parameter count, the ZeRO stage, the offload targets, the block and the accelerator) and the node's total
+across its local ranks, and compares what initialize and training will add with what the process may still
+take: the smaller of the machine's available memory and, inside a memory cgroup (v1 or v2, the tightest
+limit on the way up the hierarchy), the limit less the cgroup's usage. When it does not fit, ``host.preflight``
+decides: ``error`` (default) raises CapacityError naming the estimate, the limit, the three largest
+consumers and the changes that would fit (computed by the same model), ``warn`` logs that and goes on,
+``off`` skips the check.
+
+What the process holds before initialize (Python, torch, DeepSpeed, the data, the model as built) is
+measured, not modelled: its RSS. DeepSpeed's flattening replaces the model's parameters, so their bytes are
+taken out of it; activations, which depend on the batch, are not in the estimate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fp4offload.errors import CapacityError
+from fp4offload.planner import host_model
+
+log = logging.getLogger("fp4offload.deepspeed")
+
+__all__ = ["Limits", "limits", "cgroup_limit", "model_bytes", "estimate", "check", "render"]
+
+GiB = float(1 << 30)
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / (1 << 20):.0f} MiB"
+_UNLIMITED = 1 << 60  # cgroup v1 writes a page-aligned 2**63-1 for "no limit"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the process may still allocate. ``free`` = min(available, cgroup limit - cgroup usage)."""
+
+    available: int
+    cgroup_limit: int | None = None
+    cgroup_usage: int | None = None
+    cgroup: str = ""  # "v1:/path" or "v2:/path" of the cgroup whose limit is the tightest
+
+    @property
+    def free(self) -> int:
+        if self.cgroup_limit is None:
+            return self.available
+        return max(0, min(self.available, self.cgroup_limit - (self.cgroup_usage or 0)))
+
+    def describe(self) -> str:
+        text = f"{_size(self.free)} (machine available {_size(self.available)}"
+        if self.cgroup_limit is not None:
+            text += f"; cgroup {self.cgroup} limit {_size(self.cgroup_limit)}, using {_size(self.cgroup_usage or 0)}"
+        return text + ")"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max" or not text.lstrip("-").isdigit():
+        return None
+    v = int(text)
+    return v if 0 <= v < _UNLIMITED else None
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, int, str] | None:
+    """(limit, usage, which) of the tightest memory limit on this process's cgroup path, or None.
+
+    cgroup v2 (a ``0::/path`` line): ``memory.max`` and ``memory.current`` under ``root``/path and each
+    parent. v1 (a line whose controllers include ``memory``): ``memory.limit_in_bytes`` and
+    ``memory.usage_in_bytes`` under ``root``/memory/path and each parent."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, int, str] | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            base, lim_name, use_name, tag = Path(root), "memory.max", "memory.current", "v2"
+        elif "memory" in controllers.split(","):
+            base, tag = Path(root) / "memory", "v1"
+            lim_name, use_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        d = base / rel.lstrip("/")
+        while True:
+            lim = _read_int(d / lim_name)
+            if lim is not None:
+                use = _read_int(d / use_name) or 0
+                if best is None or lim - use < best[0] - best[1]:
+                    best = (lim, use, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/")
+            if d == base or base not in d.parents:
+                break
+            d = d.parent
+    return best
+
+
+def limits() -> Limits:
+    """The machine's available memory and the cgroup limit that applies to this process."""
+    import psutil
+
+    avail = int(psutil.virtual_memory().available)
+    cg = cgroup_limit()
+    if cg is None:
+        return Limits(available=avail)
+    return Limits(available=avail, cgroup_limit=cg[0], cgroup_usage=cg[1], cgroup=cg[2])
+
+
+def model_bytes(model: Any) -> tuple[int, int]:
+    """(parameters, bytes of them in host RAM now) of a torch module; ZeRO-3 ``zero.Init`` parameters count
+    their full size (``ds_numel``) and the bytes of their local partition."""
+    params = host = 0
+    seen: set[int] = set()
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        t = getattr(p, "ds_tensor", None)
+        params += int(getattr(p, "ds_numel", p.numel()))
+        local = t if t is not None else p
+        if local.device.type == "cpu":
+            host += local.numel() * local.element_size()
+    return params, host
+
+
+def _world() -> tuple[int, int, str]:
+    """(world size, ranks on this node, where the latter came from)."""
+    ws = os.environ.get("WORLD_SIZE", "")
+    world = int(ws) if ws.isdigit() and int(ws) > 0 else 1
+    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 0:
+            return world, int(v), var
+    return world, 1, "LOCAL_WORLD_SIZE unset: one rank assumed on this node"
+
+
+def _accelerator() -> str:
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        return "cpu" if get_accelerator().device_name() == "cpu" else "gpu"
+    except Exception:
+        return "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else "gpu"
+
+
+def estimate(ds_config: dict, model: Any, host_settings: Any = None, *, rss: int | None = None,
+             world: int | None = None, local_ranks: int | None = None,
+             accelerator: str | None = None) -> host_model.HostEstimate:
+    """This rank's estimate for ``ds_config`` (as prepare_config returns it, or a plain DeepSpeed config)."""
+    import psutil
+
+    params, held = model_bytes(model)
+    w, local, _ = _world()
+    rss = psutil.Process().memory_info().rss if rss is None else rss
+    x = host_model.inputs_from_config(ds_config, params, world=world or w, local_ranks=local_ranks or local,
+                                      accelerator=accelerator or _accelerator(), host=host_settings)
+    return host_model.estimate_host(x, runtime_bytes=max(0, rss - held), built_bytes=held)
+
+
+def _fits(est: host_model.HostEstimate, lim: Limits, held_now: int) -> bool:
+    """Every local rank adds est.added less what DeepSpeed frees of the model as built (held_now)."""
+    return max(0, est.added - held_now) * est.local_ranks <= lim.free
+
+
+def render(est: host_model.HostEstimate, lim: Limits | None = None, held_now: int = 0) -> str:
+    """The estimate as lines: per consumer, the rank's total, the node's total and the limit."""
+    rows = [f"  {k:36s} {v / GiB:8.2f} GiB" for k, v in sorted(est.consumers.items(), key=lambda kv: -kv[1])]
+    rows.append(f"  {'process before initialize (measured)':36s} {est.runtime / GiB:8.2f} GiB")
+    rows.append(f"  {'this rank':36s} {est.per_rank / GiB:8.2f} GiB")
+    rows.append(f"  {f'node ({est.local_ranks} local ranks)':36s} {est.node_total / GiB:8.2f} GiB")
+    for k, v in est.nvme.items():
+        rows.append(f"  {'NVMe: ' + k:36s} {v / GiB:8.2f} GiB")
+    if lim is not None:
+        need = max(0, est.added - held_now) * est.local_ranks
+        rows.append(f"  {'to allocate on this node':36s} {need / GiB:8.2f} GiB; may use {lim.describe()}")
+    return "\n".join(rows)
+
+
+def check(prepared: Any, model: Any, *, lim: Limits | None = None) -> host_model.HostEstimate | None:
+    """The preflight of ``initialize`` (see the module docstring). Returns the estimate, or None when off."""
+    mode = prepared.host.preflight.value
+    if mode == "off" or model is None or not hasattr(model, "parameters"):
+        return None
+    params, held = model_bytes(model)
+    est = estimate(prepared.ds_config, model, prepared.host)
+    lim = limits() if lim is None else lim
+    if _fits(est, lim, held):
+        log.info("fp4offload: host-memory preflight: %.2f GiB per rank fits\n%s", est.per_rank / GiB,
+                 render(est, lim, held))
+        return est
+    fixes = []
+    for what, alt in host_model.alternatives(est.inputs):
+        alt_est = host_model.estimate_host(alt, est.runtime, held)
+        if _fits(alt_est, lim, held):
+            fixes.append(f"{what}: {_size(alt_est.per_rank)} per rank")
+    top = ", ".join(f"{k} {_size(v)}" for k, v in est.largest(3))
+    need = max(0, est.added - held) * est.local_ranks
+    src = prepared.host.preflight.source
+    hint = (f"this rank would hold {_size(est.per_rank)} ({_size(est.node_total)} for the node's "
+            f"{est.local_ranks} local rank(s)); largest: {top}; the process may use {lim.describe()}. "
+            + ("Changes that fit: " + "; ".join(fixes) + ". " if fixes else
+               "No single change of the block or ZeRO keys fits: more nodes, a smaller model or more RAM. ")
+            + f'fp4offload.host.preflight "warn" goes ahead anyway, "off" skips this check (now {mode!r}, '
+              f"from {src})")
+    err = CapacityError(f"host RAM for {params / 1e6:.1f}M parameters under this DeepSpeed config", need, lim.free,
+                        hint)
+    if mode == "warn":
+        log.warning("fp4offload: host-memory preflight: %s", err)
+        return est
+    raise err

@@ -1,0 +1,284 @@
+"""The host-memory preflight: the model's terms, cgroup limits (v1 and v2), the error, and the real thing
+inside a memory cgroup (initialize refuses before it allocates; ``warn`` goes on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from fp4offload.config import parse_block
+from fp4offload.errors import CapacityError, ConfigError
+from fp4offload.integrations import ds_host, ds_preflight
+from fp4offload.planner import host_model
+from fp4offload.planner.sizes import STATE_BYTES
+
+ROOT = Path(__file__).resolve().parents[1]
+P = 100_000_000
+
+
+def _cfg(stage=2, offload="cpu", block=None, **zero):
+    z = {"stage": stage, **zero}
+    if offload:
+        z["offload_optimizer"] = {"device": offload, **({"nvme_path": "/tmp/x"} if offload == "nvme" else {})}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True}, "zero_optimization": z}
+    if block is not None:
+        cfg["fp4offload"] = block
+    return cfg
+
+
+def _est(cfg, accel="cpu", world=1, host=True, **kw):
+    settings = ds_host.resolve(parse_block(cfg.get("fp4offload")).host, {}) if host else None
+    x = host_model.inputs_from_config(cfg, P, world=world, accelerator=accel, host=settings, **kw)
+    return host_model.estimate_host(x)
+
+
+def test_zero2_cpu_offload_terms_plain_and_with_the_block():
+    plain = _est(_cfg())
+    assert plain.consumers == {"bf16 parameters": 2 * P, "fp32 master partition": 4 * P,
+                               "fp32 gradient partition": 4 * P, "bf16 copy-back buffer": 2 * P,
+                               "gradient bucket": 2 * P, "optimizer states (fp32 m, v)": 8 * P,
+                               "freed, kept in glibc's heap": 2 * P}  # the bf16 gradients of backward
+    block = _est(_cfg(block={"optimizer_states": {"format": "nvfp4", "device": "cpu"}}))
+    held = (2 + 4 + 2 + 2 + STATE_BYTES["nvfp4"]) * P
+    assert block.consumers == {"bf16 parameters": 2 * P, "fp32 master partition": 4 * P,
+                               "bf16 gradient partition": 2 * P, "gradient bucket": 2 * P,
+                               "optimizer states (nvfp4)": int(STATE_BYTES["nvfp4"] * P),
+                               "host allocator cache (bound)": int(0.125 * held)}
+    # on a GPU machine the device-side buffers leave the host; the copy-back buffer stays (no sharing there)
+    gpu = _est(_cfg(block={"optimizer_states": {"format": "nvfp4", "device": "cpu"}}), accel="gpu")
+    assert set(gpu.consumers) == {"fp32 master partition", "bf16 gradient partition", "bf16 copy-back buffer",
+                                  "optimizer states (nvfp4)", "host allocator cache (bound)"}
+    assert gpu.added == pytest.approx(1.125 * (4 + 2 + 2 + STATE_BYTES["nvfp4"]) * P, abs=2)  # 9.13 B/param + cache
+
+
+def test_partitions_shrink_with_the_world_and_local_ranks_add_up():
+    one = _est(_cfg(block={"optimizer_states": {}}), accel="gpu")
+    four = _est(_cfg(block={"optimizer_states": {}}), accel="gpu", world=4, local_ranks=4)
+    assert four.added * 4 == pytest.approx(one.added, rel=1e-6)
+    assert four.node_total == 4 * four.per_rank
+
+
+def test_zero3_nvme_terms_deepspeed_swapper_and_the_blocks_tier():
+    plain = _est(_cfg(stage=3, offload="nvme"), accel="gpu")
+    assert plain.nvme == {"fp32 master partition": 4 * P, "optimizer states (fp32 m, v)": 8 * P}
+    assert plain.consumers == {"gradient partition": 2 * P, "fp32 gradient of a sub-group": 4 * P,
+                               "NVMe swap buffers": 4 * 4 * P, "freed, kept in glibc's heap": (2 + 4) * P}
+    fp4 = _est(_cfg(stage=3, offload="cpu", block={"optimizer_states": {"device": "nvme", "nvme_path": "/x"}}),
+               accel="gpu")
+    assert fp4.nvme == {"optimizer states (nvfp4)": int(STATE_BYTES["nvfp4"] * P)}
+    assert fp4.consumers["fp32 master partition"] == 4 * P
+    seg = host_model.NVME_SEGMENTS_IN_FLIGHT * STATE_BYTES["nvfp4"] * host_model.NVME_SEGMENT
+    assert fp4.consumers["NVMe state segments in flight"] == int(seg)
+
+
+def test_alternatives_are_estimated_by_the_same_model():
+    x = host_model.inputs_from_config(_cfg(stage=3, offload="cpu", offload_param={"device": "cpu"}), P,
+                                      accelerator="gpu")
+    base = host_model.estimate_host(x).added
+    alts = dict(host_model.alternatives(x))
+    assert any("optimizer_states" in k for k in alts) and any("weights" in k for k in alts)
+    for what, alt in alts.items():
+        if "fp4offload" in what:  # the block's changes always lower it; DeepSpeed's own may not
+            assert host_model.estimate_host(alt).added < base, what
+
+
+def _tree(tmp: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        f = tmp / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+
+
+def test_cgroup_v2_takes_the_tightest_limit_up_the_hierarchy(tmp_path):
+    _tree(tmp_path, {"proc": "0::/pod/job\n", "cg/pod/memory.max": str(3 << 30), "cg/pod/memory.current": str(2 << 30),
+                     "cg/pod/job/memory.max": "max", "cg/pod/job/memory.current": str(1 << 30)})
+    lim, use, which = ds_preflight.cgroup_limit(str(tmp_path / "proc"), str(tmp_path / "cg"))
+    assert (lim, use, which) == (3 << 30, 2 << 30, "v2:/pod")
+    free = ds_preflight.Limits(available=8 << 30, cgroup_limit=lim, cgroup_usage=use).free
+    assert free == 1 << 30
+
+
+def test_cgroup_v1_memory_controller_and_no_limit(tmp_path):
+    _tree(tmp_path, {"proc": "12:cpu,cpuacct:/x\n5:memory:/docker/abc\n",
+                     "cg/memory/docker/abc/memory.limit_in_bytes": str(2 << 30),
+                     "cg/memory/docker/abc/memory.usage_in_bytes": str(512 << 20),
+                     "cg/memory/docker/memory.limit_in_bytes": str(9223372036854771712),
+                     "cg/memory/memory.limit_in_bytes": str(9223372036854771712)})
+    assert ds_preflight.cgroup_limit(str(tmp_path / "proc"), str(tmp_path / "cg")) == (2 << 30, 512 << 20,
+                                                                                       "v1:/docker/abc")
+    _tree(tmp_path, {"proc2": "5:memory:/docker\n"})
+    assert ds_preflight.cgroup_limit(str(tmp_path / "proc2"), str(tmp_path / "cg")) is None
+
+
+class _Prepared:
+    def __init__(self, cfg, mode="error"):
+        self.ds_config = cfg
+        self.host = ds_host.resolve(parse_block(cfg.get("fp4offload")).host, {"FP4OFFLOAD_PREFLIGHT": mode})
+
+
+def test_check_raises_capacity_error_naming_estimate_limit_consumers_and_fixes(caplog):
+    import torch
+
+    model = torch.nn.Linear(4096, 4096, bias=False).to(torch.bfloat16)  # 16.8M parameters
+    cfg = _cfg(stage=3, offload="cpu", offload_param={"device": "cpu"}, block={"optimizer_states": {}})
+    need = ds_preflight.estimate(cfg, model, _Prepared(cfg).host).added - ds_preflight.model_bytes(model)[1]
+    lim = ds_preflight.Limits(available=need - (10 << 20))  # packed weights save 25 MiB, states on NVMe 15
+    with pytest.raises(CapacityError) as e:
+        ds_preflight.check(_Prepared(cfg), model, lim=lim)
+    msg = str(e.value)
+    assert "16.8M parameters" in msg and "largest: fp32 master partition" in msg
+    assert 'optimizer_states.device "nvme"' in msg and "fp4offload.weights" in msg
+    assert 'preflight "warn"' in msg
+    assert ds_preflight.check(_Prepared(cfg, "warn"), model, lim=lim) is not None  # warn: logged, goes on
+    assert "host-memory preflight" in caplog.text
+    assert ds_preflight.check(_Prepared(cfg, "off"), model, lim=ds_preflight.Limits(available=0)) is None
+
+
+@pytest.mark.parametrize("value", ["fail", "", 1, True, None])
+def test_bad_preflight_value_is_a_config_error(value):
+    with pytest.raises(ConfigError, match="host.preflight"):
+        parse_block({"optimizer_states": {}, "host": {"preflight": value}}, prefix="fp4offload.")
+
+
+def test_preflight_is_the_one_host_key_without_optimizer_states():
+    assert parse_block({"activations": {}, "host": {"preflight": "warn"}}).host.preflight == "warn"
+    with pytest.raises(ConfigError, match="only host.preflight"):
+        parse_block({"activations": {}, "host": {"mmap_threshold": "off"}}, prefix="fp4offload.")
+
+
+# ------------------------------------------------------------------------------------------------
+# for real, inside a memory cgroup
+
+CG_ROOT = Path("/sys/fs/cgroup/memory")
+
+_CHILD = r"""
+import json, os, resource, sys, logging
+import psutil, torch, deepspeed
+logging.basicConfig(level=logging.WARNING)
+torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)  # no fp32 transient while building
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(6)]).to(torch.bfloat16)
+before = psutil.Process().memory_info().rss
+cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+       "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+       "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+       "fp4offload": {"optimizer_states": {"format": "fp32", "device": "cpu"}, "host": {"preflight": sys.argv[1]}}}
+out = {"before": before}
+try:
+    engine = deepspeed.initialize(model=model, config=cfg)[0]  # plain DeepSpeed: the start-up hook applies the block
+    out["initialized"] = True
+    out["inner"] = type(engine.basic_optimizer).__name__
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+out["peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+out["rss"] = psutil.Process().memory_info().rss
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _cgroup_or_skip() -> Path:
+    if sys.platform != "linux" or not (CG_ROOT / "memory.limit_in_bytes").exists() or not os.access(CG_ROOT,
+                                                                                                     os.W_OK):
+        pytest.skip("needs a writable cgroup v1 memory hierarchy at /sys/fs/cgroup/memory (root on Linux)")
+    cg = CG_ROOT / f"fp4offload-test-{uuid.uuid4().hex[:8]}"
+    cg.mkdir()
+    return cg
+
+
+def _in_cgroup(cg: Path, limit: int, mode: str) -> dict:
+    (cg / "memory.limit_in_bytes").write_text(str(limit))
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+    env.pop("FP4OFFLOAD_PREFLIGHT", None)
+    env.pop("FP4OFFLOAD_AUTO", None)
+    # the shell enters the cgroup, then becomes the child: everything the child allocates counts
+    cmd = f'echo $$ > {cg}/cgroup.procs && exec "{sys.executable}" -c "$0" "$1"'
+    p = subprocess.run(["sh", "-c", cmd, _CHILD, mode], capture_output=True, text=True, env=env, timeout=300,
+                       cwd=str(ROOT))
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    r = json.loads(line[7:])
+    r["stderr"] = p.stderr
+    return r
+
+
+@pytest.mark.slow
+def test_initialize_inside_a_tight_cgroup_refuses_before_allocating_and_warn_goes_on():
+    cg = _cgroup_or_skip()
+    try:
+        # 25.2M parameters with fp32 states: the estimate adds about 18 B/param (450 MB) to the process;
+        # initialize itself allocates about half of it (m and v come at the first step)
+        probe = _in_cgroup(cg, 8 << 30, "off")
+        assert probe.get("initialized"), probe
+        base = probe["before"]
+        limit = base + (300 << 20)
+        err = _in_cgroup(cg, limit, "error")
+        assert "CapacityError" in err.get("error", ""), err
+        assert "cgroup v1:/" + cg.name in err["error"] and "limit" in err["error"]
+        assert "optimizer_states" in err["error"]  # a change that fits: packed states (format nvfp4)
+        # nothing of DeepSpeed's was allocated: the peak is what the process held before initialize
+        assert err["peak"] - err["before"] < (60 << 20), (err["peak"], err["before"])
+        warn = _in_cgroup(cg, limit, "warn")
+        assert warn.get("initialized") and warn["inner"] == "AdamW", warn  # the block's fp32 states: torch AdamW
+        assert "host-memory preflight" in warn["stderr"]
+    finally:
+        for _ in range(50):
+            try:
+                cg.rmdir()
+                break
+            except OSError:
+                import time
+
+                time.sleep(0.1)
+
+
+# ------------------------------------------------------------------------------------------------
+# fp4offload plan --check
+
+
+def _plan_check(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    return subprocess.run([sys.executable, "-m", "fp4offload.cli", "plan", *args], capture_output=True, text=True,
+                          env=env, timeout=300, cwd=str(ROOT))
+
+
+def test_plan_check_prints_the_preflight_estimate_with_and_without_the_block(tmp_path):
+    cfg = _cfg(block={"optimizer_states": {"format": "nvfp4", "device": "cpu"}})
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    dims = "hidden=512,layers=8,heads=8,kv_heads=8,ffn=1408,vocab=256"
+    out = _plan_check("--check", str(path), "--model", dims, "--format", "json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    plain, block = doc["arms"]
+    assert (plain["arm"], block["arm"]) == ("without the block", "with the block") and doc["accelerator"] == "cpu"
+    # the same model the preflight uses, fed the same inputs
+    from fp4offload.planner.models import resolve_model
+
+    params = resolve_model(dims).param_count()
+    assert doc["params"] == params
+    for arm, c, host in ((plain, {k: v for k, v in cfg.items() if k != "fp4offload"}, None),
+                         (block, cfg, ds_host.resolve(None))):
+        from fp4offload.integrations.deepspeed import prepare_config
+
+        ds = prepare_config(c).ds_config if host is not None else c
+        x = host_model.inputs_from_config(ds, params, accelerator="cpu", host=host)
+        assert arm["consumers"] == host_model.estimate_host(x, arm["runtime_bytes"]).consumers
+    assert block["per_rank_bytes"] < plain["per_rank_bytes"]
+    text = _plan_check("--check", str(path), "--model", dims)
+    assert text.returncode == 0 and "with the block: fits" in text.stdout and "optimizer states (nvfp4)" in text.stdout
+
+
+def test_plan_check_bad_inputs_exit_2_naming_them(tmp_path):
+    out = _plan_check("--check", str(tmp_path / "missing.json"), "--model", "llama-3.1-8b")
+    assert out.returncode == 2 and "missing.json" in out.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_cfg(block={"optimizer_states": {"format": "int3"}})))
+    out = _plan_check("--check", str(bad), "--model", "llama-3.1-8b")
+    assert out.returncode == 2 and "optimizer_states.format" in out.stderr
