@@ -105,13 +105,14 @@ def test_config_without_the_block_reaches_deepspeed_untouched(monkeypatch):
 
 def test_doctor_reports_the_hook():
     env = {k: v for k, v in os.environ.items() if k != "FP4OFFLOAD_AUTO"}
-    for value, want in ((None, "active, patched"), ("0", "inactive, disabled")):
+    for value, want in ((None, "active, patched"), ("0", "inactive, disabled"), ("of", "active, patched")):
         e = dict(env, DS_ACCELERATOR="cpu", **({"FP4OFFLOAD_AUTO": value} if value else {}))
         out = subprocess.run([sys.executable, "-m", "fp4offload.cli", "doctor", "--json"], capture_output=True,
                              text=True, env=e, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
         auto = json.loads(out.stdout)["deepspeed"]["auto"]
         assert f"{'active' if auto['active'] else 'inactive'}, {auto['state']}" == want
+        assert ("counts as on" in auto["why"]) == (value == "of")  # a typo is named, not silently taken
 
 
 # ------------------------------------------------------------------------------------------------

@@ -345,6 +345,13 @@ def installed() -> bool:
     return ds is not None and (fn is _patched_initialize or getattr(fn, "_fp4offload_hook", False))
 
 
+def _odd_auto_value(env: str) -> str:
+    """A note for a FP4OFFLOAD_AUTO value that is neither on nor off (the hook then stays on)."""
+    if env.strip() and env.strip().lower() not in ("1", "on", "true", "yes", "0", "off", "false", "no"):
+        return f"; FP4OFFLOAD_AUTO={env!r} is not 0/1/on/off/true/false/yes/no, so it counts as on"
+    return ""
+
+
 def auto_status() -> dict[str, Any]:
     """The zero-code start-up hook (``fp4offload-auto.pth``, module ``_fp4offload_auto``), for doctor.
 
@@ -358,10 +365,12 @@ def auto_status() -> dict[str, Any]:
     env = os.environ.get("FP4OFFLOAD_AUTO", "")
     if hook is not None and hook.state == "patched":
         return {"active": True, "state": "patched",
-                "why": "deepspeed.initialize goes through fp4offload (configs without the block pass untouched)"}
+                "why": "deepspeed.initialize goes through fp4offload (configs without the block pass untouched)"
+                       + _odd_auto_value(env)}
+    note = _odd_auto_value(env)
     if any(getattr(f, "fp4offload_auto", False) for f in sys.meta_path):
         return {"active": True, "state": "waiting",
-                "why": "deepspeed.initialize is routed through fp4offload when deepspeed is imported"}
+                "why": "deepspeed.initialize is routed through fp4offload when deepspeed is imported" + note}
     if env.strip().lower() in ("0", "off", "false", "no"):
         return {"active": False, "state": "disabled", "why": f"FP4OFFLOAD_AUTO={env!r} turns it off"}
     if not any((Path(p) / "fp4offload-auto.pth").is_file() for p in sys.path if p):

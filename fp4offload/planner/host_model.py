@@ -28,6 +28,10 @@ __all__ = ["Inputs", "HostEstimate", "estimate_host", "inputs_from_config", "alt
 DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000,
                "sub_group_size": 1_000_000_000, "stage3_prefetch_bucket_size": 50_000_000,
                "stage3_max_live_parameters": 1_000_000_000, "buffer_count": 4}
+#: what initialize itself adds to a rank's process whatever the model: DeepSpeed's modules and JIT-built ops,
+#: the communicator, the engine's objects, fp4offload's own modules. Measured 74-81 MB on the CPU accelerator
+#: with a 0.1M-parameter model in every configuration of benchmarks/e2e_deepspeed.py (RESULTS.md).
+INIT_BYTES = 80 << 20
 #: elements per segment of FP4AdamW's NVMe tier (fp4offload.optim.nvme), and segments in flight
 NVME_SEGMENT = 1 << 20
 NVME_SEGMENTS_IN_FLIGHT = 3
@@ -244,6 +248,7 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
             put(f"optimizer states ({fmt})", b * part)
         else:
             device(f"optimizer states ({fmt})", b * part)
+    put("initialize's own (modules, ops, communicator)", INIT_BYTES)
     # Memory freed but still resident. Under glibc's adaptive threshold the heap keeps the model as built
     # (replaced by DeepSpeed's flat buffers), the parameter gradients freed block by block in backward and,
     # for ZeRO-3, the fp32 gradient buffer that initialize_optimizer_states drops. With the block's fixed
@@ -251,7 +256,7 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
     if x.allocator == "glibc":
         put("freed, kept in glibc's heap", built_bytes + e * P + (FP32_BYTES * sub if x.stage == 3 else 0))
     elif x.cache_fraction > 0:
-        put("host allocator cache (bound)", x.cache_fraction * sum(host.values()))
+        put("host allocator cache (bound)", x.cache_fraction * (sum(host.values()) - INIT_BYTES))
     return HostEstimate(consumers={k: int(v) for k, v in host.items()}, runtime=int(runtime_bytes),
                         nvme={k: int(v) for k, v in nvme.items()}, local_ranks=x.local_ranks, inputs=x)
 
