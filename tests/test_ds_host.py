@@ -59,7 +59,8 @@ def test_effective_values_say_where_they_came_from():
     assert got == {"mmap_threshold": {"value": 1 << 20, "source": "fp4offload.host.mmap_threshold"},
                    "allocator_cache": {"value": 0.25, "source": "FP4OFFLOAD_HOST_CACHE"},
                    "share_bf16_staging": {"value": False, "source": "fp4offload.host.share_bf16_staging"},
-                   "bf16_gradient_partition": {"value": True, "source": "default"}}
+                   "bf16_gradient_partition": {"value": True, "source": "default"},
+                   "preflight": {"value": "error", "source": "default"}}
     # the environment wins over the config
     env = {"FP4OFFLOAD_MMAP_THRESHOLD": "off", "FP4OFFLOAD_SHARE_STAGING": "1", "FP4OFFLOAD_BF16_GRADS": "0"}
     got = ds_host.resolve(host, environ=env)
@@ -68,12 +69,13 @@ def test_effective_values_say_where_they_came_from():
     assert ds_host.resolve(None, environ={}).as_dict() == {
         k: {"value": v, "source": "default"} for k, v in
         {"mmap_threshold": 131072, "allocator_cache": 0.125, "share_bf16_staging": True,
-         "bf16_gradient_partition": True}.items()}
+         "bf16_gradient_partition": True, "preflight": "error"}.items()}
 
 
 @pytest.mark.parametrize("var, raw", [("FP4OFFLOAD_MMAP_THRESHOLD", "lots"), ("FP4OFFLOAD_MMAP_THRESHOLD", "12"),
                                       ("FP4OFFLOAD_HOST_CACHE", "2"), ("FP4OFFLOAD_HOST_CACHE", "x"),
-                                      ("FP4OFFLOAD_SHARE_STAGING", "maybe"), ("FP4OFFLOAD_BF16_GRADS", "2")])
+                                      ("FP4OFFLOAD_SHARE_STAGING", "maybe"), ("FP4OFFLOAD_BF16_GRADS", "2"),
+                                      ("FP4OFFLOAD_PREFLIGHT", "strict")])
 def test_bad_environment_overrides_name_the_variable(var, raw):
     with pytest.raises(ConfigError) as e:
         ds_host.resolve(None, environ={var: raw})

@@ -37,7 +37,8 @@ def test_doctor_json_reports_active_backend():
     if r["deepspeed"]["usable"]:  # the block's private DeepSpeed names, checked against this install
         assert r["deepspeed"]["missing_names"] == [] and r["deepspeed"]["in_range"], r["deepspeed"]
     assert set(r["host"]["settings"]) == {"mmap_threshold", "allocator_cache", "share_bf16_staging",
-                                          "bf16_gradient_partition"}
+                                          "bf16_gradient_partition", "preflight"}
+    assert r["deepspeed"]["auto"]["active"], r["deepspeed"]["auto"]  # the zero-code hook, as installed
 
 
 def test_docs_link_only_to_files_in_the_repository():

@@ -28,7 +28,7 @@ from fp4offload.planner import host_model
 
 log = logging.getLogger("fp4offload.deepspeed")
 
-__all__ = ["Limits", "limits", "cgroup_limit", "model_bytes", "estimate", "check", "render"]
+__all__ = ["Limits", "limits", "cgroup_limit", "model_bytes", "estimate", "fits", "check", "render", "accelerator_kind"]
 
 GiB = float(1 << 30)
 
@@ -146,7 +146,8 @@ def _world() -> tuple[int, int, str]:
     return world, 1, "LOCAL_WORLD_SIZE unset: one rank assumed on this node"
 
 
-def _accelerator() -> str:
+def accelerator_kind() -> str:
+    """"cpu" on DeepSpeed's CPU accelerator (device buffers are host RAM), else "gpu"."""
     try:
         from deepspeed.accelerator import get_accelerator
 
@@ -165,11 +166,11 @@ def estimate(ds_config: dict, model: Any, host_settings: Any = None, *, rss: int
     w, local, _ = _world()
     rss = psutil.Process().memory_info().rss if rss is None else rss
     x = host_model.inputs_from_config(ds_config, params, world=world or w, local_ranks=local_ranks or local,
-                                      accelerator=accelerator or _accelerator(), host=host_settings)
+                                      accelerator=accelerator or accelerator_kind(), host=host_settings)
     return host_model.estimate_host(x, runtime_bytes=max(0, rss - held), built_bytes=held)
 
 
-def _fits(est: host_model.HostEstimate, lim: Limits, held_now: int) -> bool:
+def fits(est: host_model.HostEstimate, lim: Limits, held_now: int) -> bool:
     """Every local rank adds est.added less what DeepSpeed frees of the model as built (held_now)."""
     return max(0, est.added - held_now) * est.local_ranks <= lim.free
 
@@ -196,14 +197,14 @@ def check(prepared: Any, model: Any, *, lim: Limits | None = None) -> host_model
     params, held = model_bytes(model)
     est = estimate(prepared.ds_config, model, prepared.host)
     lim = limits() if lim is None else lim
-    if _fits(est, lim, held):
+    if fits(est, lim, held):
         log.info("fp4offload: host-memory preflight: %.2f GiB per rank fits\n%s", est.per_rank / GiB,
                  render(est, lim, held))
         return est
     fixes = []
     for what, alt in host_model.alternatives(est.inputs):
         alt_est = host_model.estimate_host(alt, est.runtime, held)
-        if _fits(alt_est, lim, held):
+        if fits(alt_est, lim, held):
             fixes.append(f"{what}: {_size(alt_est.per_rank)} per rank")
     top = ", ".join(f"{k} {_size(v)}" for k, v in est.largest(3))
     need = max(0, est.added - held) * est.local_ranks

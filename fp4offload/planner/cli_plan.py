@@ -266,7 +266,7 @@ def run_check(args: argparse.Namespace) -> int:
     except Exception:
         pass
     runtime = psutil.Process().memory_info().rss
-    accelerator = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else ds_preflight._accelerator()
+    accelerator = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else ds_preflight.accelerator_kind()
     lim = ds_preflight.limits()
     params = model.param_count()
     arms = []
@@ -280,7 +280,7 @@ def run_check(args: argparse.Namespace) -> int:
         x = host_model.inputs_from_config(cfg, params, world=world, local_ranks=local, accelerator=accelerator,
                                           host=host)
         est = host_model.estimate_host(x, runtime)
-        fits = ds_preflight._fits(est, lim, 0)
+        fits = ds_preflight.fits(est, lim, 0)
         fits_all = fits_all and (fits or label == "without the block")
         out.append({"arm": label, "fits": fits, "per_rank_bytes": est.per_rank, "node_bytes": est.node_total,
                     "consumers": est.consumers, "runtime_bytes": est.runtime, "nvme": est.nvme, "text":
