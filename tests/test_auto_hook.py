@@ -219,3 +219,11 @@ def test_accelerate_launch_with_a_deepspeed_config_file_gets_the_block(tmp_path)
     r = _launch([_which("accelerate"), "launch", "--config_file", str(acc), "--main_process_port", str(port),
                  str(SCRIPT), "--mode", "accelerate", "--steps", "4", "--out", str(out)], port, tmp_path, out)
     _assert_block(r)
+
+
+def test_the_pth_line_and_doctor_agree_on_the_off_values():
+    from fp4offload.integrations.deepspeed import AUTO_OFF
+
+    line = (ROOT / "fp4offload-auto.pth").read_text()
+    assert line.count("\n") == 1 and line.startswith("import ")  # site runs one line at a time
+    assert repr(AUTO_OFF).replace("'", '"') in line

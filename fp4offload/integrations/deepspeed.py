@@ -345,9 +345,14 @@ def installed() -> bool:
     return ds is not None and (fn is _patched_initialize or getattr(fn, "_fp4offload_hook", False))
 
 
+#: FP4OFFLOAD_AUTO values (the off list is also spelled out in fp4offload-auto.pth, which can import nothing)
+AUTO_OFF = ("0", "off", "false", "no")
+AUTO_ON = ("1", "on", "true", "yes")
+
+
 def _odd_auto_value(env: str) -> str:
     """A note for a FP4OFFLOAD_AUTO value that is neither on nor off (the hook then stays on)."""
-    if env.strip() and env.strip().lower() not in ("1", "on", "true", "yes", "0", "off", "false", "no"):
+    if env.strip() and env.strip().lower() not in AUTO_ON + AUTO_OFF:
         return f"; FP4OFFLOAD_AUTO={env!r} is not 0/1/on/off/true/false/yes/no, so it counts as on"
     return ""
 
@@ -371,7 +376,7 @@ def auto_status() -> dict[str, Any]:
     if any(getattr(f, "fp4offload_auto", False) for f in sys.meta_path):
         return {"active": True, "state": "waiting",
                 "why": "deepspeed.initialize is routed through fp4offload when deepspeed is imported" + note}
-    if env.strip().lower() in ("0", "off", "false", "no"):
+    if env.strip().lower() in AUTO_OFF:
         return {"active": False, "state": "disabled", "why": f"FP4OFFLOAD_AUTO={env!r} turns it off"}
     if not any((Path(p) / "fp4offload-auto.pth").is_file() for p in sys.path if p):
         return {"active": False, "state": "not installed",

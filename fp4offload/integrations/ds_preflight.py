@@ -135,15 +135,15 @@ def model_bytes(model: Any) -> tuple[int, int]:
     return params, host
 
 
-def _world() -> tuple[int, int, str]:
-    """(world size, ranks on this node, where the latter came from)."""
+def _world() -> tuple[int, int]:
+    """(world size, ranks on this node), from the launcher's environment; one rank when unset."""
     ws = os.environ.get("WORLD_SIZE", "")
     world = int(ws) if ws.isdigit() and int(ws) > 0 else 1
     for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
         v = os.environ.get(var, "")
         if v.isdigit() and int(v) > 0:
-            return world, int(v), var
-    return world, 1, "LOCAL_WORLD_SIZE unset: one rank assumed on this node"
+            return world, int(v)
+    return world, 1
 
 
 def accelerator_kind() -> str:
@@ -159,11 +159,12 @@ def accelerator_kind() -> str:
 def estimate(ds_config: dict, model: Any, host_settings: Any = None, *, rss: int | None = None,
              world: int | None = None, local_ranks: int | None = None,
              accelerator: str | None = None) -> host_model.HostEstimate:
-    """This rank's estimate for ``ds_config`` (as prepare_config returns it, or a plain DeepSpeed config)."""
+    """This rank's estimate for ``ds_config`` (as prepare_config returns it, or a plain DeepSpeed config).
+    ``model``: a torch module, or its ``(parameters, bytes in host RAM)`` from :func:`model_bytes`."""
     import psutil
 
-    params, held = model_bytes(model)
-    w, local, _ = _world()
+    params, held = model if isinstance(model, tuple) else model_bytes(model)
+    w, local = _world()
     rss = psutil.Process().memory_info().rss if rss is None else rss
     x = host_model.inputs_from_config(ds_config, params, world=world or w, local_ranks=local_ranks or local,
                                       accelerator=accelerator or accelerator_kind(), host=host_settings)
@@ -195,7 +196,7 @@ def check(prepared: Any, model: Any, *, lim: Limits | None = None) -> host_model
     if mode == "off" or model is None or not hasattr(model, "parameters"):
         return None
     params, held = model_bytes(model)
-    est = estimate(prepared.ds_config, model, prepared.host)
+    est = estimate(prepared.ds_config, (params, held), prepared.host)
     lim = limits() if lim is None else lim
     if fits(est, lim, held):
         log.info("fp4offload: host-memory preflight: %.2f GiB per rank fits\n%s", est.per_rank / GiB,

@@ -240,7 +240,6 @@ def run_check(args: argparse.Namespace) -> int:
     """``fp4offload plan --check CONFIG.json``: the preflight's estimate for ``--model``, with and without the
     block, against what this machine (and its cgroup) lets a process use. Exit 0 fits, 1 does not, 2 bad input."""
     import copy
-    import os
 
     from fp4offload.planner import host_model
     from fp4offload.planner.models import resolve_model
@@ -266,7 +265,7 @@ def run_check(args: argparse.Namespace) -> int:
     except Exception:
         pass
     runtime = psutil.Process().memory_info().rss
-    accelerator = "cpu" if os.environ.get("DS_ACCELERATOR") == "cpu" else ds_preflight.accelerator_kind()
+    accelerator = ds_preflight.accelerator_kind()
     lim = ds_preflight.limits()
     params = model.param_count()
     arms = []
