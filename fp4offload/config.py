@@ -41,6 +41,7 @@ __all__ = [
     "FsdpPolicyConfig", "parse_block", "validate_deepspeed_config", "parse_fsdp_policy",
     "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values",
     "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "V_FORMATS", "STEP_BACKENDS", "WORKING_COPIES",
+    "MASTER_FORMS",
     "NVME_IO_ENGINES", "ACTIVATION_FORMATS", "ACTIVATION_MODULE_FORMATS", "ACTIVATION_NORM_CHOICES",
     "ACTIVATION_DEVICES", "WEIGHT_FORMATS", "WEIGHT_DEVICES", "NONFINITE_MODES", "SCALE_MODES",
     "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16", "MMAP_THRESHOLD",
@@ -63,6 +64,9 @@ V_FORMATS = ("ufp4", "nvfp4")
 STEP_BACKENDS = ("auto", "fused", "reference")
 #: the weight copy FP4AdamW's step also writes (``working_copy``)
 WORKING_COPIES = (None, "bf16", "nvfp4", "both")
+#: how FP4AdamW holds the master weight (``master``; docs/numerics.md, "Master weights"): fp32, the bf16
+#: parameter plus a 16-bit residual (exactly the fp32 master), or the bf16 parameter with stochastic rounding
+MASTER_FORMS = ("fp32", "split", "bf16")
 #: I/O engine of the optimizer's NVMe tier (``nvme_io``)
 NVME_IO_ENGINES = ("auto", "aio", "threads")
 #: formats a saved activation is stored in; "none" moves it without compressing

@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "fp4_codec.h"
@@ -298,6 +300,175 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   return out;
 }
 
+// ---- compact master weights (fp4offload/optim/master.py, normative) ---------------------------------
+
+// split: the fp32 pattern b from the bf16 parameter h, the residual r and whether i is in `odd`.
+inline uint32_t split_join(uint16_t h, int16_t r, bool odd) {
+  const uint32_t a = (uint32_t)h + (odd ? 1u : 0u);
+  int32_t rr = r;
+  if ((a & 0x7FFFu) == 0x7F80u && rr > 0) rr = 0;  // an infinite h stays infinite
+  return (a << 16) + (uint32_t)rr;
+}
+
+// split: the residual of b for h = to_bf16(b) (written by the step); sets odd when b is a tie that rounded down.
+inline int16_t split_residual(uint32_t b, bool& odd) {
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
+    odd = false;
+    return 0;
+  }
+  const uint32_t a = (b + 0x8000u) >> 16;
+  odd = (b & 0x1FFFFu) == 0x8000u;
+  return (int16_t)(int32_t)(b - (a << 16));
+}
+
+// bf16: b rounded stochastically with 16 random bits.
+inline uint16_t bf16_stochastic(uint32_t b, uint32_t rnd16) {
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0;
+  return (uint16_t)((b + rnd16) >> 16);
+}
+
+// One AdamW step over a flat bf16 parameter `hi` whose master is compact (mode 1: split, with the int16
+// residual `lo` and the sorted int64 positions `odd`; mode 2: bf16 with stochastic rounding), with packed
+// states; all updated in place. Returns the new `odd` (mode 1) or an empty tensor.
+//
+// Each thread rebuilds the fp32 master of a group of kGroup chunks into its own buffer, runs the same chunk
+// step on it as fused_step does (so the bits equal the fp32-master step's), and writes the halves back while
+// the group is in cache: one pass over memory, no fp32 copy of the parameter.
+torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> lo, torch::Tensor odd, torch::Tensor grad,
+                                torch::Tensor m_codes, torch::Tensor m_scales, torch::Tensor m_ts, torch::Tensor v_codes,
+                                torch::Tensor v_scales, torch::Tensor v_ts, double b1, double omb1, double b2,
+                                double omb2, double eps, double decay, double step_size, double rsbc2,
+                                bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed,
+                                int64_t stream0, int64_t mode) {
+  TORCH_CHECK(mode == 1 || mode == 2, "fused_step_master: mode must be 1 (split) or 2 (bf16)");
+  TORCH_CHECK(hi.device().is_cpu() && hi.is_contiguous() && hi.scalar_type() == torch::kBFloat16,
+              "fused_step_master: the parameter must be a contiguous bf16 CPU tensor");
+  const int64_t n = hi.numel();
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n &&
+                  (grad.scalar_type() == torch::kFloat32 || grad.scalar_type() == torch::kBFloat16),
+              "fused_step_master: grad must be a contiguous fp32 or bf16 CPU tensor of the parameter's size");
+  int16_t* lp = nullptr;
+  if (mode == 1) {
+    TORCH_CHECK(lo.has_value() && lo->defined() && lo->device().is_cpu() && lo->is_contiguous() &&
+                    lo->scalar_type() == torch::kInt16 && lo->numel() == n,
+                "fused_step_master: split needs a contiguous int16 residual of the parameter's size");
+    lp = lo->data_ptr<int16_t>();
+  }
+  TORCH_CHECK(odd.device().is_cpu() && odd.is_contiguous() && odd.scalar_type() == torch::kInt64 && odd.dim() == 1,
+              "fused_step_master: odd must be a contiguous 1-d int64 CPU tensor");
+  const int64_t* op = odd.data_ptr<int64_t>();
+  const int64_t nodd = odd.numel();
+  for (int64_t k = 0; k < nodd; ++k)
+    TORCH_CHECK(op[k] >= 0 && op[k] < n && (k == 0 || op[k] > op[k - 1]),
+                "fused_step_master: odd must hold increasing positions inside the parameter");
+  if (n == 0) return torch::empty({0}, torch::kInt64);
+  const int64_t nb = (n + 15) / 16, nchunks = (n + kChunk - 1) / kChunk;
+  ChunkArgs a;
+  a.n = n;
+  a.m_codes = u8ptr(m_codes, "m_codes", nb * 8);
+  a.m_scales = u8ptr(m_scales, "m_scales", nb);
+  a.m_ts = reinterpret_cast<float*>(u8ptr(m_ts, "m_tscale", nchunks * 4));
+  a.v_codes = u8ptr(v_codes, "v_codes", nb * 8);
+  a.v_scales = u8ptr(v_scales, "v_scales", nb);
+  a.v_ts = reinterpret_cast<float*>(u8ptr(v_ts, "v_tscale", nchunks * 4));
+  a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
+                (float)rsbc2, weight_decay};
+  a.maximize = maximize;
+  a.v_nvfp4 = v_nvfp4;
+  a.m_stochastic = m_stochastic;
+  a.seed = (uint32_t)seed;
+  a.stream0 = (uint32_t)stream0;
+  uint16_t* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
+  a.bf16_out = mode == 1 ? hp : nullptr;  // split: the step writes rne(new master) into the parameter itself
+  const bool simd = fp4cpu::have_avx512();
+  const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
+  const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
+  const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
+  constexpr int64_t kGroup = 32;  // chunks per rebuilt buffer: 128 KiB of fp32, in L2
+  std::mutex mu;
+  std::vector<std::pair<int64_t, std::vector<int64_t>>> found;  // (first chunk, new odd positions) per range
+  at::parallel_for(0, nchunks, 8, [&](int64_t c0, int64_t c1) {
+    std::vector<float> buf(kGroup * kChunk);
+    std::vector<int64_t> mine;
+    const int64_t* k = std::lower_bound(op, op + nodd, c0 * kChunk);
+    for (int64_t g0 = c0; g0 < c1; g0 += kGroup) {
+      const int64_t g1 = std::min(c1, g0 + kGroup);
+      const int64_t e0 = g0 * kChunk, e1 = std::min(g1 * kChunk, n);
+      uint32_t* bb = reinterpret_cast<uint32_t*>(buf.data());
+      if (mode == 1) {
+        for (int64_t i = e0; i < e1; ++i) {
+          const bool is_odd = k < op + nodd && *k == i;
+          k += is_odd;
+          bb[i - e0] = split_join(hp[i], lp[i], is_odd);
+        }
+      } else {
+        for (int64_t i = e0; i < e1; ++i) bb[i - e0] = (uint32_t)hp[i] << 16;
+      }
+      ChunkArgs ag = a;
+      ag.param = buf.data() - e0;  // the chunk step indexes the parameter by its flat position
+      if (simd) {
+        if (bf16_grad)
+          fp4adam::step_range_avx512(ag, gb, g0, g1);
+        else
+          fp4adam::step_range_avx512(ag, gf, g0, g1);
+      } else {
+        for (int64_t c = g0; c < g1; ++c) {
+          if (bf16_grad)
+            chunk_scalar(ag, gb, c);
+          else
+            chunk_scalar(ag, gf, c);
+        }
+      }
+      if (mode == 1) {
+        for (int64_t i = e0; i < e1; ++i) {
+          bool o;
+          lp[i] = split_residual(bb[i - e0], o);
+          if (o) mine.push_back(i);
+        }
+      } else {
+        int64_t seg = -1;
+        uint32_t key = 0;
+        for (int64_t i = e0; i < e1; ++i) {
+          if (i / kSegment != seg) {
+            seg = i / kSegment;
+            key = fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 1u);
+          }
+          hp[i] = bf16_stochastic(bb[i - e0], fp4::sr_bits(key, (uint64_t)(i - seg * kSegment)) >> 16);
+        }
+      }
+    }
+    std::lock_guard<std::mutex> g(mu);
+    found.emplace_back(c0, std::move(mine));
+  });
+  std::sort(found.begin(), found.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
+  int64_t total = 0;
+  for (const auto& f : found) total += (int64_t)f.second.size();
+  torch::Tensor out = torch::empty({total}, torch::kInt64);
+  int64_t* w = out.data_ptr<int64_t>();
+  for (const auto& f : found) w = std::copy(f.second.begin(), f.second.end(), w);
+  return out;
+}
+
+// Checks split on every fp32 pattern in [start, stop): to_bf16 gives h, the residual and odd rebuild b exactly
+// (NaN patterns: h is NaN and the rebuilt pattern is NaN). Returns the number of patterns that fail.
+int64_t split_selfcheck(int64_t start, int64_t stop) {
+  std::atomic<int64_t> bad{0};
+  at::parallel_for(start, stop, 1 << 20, [&](int64_t i0, int64_t i1) {
+    int64_t mine = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint32_t b = (uint32_t)i;
+      const uint16_t h = to_bf16(fp4::u2f(b));
+      bool o;
+      const int16_t r = split_residual(b, o);
+      const uint32_t back = split_join(h, r, o);
+      const bool nan = (b & 0x7FFFFFFFu) > 0x7F800000u;
+      mine += nan ? !((back & 0x7FFFFFFFu) > 0x7F800000u) : back != b;
+    }
+    bad += mine;
+  });
+  return bad.load();
+}
+
 // True when every element of a fp32/bf16/fp16 CPU tensor is finite.
 bool all_finite(torch::Tensor t) {
   TORCH_CHECK(t.device().is_cpu(), "all_finite: expects a CPU tensor");
@@ -341,6 +512,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w_scales") = std::vector<torch::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
         py::arg("w_rows") = std::vector<int64_t>{}, py::arg("w_cols") = std::vector<int64_t>{},
         py::arg("w_amax") = std::vector<double>{});
+  m.def("fused_step_master", &fused_step_master, "fused FP4AdamW step of a bf16 parameter with a compact master",
+        py::arg("hi"), py::arg("lo"), py::arg("odd"), py::arg("grad"), py::arg("m_codes"), py::arg("m_scales"),
+        py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"), py::arg("v_tscale"), py::arg("b1"),
+        py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"), py::arg("decay"), py::arg("step_size"),
+        py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"), py::arg("v_nvfp4"), py::arg("m_stochastic"),
+        py::arg("seed"), py::arg("stream0"), py::arg("mode"));
+  m.def("split_selfcheck", &split_selfcheck, "split master: patterns in [start, stop) that do not rebuild exactly");
   m.def("all_finite", &all_finite, "whether every element is finite");
   m.def("have_avx512", &have_avx512, "whether the AVX-512 path is compiled in and enabled");
   m.def("set_avx512", &set_avx512, "enable/disable the AVX-512 path; returns the state");

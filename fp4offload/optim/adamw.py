@@ -19,12 +19,14 @@ from ..config import STATE_MIN_NUMEL
 from ..errors import ConfigError
 from ..ops import backend_for
 from . import convert, fused
+from . import master as MW
 from . import reference_step as R
 from .checks import check_arguments
 from .state import PACKED_KEYS, decode_state, step_of
 from .tiers import make_tier
 from .working_copy import WeightRegion, WorkingCopies, copy_amax, region_kernel_args
 
+_NO_ODD = torch.zeros(0, dtype=torch.int64)
 KEYED_STREAM0 = 1 << 15  # stochastic-rounding stream ids of tensors named by tensor_key start here
 
 
@@ -64,6 +66,15 @@ class FP4AdamW(Optimizer):
             power of two, known before the step except when it crosses one, when the copy is encoded in a
             pass of its own (``optim.wcopy_reencodes`` counts those, and first steps).
         seed: base seed of stochastic rounding (see reference_step's docstring for the streams).
+        master: how the master weight of a bf16 parameter is held (docs/numerics.md, "Master weights"):
+            ``"fp32"`` (default: an fp32 copy, 4 B/param), ``"split"`` (the bf16 parameter is the upper half
+            and the optimizer keeps a 16-bit residual, 2 B/param: the fp32 master exactly, so training is bit
+            for bit the ``"fp32"`` run) or ``"bf16"`` (the bf16 parameter is the master, updated with
+            stochastic rounding: no extra bytes). The compact forms need bf16 parameters, contiguous, stepped
+            where they live (``state_device`` "same", or "nvme" for CPU parameters), and no ``working_copy``
+            (the parameter is the bf16 copy). A parameter changed from outside between steps keeps its new
+            value under "bf16"; under "split" its residual is kept (the master moves to within half a bf16
+            step of the new value).
         skip_nonfinite: skip the whole step when any gradient holds Inf/NaN (default True); states and
             weights stay untouched and ``optim.skipped_steps`` counts it.
         metrics_every: every this many steps, sample the relative quantization error of m and v on the
@@ -90,16 +101,18 @@ class FP4AdamW(Optimizer):
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
                  nvme_io: str = "auto", tensor_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
-                 skip_nonfinite: bool = True, metrics_every: int = 100):
+                 skip_nonfinite: bool = True, metrics_every: int = 100, master: str = "fp32"):
         check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
                         v_format=v_format, min_numel=min_numel, state_device=state_device, nvme_path=nvme_path,
-                        nvme_io=nvme_io, tensor_key=tensor_key, backend=backend, working_copy=working_copy)
+                        nvme_io=nvme_io, tensor_key=tensor_key, backend=backend, working_copy=working_copy,
+                        master=master)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
                         m_rounding=m_rounding, v_format=v_format, min_numel=int(min_numel), seed=int(seed))
         super().__init__(params, defaults)
         self.state_device = state_device
         self.backend = backend
         self.working_copy_format = working_copy
+        self.master = master
         self.skip_nonfinite = skip_nonfinite
         self.metrics_every = int(metrics_every)
         self.skipped_steps = 0
@@ -112,6 +125,32 @@ class FP4AdamW(Optimizer):
                                nvme_reserve_bytes=nvme_reserve_bytes, nvme_io=nvme_io, tensor_key=tensor_key,
                                has_states=lambda t: "step" in me().state.get(t, {}))
         self.nvme_io = None if self._tier.store is None else self._tier.store.io
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._check_master(p)
+
+    def _check_master(self, p) -> None:
+        """A compact master needs a bf16 parameter it can update in place (ConfigError otherwise)."""
+        if self.master == "fp32":
+            return
+        why = None
+        if p.dtype != torch.bfloat16:
+            why = (f"a {p.dtype} parameter", "cast the model to bf16 first (model.to(torch.bfloat16)), or use "
+                   "master='fp32'")
+        elif not p.is_contiguous():
+            why = ("a non-contiguous parameter", "make it contiguous, or use master='fp32'")
+        elif self._tier.compute_device(p) != p.device:
+            why = (f"a {p.device.type} parameter with state_device={self.state_device!r}",
+                   "keep the states beside the parameter (state_device='same'), or use master='fp32'")
+        if why is not None:
+            raise ConfigError("master", self.master, "bf16 parameters the step can update where they live", why[1]
+                              + f" (got {why[0]} of shape {tuple(p.shape)})")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if getattr(self, "_tier", None) is not None:  # the constructor checks its groups once the tier exists
+            for p in self.param_groups[-1]["params"]:
+                self._check_master(p)
 
     # ---- the NVMe tier's store and keys, as tests and integrations reach them -------------------------
 
@@ -152,7 +191,12 @@ class FP4AdamW(Optimizer):
         st = self.state[p]
         dev = self._tier.compute_device(p)
         st["step"] = torch.tensor(0.0)
-        if p.dtype != torch.float32 or not p.is_contiguous() or dev != p.device:
+        if self.master == "split":  # the bf16 parameter is the master's upper half, exactly: residual 0
+            st["master_lo"] = torch.zeros(p.numel(), dtype=torch.int16, device=dev)
+            st["master_odd"] = torch.zeros(0, dtype=torch.int64, device=dev)
+        elif self.master == "bf16":
+            pass
+        elif p.dtype != torch.float32 or not p.is_contiguous() or dev != p.device:
             master = torch.empty(p.numel(), dtype=torch.float32, device=dev, pin_memory=self._tier.pinned(p))
             master.copy_(p.detach().reshape(-1))
             st["master"] = master
@@ -231,6 +275,9 @@ class FP4AdamW(Optimizer):
         t = step_of(st["step"]) + 1
         st["step"] = torch.tensor(float(t))
         sc = self._scalars(group, t)
+        if self.master != "fp32":
+            self._step_compact(group, p, pid, st, sc, t)
+            return sample
         master = st.get("master")
         w = master if master is not None else p.data.view(-1)
         if not self._packed(group, p):
@@ -274,6 +321,65 @@ class FP4AdamW(Optimizer):
             self._write_back(p, master, bf)
         self._copies.finish(p, w, bf)
         return sample
+
+    def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int) -> None:
+        """The step of a bf16 parameter with a compact master (``master="split"`` or ``"bf16"``)."""
+        h = p.data.view(-1)
+        g_all = p.grad.reshape(-1)
+        split = self.master == "split"
+        stream = self._stream_id(p, pid)
+        seed = R.sr_seed(group["seed"], t)
+        if not self._packed(group, p):  # fp32 states: the torch step on the rebuilt master
+            x = MW.join(h, st["master_lo"], st["master_odd"]) if split else h.float()
+            R.fp32_step(x, g_all, st["exp_avg"], st["exp_avg_sq"], sc, maximize=group["maximize"])
+            self._store_compact(st, h, x, 0, seed, R.sr_stream(stream, 0))
+            return
+        args = dict(sc=sc, maximize=group["maximize"], v_format=st["v_format"],
+                    stochastic=group["m_rounding"] == "stochastic", seed=seed)
+        ext = self._cpu_ext() if h.device.type == "cpu" else None
+        odd_parts: list[torch.Tensor] = []
+
+        def segment(s0, s1, g, m, v):
+            s = s0 // R.SEGMENT
+            odd = MW.odd_in(st["master_odd"], s0, s1) if split else _NO_ODD
+            with metrics.timer("optim.time.compute"):
+                if ext is not None:
+                    if g.dtype not in (torch.float32, torch.bfloat16):
+                        g = g.float()
+                    new = ext.fused_step_master(
+                        h[s0:s1], st["master_lo"][s0:s1] if split else None, odd.cpu(), g.contiguous(), *m, *v,
+                        sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, sc.weight_decay,
+                        args["maximize"], args["v_format"] == "nvfp4", args["stochastic"], seed,
+                        R.sr_stream(stream, s), 1 if split else 2)
+                else:  # the reference (or CUDA) step on the rebuilt fp32 master of this segment
+                    x = MW.join(h[s0:s1], st["master_lo"][s0:s1], odd) if split else h[s0:s1].float()
+                    self._compute(x, g, m, v, args, R.sr_stream(stream, s), h[s0:s1] if split else None)
+                    new = self._store_compact(st, h[s0:s1], x, s0, seed, R.sr_stream(stream, s))
+            if split:
+                odd_parts.append(new.to(st["master_odd"].device) + s0)
+
+        if self._tier.segmented(p):
+            self._tier.step_segments(st, p, segment, None)
+        else:
+            m, v = self._tier.states(st, p)
+            for s0, s1 in R.segment_ranges(p.numel()):
+                segment(s0, s1, g_all[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
+        if split:
+            st["master_odd"] = torch.cat(odd_parts) if odd_parts else st["master_odd"][:0]
+
+    def _store_compact(self, st, h, x, s0: int, seed: int, stream: int) -> torch.Tensor:
+        """Write the new master x of h (a segment starting at s0) back in the compact form; returns the
+        segment's odd positions (split), relative to s0. Under split, h must hold rne(x) already when a step
+        wrote it; it is written here as well, which is the same bits."""
+        if self.master == "split":
+            hh, r, odd = MW.split(x)
+            h.copy_(hh)
+            st["master_lo"][s0:s0 + x.numel()].copy_(r)
+            if s0 == 0 and x.numel() == h.numel() and x.numel() == st["master_lo"].numel():
+                st["master_odd"] = odd
+            return odd
+        h.copy_(MW.stochastic_bf16(x, seed, stream))
+        return _NO_ODD
 
     def _write_back(self, p, master, bf) -> None:
         """The new fp32 master into the parameter (its bf16 rounding when the step wrote one beside p)."""
@@ -333,6 +439,9 @@ class FP4AdamW(Optimizer):
         optimizer steps, held in host RAM) as it updates it. Before each step set ``region.amax``; after it,
         ``region.packed`` and ``region.new_amax`` hold the result (see WeightRegion). Replaces earlier regions
         of the tensor; an empty list removes them."""
+        if regions and self.master != "fp32":
+            raise ConfigError("master", self.master, "'fp32' for a step that writes NVFP4 weight regions",
+                              "the fused step encodes regions from the fp32 master it holds")
         self._copies.register(tensor, regions)
 
     def working_copy(self, p) -> dict:
@@ -353,6 +462,18 @@ class FP4AdamW(Optimizer):
         out["nvme"] = self._tier.disk_bytes()
         for k, val in out.items():
             metrics.gauge(f"optim.state_bytes.{k}").set(val)
+        return out
+
+    def master_bytes(self) -> dict[str, int]:
+        """Bytes the optimizer holds for master weights, by place: ``{"host": ..., "device": ...}`` (fp32
+        masters, or the residuals and odd positions of ``master="split"``; "bf16" holds none)."""
+        out = {"host": 0, "device": 0}
+        for _, p, _ in self._params():
+            st = self.state.get(p, {})
+            for k in ("master", "master_lo", "master_odd"):
+                t = st.get(k)
+                if torch.is_tensor(t):
+                    out["device" if t.is_cuda else "host"] += t.numel() * t.element_size()
         return out
 
     def close(self) -> None:

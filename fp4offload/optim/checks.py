@@ -2,7 +2,7 @@
 
 Each bad value raises ConfigError naming the argument, the value and what is allowed. The allowed values
 are the project's vocabulary in fp4offload.config (OPTIMIZER_DEVICES, ROUNDINGS, V_FORMATS, STEP_BACKENDS,
-WORKING_COPIES, NVME_IO_ENGINES), and each error's text is built from those tuples, so it always lists
+WORKING_COPIES, NVME_IO_ENGINES, MASTER_FORMS), and each error's text is built from those tuples, so it always lists
 exactly what the constructor accepts.
 """
 
@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from ..config import NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS, STEP_BACKENDS, V_FORMATS, WORKING_COPIES
+from ..config import (MASTER_FORMS, NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS, STEP_BACKENDS, V_FORMATS,
+                      WORKING_COPIES)
 from ..errors import ConfigError
 from . import fused
 
@@ -28,7 +29,7 @@ def check_choice(key: str, value: Any, allowed: tuple, hint: str | None = None) 
 
 
 def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_numel, state_device, nvme_path,
-                    nvme_io, tensor_key, backend, working_copy) -> None:
+                    nvme_io, tensor_key, backend, working_copy, master="fp32") -> None:
     """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one."""
     if not 0.0 <= lr:
         raise ConfigError("lr", lr, "a learning rate >= 0")
@@ -49,6 +50,11 @@ def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_n
         raise ConfigError("tensor_key", tensor_key, "None or a function tensor -> str | None")
     check_choice("backend", backend, STEP_BACKENDS)
     check_choice("working_copy", working_copy, WORKING_COPIES)
+    check_choice("master", master, MASTER_FORMS, "'split' keeps the fp32 master exactly in 2 B/param beside the bf16 "
+                 "parameter; 'bf16' rounds the bf16 parameter stochastically")
+    if master != "fp32" and working_copy is not None:
+        raise ConfigError("working_copy", working_copy, f"None with master={master!r}",
+                          "the bf16 parameter is the working copy; use master='fp32' for an NVFP4 copy")
     if int(min_numel) < 1:
         raise ConfigError("min_numel", min_numel, "an integer >= 1")
     if backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from ..errors import ConfigError
-from .state import PACKED_KEYS, decode_state, encode_state, packed_from_entry, step_of
+from . import master as MW
+from .state import PACKED_KEYS, as_u8, decode_state, encode_state, packed_from_entry, step_of
 
 if TYPE_CHECKING:
     from .adamw import FP4AdamW
@@ -30,6 +31,9 @@ def saved_entry(opt: FP4AdamW, p) -> dict | None:
     e = {"step": torch.tensor(float(step_of(st["step"])))}
     if "master" in st:
         e["master"] = st["master"].detach().cpu().clone()
+    if "master_lo" in st:  # split: the residual and odd positions as bytes (a cast to a float dtype loses nothing)
+        e["master_lo"] = st["master_lo"].detach().cpu().contiguous().view(torch.uint8).clone()
+        e["master_odd"] = st["master_odd"].detach().cpu().contiguous().view(torch.uint8).clone()
     if "exp_avg" in st:
         e["exp_avg"] = st["exp_avg"].detach().cpu().clone()
         e["exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().clone()
@@ -67,10 +71,52 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
         st["exp_avg"].copy_(m.reshape(p.shape))
         st["exp_avg_sq"].copy_(v.reshape(p.shape))
     st["step"] = torch.tensor(float(step_of(entry.get("step", 0))))
-    if "master" in entry and "master" in st:
-        st["master"].copy_(entry["master"].reshape(-1).to(torch.float32))
-    elif "master" in entry:  # the saved run kept a master, this one does not: it is the better weight
-        p.data.copy_(entry["master"].reshape(p.shape).to(p.dtype))
+    _load_master(opt, p, st, entry)
+
+
+def _saved_master(p, entry: Mapping) -> torch.Tensor | None:
+    """The fp32 master a saved entry holds (an fp32 one, or split's rebuilt from p's current bf16 values)."""
+    if "master" in entry:
+        return entry["master"].detach().reshape(-1).to(torch.float32).cpu()
+    if "master_lo" in entry:
+        lo, odd = _split_parts(p, entry)
+        return MW.join(p.detach().reshape(-1).cpu(), lo, odd)
+    return None
+
+
+def _split_parts(p, entry: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
+    n = p.numel()
+    lo = as_u8(entry["master_lo"], "master_lo", 2 * n).view(torch.int16)
+    raw = entry.get("master_odd", torch.zeros(0, dtype=torch.uint8)).detach().reshape(-1)
+    if raw.numel() % 8:
+        raise ConfigError("state_dict['state'][...]['master_odd']", f"{raw.numel()} bytes", "8 bytes per position",
+                          "the state dict is damaged")
+    odd = as_u8(raw, "master_odd", raw.numel()).view(torch.int64)
+    if odd.numel() and not (int(odd.min()) >= 0 and int(odd.max()) < n and bool((odd[1:] > odd[:-1]).all())):
+        raise ConfigError("state_dict['state'][...]['master_odd']", "positions out of order or outside the parameter",
+                          f"increasing positions in [0, {n})", "the state dict belongs to another model")
+    return lo, odd
+
+
+def _load_master(opt: FP4AdamW, p, st: dict, entry: Mapping) -> None:
+    """The master of a saved entry into p's fresh state, converted to this optimizer's master form."""
+    if opt.master == "split" and "master_lo" in entry:
+        lo, odd = _split_parts(p, entry)
+        st["master_lo"].copy_(lo)
+        st["master_odd"] = odd.to(st["master_lo"].device)
+        return
+    saved = _saved_master(p, entry)
+    if saved is None:  # torch AdamW, or a bf16 master: the parameter is the master
+        return
+    if opt.master == "split":
+        h, lo, odd = MW.split(saved)
+        p.data.copy_(h.view(p.shape))
+        st["master_lo"].copy_(lo)
+        st["master_odd"] = odd.to(st["master_lo"].device)
+    elif "master" in st:
+        st["master"].copy_(saved)
+    else:  # the saved run kept a master, this one does not: it is the better weight (rounded to nearest)
+        p.data.copy_(saved.reshape(p.shape).to(p.dtype))
 
 
 def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
