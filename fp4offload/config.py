@@ -186,6 +186,12 @@ class OptimizerStatesConfig:
         nvme_path: directory for the state files; required when device is ``"nvme"``. Default None.
         rounding: rounding of m, ``"stochastic"`` (default) or ``"nearest"``; v always rounds to nearest.
         min_numel: tensors with fewer elements keep fp32 states. Elements; default 4096.
+        master: how the master weight is held (FP4AdamW's ``master``, docs/numerics.md "Master weights"):
+            ``"fp32"`` (default: DeepSpeed's fp32 partition), ``"split"`` (a bf16 partition plus a 16-bit
+            residual in the optimizer: the fp32 master exactly, 2 B/param less) or ``"bf16"`` (a bf16 partition
+            updated with stochastic rounding, 4 B/param less). The compact forms run on DeepSpeed's bf16 master
+            mode (``bf16.bf16_master_weights_and_grads``, which the block turns on) with ZeRO-1/2 and
+            offload_optimizer.
     """
 
     format: str = "nvfp4"
@@ -193,12 +199,17 @@ class OptimizerStatesConfig:
     nvme_path: str | None = None
     rounding: str = "stochastic"
     min_numel: int = STATE_MIN_NUMEL
+    master: str = "fp32"
 
     def __post_init__(self) -> None:
         _check_choice("optimizer_states.format", self.format, OPTIMIZER_FORMATS)
         _check_choice("optimizer_states.device", self.device, OPTIMIZER_DEVICES)
         _check_path("optimizer_states.nvme_path", self.nvme_path)
         _check_choice("optimizer_states.rounding", self.rounding, ROUNDINGS)
+        _check_choice("optimizer_states.master", self.master, MASTER_FORMS)
+        if self.master != "fp32" and self.format != "nvfp4":
+            raise _error("optimizer_states.master", self.master, "'fp32' with format 'fp32'",
+                              "a compact master is FP4AdamW's; set format 'nvfp4' or master 'fp32'")
         _check_int("optimizer_states.min_numel", self.min_numel)
         _check_nvme("optimizer_states", self.device, self.nvme_path)
 

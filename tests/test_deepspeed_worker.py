@@ -183,6 +183,20 @@ def _run_case(case: dict, spec: dict, train) -> dict:
                         "saved_bytes": att.bf16_grad_bytes_saved if att is not None else 0,
                         "at_init": att.bf16_grads_at_init if att is not None else False,
                         "numel": sum(m.numel() for m in zo.single_partition_of_fp32_groups)}
+    if case.get("probe") == "master":  # the master partitions, what the optimizer holds for them, the weights
+        import hashlib
+
+        zo, inner = engine.optimizer, engine.basic_optimizer
+        masters = getattr(zo, "single_partition_of_fp32_groups", [])
+        bufs = getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", [])
+        h = hashlib.sha256()
+        for prm in engine.module.parameters():
+            h.update(prm.detach().float().numpy().tobytes())
+        out["master"] = {"dtypes": [str(m.dtype) for m in masters], "numel": sum(m.numel() for m in masters),
+                         "form": getattr(inner, "master", None),
+                         "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
+                         "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],
+                         "weights_sha": h.hexdigest(), "rewrites": list(att.prepared.rewrites) if att else []}
     if case.get("probe") == "weights" and att is not None and att.weights is not None:
         out["weight_probe"] = _probe_weights(engine, att.weights)
     engine.destroy() if hasattr(engine, "destroy") else None

@@ -120,12 +120,51 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
             nvme_path = str(Path(nvme_path) / "optimizer_states")
         if ds.get("optimizer") is not None:
             ds_optim.settings_from_ds_section(ds["optimizer"])  # Adam/AdamW only; raises before anything is built
+        if st.master != "fp32":
+            notes += _compact_master(ds, st.master)
         states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
-                                         min_numel=st.min_numel)
+                                         min_numel=st.min_numel, master=st.master)
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     validate_deepspeed_config(ds, world_size=world_size, check_with_deepspeed=True)
     return Prepared(ds_config=ds, block=block, states=states, rewrites=tuple(notes), host=ds_host.resolve(block.host))
+
+
+def _compact_master(ds: dict, master: str) -> list[str]:
+    """Check that DeepSpeed's config can take a compact master and turn on DeepSpeed's bf16 master mode, which
+    gives the optimizer bf16 master partitions (and bf16 gradient partitions) to step. Returns the notes."""
+    key = f"{BLOCK_KEY}.optimizer_states.master"
+    zero = _zero(ds)
+    stage = zero.get("stage", 0)
+    if stage not in (1, 2):
+        raise ConfigError(key, master, "'fp32' with ZeRO stage " + repr(stage),
+                          "a compact master steps ZeRO-1/2's flat master partition in DeepSpeed's bf16 master mode; "
+                          "ZeRO-3 swaps and rebuilds its sub-group masters, which that mode does not cover here: "
+                          "use ZeRO-1/2, or master 'fp32'")
+    off = zero.get("offload_optimizer")
+    if not (isinstance(off, dict) and off.get("device") in ("cpu", "nvme")):
+        raise ConfigError("zero_optimization.offload_optimizer", off, f"device 'cpu' or 'nvme' with {key}={master!r}",
+                          "DeepSpeed's bf16 master mode keeps the master partition on the host; without offload use "
+                          "master 'fp32'")
+    bf16 = ds.get("bf16")
+    if not (isinstance(bf16, Mapping) and bf16.get("enabled") is True):
+        raise ConfigError("bf16.enabled", None if not isinstance(bf16, Mapping) else bf16.get("enabled"),
+                          f"true with {key}={master!r}", "a compact master is the bf16 parameters' own; enable bf16")
+    if bf16.get("bf16_optimizer_states"):
+        raise ConfigError("bf16.bf16_optimizer_states", bf16.get("bf16_optimizer_states"),
+                          f"false (or absent) with {key}={master!r}",
+                          "the block keeps Adam's states in 4 bits; remove the key")
+    ga = ds.get("gradient_accumulation_steps", 1)
+    if ga not in (1, None, "auto"):
+        raise ConfigError("gradient_accumulation_steps", ga, f"1 with {key}={master!r}",
+                          "DeepSpeed's bf16 master mode accumulates gradients in bf16; use master 'fp32' to "
+                          "accumulate in fp32")
+    notes = []
+    if bf16.get("bf16_master_weights_and_grads") is not True:
+        ds["bf16"] = {**bf16, "bf16_master_weights_and_grads": True}
+        notes.append(f"bf16.bf16_master_weights_and_grads: {bf16.get('bf16_master_weights_and_grads')!r} -> True "
+                     f"(master {master!r}: bf16 master and gradient partitions)")
+    return notes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,13 +242,17 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                 saved[name] = getattr(args, name)
                 setattr(args, name, None)
     try:
-        with ds_host.bf16_grads_at_init(states, host) as at_init:
+        compact = states and prepared.states.master != "fp32"
+        with ds_host.bf16_grads_at_init(states, host) as at_init, ds_host.compact_master_at_init(compact):
             result = _original_initialize()(config=prepared.ds_config, **kwargs)
     finally:
         for name, v in saved.items():
             setattr(args, name, v)
     engine = result[0]
-    shared = ds_host.share_bf16_staging(engine, host) if states else 0
+    if compact:
+        shared = ds_host.staging_is_master(engine)
+    else:
+        shared = ds_host.share_bf16_staging(engine, host) if states else 0
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_host.release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
@@ -238,6 +281,8 @@ def features(prepared: Prepared) -> tuple[str, ...]:
             out.append("bf16_gradient_partition")
         if stage in (1, 2) and prepared.host.share_bf16_staging.value:
             out.append("share_bf16_staging")
+        if prepared.states is not None and prepared.states.master != "fp32":
+            out.append("compact_master")
     if block.weights is not None and block.weights.format == "nvfp4":
         out.append("weights")
     if block.monitor is not None:

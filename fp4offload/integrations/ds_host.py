@@ -329,3 +329,69 @@ class bf16_grads_at_init:
             self._patch.__exit__(*exc)
             self._patch = None
         return False
+
+
+class compact_master_at_init:
+    """While ``deepspeed.initialize`` runs with a compact master (``optimizer_states.master`` "split" or
+    "bf16"), DeepSpeed's bf16 master mode accepts FP4AdamW: its ``_configure_master_weights`` checks that the
+    optimizer is DeepSpeedCPUAdam, which is how that mode gets an optimizer able to step bf16 partitions;
+    FP4AdamW with a compact master is one too. The rest of the mode is DeepSpeed's own (bf16 master and gradient
+    partitions, their reduction and clipping). ``applied`` counts the optimizers it served."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.applied = enabled, 0
+        self._patch = None
+
+    def _make(self, orig):
+        outer = self
+
+        def _configure_master_weights(zo, *args, **kwargs):
+            from fp4offload.optim import FP4AdamW
+
+            inner = getattr(zo, "optimizer", None)
+            compact = isinstance(inner, FP4AdamW) and inner.master != "fp32"
+            if compact and kwargs.get("bf16_master_weights_and_gradients"):
+                kwargs["bf16_offload_validator"] = None
+                outer.applied += 1
+            return orig(zo, *args, **kwargs)
+
+        return _configure_master_weights
+
+    def __enter__(self):
+        if self.enabled:
+            self._patch = dsi.patch_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+                                          "_configure_master_weights", self._make)
+            self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._patch is not None:
+            self._patch.__exit__(*exc)
+            self._patch = None
+        return False
+
+
+def staging_is_master(engine: Any) -> int:
+    """With a compact master, DeepSpeed's bf16 staging buffer of each partition (the copy its step makes of the
+    master before sending it to the device) becomes the bf16 master partition itself: the master is already
+    the bf16 weight, so the copy is the tensor onto itself and 2 B/param of host RAM go. Returns the bytes."""
+    import torch
+
+    opt = getattr(engine, "optimizer", None)
+    masters = dsi.read(opt, "single_partition_of_fp32_groups", None)
+    bufs = dsi.read(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None)
+    if not masters or not bufs:
+        return 0
+    freed = 0
+    for i, (m, buf) in enumerate(zip(masters, bufs)):
+        if m.dtype != torch.bfloat16 or buf.shape != m.shape or buf.dtype != m.dtype:
+            raise ConfigError("fp4offload.optimizer_states.master", "a compact master",
+                              "DeepSpeed's bf16 master mode (bf16 master partitions)",
+                              f"partition {i} is {m.dtype}, its staging buffer {buf.dtype} {tuple(buf.shape)}: this "
+                              "DeepSpeed did not build bf16 masters")
+        if buf.data_ptr() != m.data_ptr():
+            freed += buf.numel() * buf.element_size()
+            bufs[i] = m
+    if freed:
+        log.info("fp4offload: %d bytes of bf16 staging buffers are the bf16 master partitions", freed)
+    return freed

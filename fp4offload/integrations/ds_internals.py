@@ -43,7 +43,8 @@ __all__ = ["SUPPORTED", "requirement", "TABLE", "Internal", "FEATURES", "check",
 SUPPORTED = ((0, 19, 8), (0, 20, 0))
 
 #: The block's features that need private names (keys of the table's ``features``).
-FEATURES = ("optimizer_states", "bf16_gradient_partition", "share_bf16_staging", "weights", "monitor")
+FEATURES = ("optimizer_states", "bf16_gradient_partition", "share_bf16_staging", "weights", "monitor",
+            "compact_master")
 
 _ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 _Z12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
@@ -70,6 +71,7 @@ _OPT = ("optimizer_states",)
 _GRADS = ("bf16_gradient_partition",)
 _STAGING = ("share_bf16_staging",)
 _WEIGHTS = ("weights",)
+_MASTER = ("compact_master",)
 
 TABLE: tuple[Internal, ...] = (
     # the engine
@@ -82,7 +84,10 @@ TABLE: tuple[Internal, ...] = (
              "replaced while deepspeed.initialize runs: allocates the host gradient partition in bf16", _GRADS),
     Internal(_Z12, "single_partition_of_fp32_groups", "attribute",
              "read: the fp32 master partitions; their .grad is set to the bf16 gradient partition",
-             _GRADS + ("monitor",)),
+             _GRADS + _MASTER + ("monitor",)),
+    Internal(_Z12, "_configure_master_weights", "callable",
+             "replaced while deepspeed.initialize runs: lets FP4AdamW step the bf16 master mode's partitions "
+             "(DeepSpeed's check admits DeepSpeedCPUAdam only)", _MASTER),
     Internal(_Z12, "bit16_groups", "attribute", "read: the parameters' dtype (bf16 required)", _GRADS),
     Internal(_Z12, "partition_size", "attribute", "read: elements of each rank's partition", _GRADS),
     Internal(_Z12, "cpu_offload", "attribute", "read: whether offload_optimizer is on", _GRADS),
@@ -90,7 +95,8 @@ TABLE: tuple[Internal, ...] = (
     Internal(_Z12, "gradient_accumulation_steps", "attribute", "read: 1 is required for a bf16 partition", _GRADS),
     Internal(_Z12, "device", "attribute", "read: where the gradient partition lives", _GRADS),
     Internal(_Z12, "param_buffer_of_bit16_for_cpu_offload_groups", "attribute",
-             "entries replaced by the bf16 partitions on the CPU accelerator", _STAGING),
+             "entries replaced by the bf16 partitions on the CPU accelerator, or by the bf16 master partitions",
+             _STAGING + _MASTER),
     Internal(_Z12, "parallel_partitioned_bit16_groups", "attribute", "read: this rank's bf16 partitions", _STAGING),
     Internal(_Z12, "real_dp_process_group", "attribute", "read: the data-parallel group of each partition", _STAGING),
     # ZeRO-3 (stage3.py)

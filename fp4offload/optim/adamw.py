@@ -101,7 +101,8 @@ class FP4AdamW(Optimizer):
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
                  nvme_io: str = "auto", tensor_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
-                 skip_nonfinite: bool = True, metrics_every: int = 100, master: str = "fp32"):
+                 skip_nonfinite: bool = True, metrics_every: int = 100, master: str = "fp32",
+                 _defer_master_check: bool = False):
         check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
                         v_format=v_format, min_numel=min_numel, state_device=state_device, nvme_path=nvme_path,
                         nvme_io=nvme_io, tensor_key=tensor_key, backend=backend, working_copy=working_copy,
@@ -125,7 +126,8 @@ class FP4AdamW(Optimizer):
                                nvme_reserve_bytes=nvme_reserve_bytes, nvme_io=nvme_io, tensor_key=tensor_key,
                                has_states=lambda t: "step" in me().state.get(t, {}))
         self.nvme_io = None if self._tier.store is None else self._tier.store.io
-        for group in self.param_groups:
+        # an engine that re-points the groups at its own partitions (DeepSpeed's ZeRO) checks at the first step
+        for group in [] if _defer_master_check else self.param_groups:
             for p in group["params"]:
                 self._check_master(p)
 
@@ -188,6 +190,7 @@ class FP4AdamW(Optimizer):
     def _init_state(self, group, p, m: R.Packed | None = None, v: R.Packed | None = None) -> dict:
         """p's fresh state: step 0, a master when p is not fp32, contiguous and on the compute device, and zero
         states (or the packed (m, v) given, which the tier stores)."""
+        self._check_master(p)
         st = self.state[p]
         dev = self._tier.compute_device(p)
         st["step"] = torch.tensor(0.0)
