@@ -121,6 +121,10 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
         if ds.get("optimizer") is not None:
             ds_optim.settings_from_ds_section(ds["optimizer"])  # Adam/AdamW only; raises before anything is built
         if st.master != "fp32":
+            if block.weights is not None and block.weights.format == "nvfp4":
+                raise ConfigError(f"{BLOCK_KEY}.optimizer_states.master", st.master, "'fp32' with the weights block",
+                                  "the NVFP4 weight shards are encoded by the step from an fp32 master; drop "
+                                  "fp4offload.weights or use master 'fp32'")
             notes += _compact_master(ds, st.master)
         states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
                                          min_numel=st.min_numel, master=st.master)
@@ -136,11 +140,10 @@ def _compact_master(ds: dict, master: str) -> list[str]:
     key = f"{BLOCK_KEY}.optimizer_states.master"
     zero = _zero(ds)
     stage = zero.get("stage", 0)
-    if stage not in (1, 2):
+    if stage not in (1, 2, 3):
         raise ConfigError(key, master, "'fp32' with ZeRO stage " + repr(stage),
-                          "a compact master steps ZeRO-1/2's flat master partition in DeepSpeed's bf16 master mode; "
-                          "ZeRO-3 swaps and rebuilds its sub-group masters, which that mode does not cover here: "
-                          "use ZeRO-1/2, or master 'fp32'")
+                          "a compact master steps ZeRO's flat master partitions in DeepSpeed's bf16 master mode, "
+                          "which needs ZeRO-1, 2 or 3")
     off = zero.get("offload_optimizer")
     if not (isinstance(off, dict) and off.get("device") in ("cpu", "nvme")):
         raise ConfigError("zero_optimization.offload_optimizer", off, f"device 'cpu' or 'nvme' with {key}={master!r}",
@@ -160,6 +163,9 @@ def _compact_master(ds: dict, master: str) -> list[str]:
                           "DeepSpeed's bf16 master mode accumulates gradients in bf16; use master 'fp32' to "
                           "accumulate in fp32")
     notes = []
+    if stage == 3:
+        notes.append(f"ZeRO-3 with master {master!r}: DeepSpeed's bf16 master mode keeps the gradient partition in "
+                     "bf16 as well (the fp32-master block keeps ZeRO-3's in fp32)")
     if bf16.get("bf16_master_weights_and_grads") is not True:
         ds["bf16"] = {**bf16, "bf16_master_weights_and_grads": True}
         notes.append(f"bf16.bf16_master_weights_and_grads: {bf16.get('bf16_master_weights_and_grads')!r} -> True "

@@ -23,6 +23,7 @@ DeepSpeed's private names used here go through :mod:`fp4offload.integrations.ds_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass, fields
@@ -340,7 +341,7 @@ class compact_master_at_init:
 
     def __init__(self, enabled: bool):
         self.enabled, self.applied = enabled, 0
-        self._patch = None
+        self._stack = None
 
     def _make(self, orig):
         outer = self
@@ -359,15 +360,16 @@ class compact_master_at_init:
 
     def __enter__(self):
         if self.enabled:
-            self._patch = dsi.patch_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
-                                          "_configure_master_weights", self._make)
-            self._patch.__enter__()
+            self._stack = contextlib.ExitStack()
+            for owner in ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
+                          "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"):
+                self._stack.enter_context(dsi.patch_class(owner, "_configure_master_weights", self._make))
         return self
 
     def __exit__(self, *exc):
-        if self._patch is not None:
-            self._patch.__exit__(*exc)
-            self._patch = None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
         return False
 
 

@@ -104,6 +104,9 @@ TABLE: tuple[Internal, ...] = (
              _WEIGHTS + ("monitor",)),
     Internal("deepspeed.runtime.zero.stage3", "ds_id", "param",
              "read: the id stage3 gives each sub-group's flat fp32 master (names FP4AdamW's files and streams)", _OPT),
+    Internal(_Z3, "_configure_master_weights", "callable",
+             "replaced while deepspeed.initialize runs: lets FP4AdamW step the bf16 master mode's sub-group "
+             "partitions (DeepSpeed's check admits DeepSpeedCPUAdam only)", _MASTER),
     Internal(_Z3, "_reassign_or_swap_out_partitioned_parameters", "callable",
              "wrapped per optimizer: packs the new weights after each sub-group's step", _WEIGHTS),
     Internal(_Z3, "fp16_groups", "attribute", "read: the parameters of each sub-group", _WEIGHTS),
@@ -259,8 +262,8 @@ def patch_class(owner: str, name: str, make: Callable[[Callable], Callable]) -> 
     """Replace the listed method ``owner.name`` by ``make(original)`` for the duration of the block.
 
     Yields False (and changes nothing) when the class or method is not there."""
-    row = _row(name)
-    if row.owner != owner or row.kind != "callable":
+    _row(name)
+    if not any(r.owner == owner and r.name == name and r.kind == "callable" for r in TABLE):
         raise KeyError(f"{owner}.{name} is not a patchable method of ds_internals.TABLE")
     cls = _resolve(owner)
     orig = getattr(cls, name, None) if cls is not None else None

@@ -1,0 +1,129 @@
+"""The DeepSpeed block's compact master (``optimizer_states.master``: "split", "bf16") on real DeepSpeed.
+
+Training runs spawn ranks with tests/test_deepspeed_worker.py (gloo, DS_ACCELERATOR=cpu, a small Llama on
+Shakespeare bytes). ZeRO-1/2 with split must be the fp32-master run bit for bit: the same losses and the same
+final weights, also through a checkpoint, a SIGKILL and a resume.
+"""
+
+import copy
+
+import pytest
+from test_deepspeed import BLOCK, ds_config
+
+from fp4offload.errors import ConfigError
+from fp4offload.integrations.deepspeed import prepare_config
+
+pytestmark = pytest.mark.distributed
+
+
+def _block(master: str, **states) -> dict:
+    b = copy.deepcopy(BLOCK)
+    b["optimizer_states"].update(master=master, **states)
+    return b
+
+
+def _launch(cases, nranks, tmp_path, timeout=400):
+    from test_deepspeed_worker import launch
+
+    return launch({"cases": cases}, nranks, tmp_path, timeout=timeout)
+
+
+# ---- configuration ----------------------------------------------------------------------------------------
+
+def test_prepare_turns_on_deepspeeds_bf16_master_mode():
+    p = prepare_config(ds_config(2, "cpu", _block("split")))
+    assert p.ds_config["bf16"]["bf16_master_weights_and_grads"] is True
+    assert p.states.master == "split"
+    assert any("bf16_master_weights_and_grads" in n for n in p.rewrites)
+    assert "bf16_master_weights_and_grads" not in prepare_config(ds_config(2, "cpu", _block("fp32"))).ds_config["bf16"]
+
+
+def _with(cfg, **top):
+    cfg = copy.deepcopy(cfg)
+    for k, v in top.items():
+        cfg[k] = v
+    return cfg
+
+
+@pytest.mark.parametrize("make, key, fix", [
+    (lambda: ds_config(0, None, _block("split")), "master", "ZeRO-1, 2 or 3"),
+    (lambda: ds_config(2, None, _block("split")), "offload_optimizer", "without offload"),
+    (lambda: _with(ds_config(2, "cpu", _block("bf16")), bf16={"enabled": False}), "bf16.enabled", "enable bf16"),
+    (lambda: _with(ds_config(2, "cpu", _block("split")), gradient_accumulation_steps=4),
+     "gradient_accumulation_steps", "accumulates gradients in bf16"),
+    (lambda: _with(ds_config(2, "cpu", _block("split")),
+                   bf16={"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}),
+     "bf16_optimizer_states", "4 bits"),
+    (lambda: ds_config(2, "cpu", _block("split", format="fp32")), "master", "format 'nvfp4'"),
+    (lambda: ds_config(3, "cpu", {**_block("split"), "weights": {"format": "nvfp4"}}), "master", "weights"),
+    (lambda: ds_config(2, "cpu", _block("fp16")), "master", "'fp32', 'split', 'bf16'"),
+])
+def test_configs_that_cannot_take_a_compact_master_are_refused(make, key, fix):
+    with pytest.raises(ConfigError) as e:
+        prepare_config(make())
+    assert key in str(e.value) and fix in str(e.value), str(e.value)
+
+
+# ---- training ---------------------------------------------------------------------------------------------
+
+def _cases(stage, steps, forms=("fp32", "split", "bf16"), offload="cpu"):
+    return [{"name": f"z{stage}_{f}", "config": ds_config(stage, offload, _block(f)), "steps": steps,
+             "probe": "master"} for f in forms]
+
+
+def test_zero2_split_is_the_fp32_master_run_bit_for_bit_over_200_steps(tmp_path):
+    res = _launch(_cases(2, 200), 1, tmp_path, timeout=600)["cases"]
+    f32, split, bf16 = res["z2_fp32"], res["z2_split"], res["z2_bf16"]
+    assert split["losses"] == f32["losses"] and len(f32["losses"]) == 200
+    assert split["master"]["weights_sha"] == f32["master"]["weights_sha"]
+    n = f32["master"]["numel"]
+    assert f32["master"]["dtypes"] == ["torch.float32"] and split["master"]["dtypes"] == ["torch.bfloat16"]
+    assert split["master"]["staging_is_master"] == [True] and bf16["master"]["staging_is_master"] == [True]
+    assert split["inner"] == "FP4AdamW" and split["master"]["form"] == "split"
+    held = split["master"]["held"]["host"]
+    assert 2 * n <= held < 2 * n + 8 * n // 1000  # the residual, and a few odd positions
+    # host bytes per parameter counted from the tensors: master + gradient + states (+ residual)
+    per = {k: v["mem"]["total"] / v["mem"]["numel"] for k, v in res.items()}
+    assert per["z2_fp32"] == pytest.approx(4 + 2 + 1.13, abs=0.1)
+    assert per["z2_split"] == pytest.approx(2 + 2 + 1.13 + 2, abs=0.1) and per["z2_split"] <= 7.2
+    assert per["z2_bf16"] == pytest.approx(2 + 2 + 1.13, abs=0.1) and per["z2_bf16"] <= 5.2
+    # bf16 with stochastic rounding trains like the others, not identically
+    assert bf16["losses"] != f32["losses"]
+    assert abs(sum(bf16["losses"][-20:]) - sum(f32["losses"][-20:])) / 20 < 0.05
+    assert f32["losses"][-1] < 0.6 * f32["losses"][0]
+
+
+def test_zero1_and_two_ranks_split_is_the_fp32_run(tmp_path):
+    res = _launch(_cases(1, 12, ("fp32", "split")) + _cases(2, 12, ("fp32", "split")), 2, tmp_path)["cases"]
+    for s in (1, 2):
+        assert res[f"z{s}_split"]["losses"] == res[f"z{s}_fp32"]["losses"]
+        assert res[f"z{s}_split"]["master"]["weights_sha"] == res[f"z{s}_fp32"]["master"]["weights_sha"]
+        assert res[f"z{s}_split"]["master"]["dtypes"] == ["torch.bfloat16"]
+
+
+def test_zero2_split_survives_save_kill_and_resume(tmp_path):
+    ck = str(tmp_path / "ck")
+    cfg = ds_config(2, "cpu", _block("split"))
+    full = _launch([{"name": "full", "config": cfg, "steps": 20, "probe": "master"}], 1, tmp_path / "a")["cases"]
+    # the worker kills itself (SIGKILL) right after saving: nothing after the save runs
+    _launch([{"name": "first", "config": cfg, "steps": 10, "save_dir": ck, "kill_after_save": True}], 1,
+            tmp_path / "b")
+    assert (tmp_path / "ck" / "latest").exists()
+    rest = _launch([{"name": "rest", "config": cfg, "steps": 10, "load_dir": ck, "probe": "master"}], 1,
+                   tmp_path / "c")["cases"]
+    assert rest["rest"]["losses"] == full["full"]["losses"][10:]
+    assert rest["rest"]["master"]["weights_sha"] == full["full"]["master"]["weights_sha"]
+
+
+def test_zero3_compact_master_trains_with_bf16_master_partitions(tmp_path):
+    """ZeRO-3: DeepSpeed's bf16 master mode also keeps the gradient partition in bf16 (the fp32-master block
+    keeps ZeRO-3's gradients in fp32), so split holds the master exactly but steps with bf16 gradients: close
+    to the fp32 run, not identical."""
+    res = _launch(_cases(3, 16), 1, tmp_path)["cases"]
+    f32 = res["z3_fp32"]
+    for form in ("split", "bf16"):
+        r = res[f"z3_{form}"]
+        assert r["master"]["form"] == form
+        assert r["mem"]["master"] == 2 * r["mem"]["numel"] and r["mem"]["grad"] == 2 * r["mem"]["numel"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], f32["losses"])) < 0.05
+    assert f32["mem"]["master"] == 4 * f32["mem"]["numel"]
