@@ -283,6 +283,42 @@ def reset_stats() -> None:
 # apply
 
 
+def _to_bf16(model: nn.Module, master: str | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """With a compact master, the parameters become bf16 (the master's upper half; buffers stay). Under
+    split, returns each cast parameter's residual (master.split of its fp32 values), so the optimizer starts
+    from the fp32 values themselves."""
+    from ..optim import master as MW
+
+    out = {}
+    if master is None:
+        return out
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if prm.is_floating_point() and prm.dtype != torch.bfloat16:
+                h, lo, odd = MW.split(prm.data.float().reshape(-1))
+                prm.data = h.view(prm.shape)
+                if master == "split" and (lo.any() or odd.numel()):
+                    out[name] = (lo.view(prm.shape), odd)
+    return out
+
+
+def _keep_local_residuals(model: nn.Module, residuals: dict, mesh) -> None:
+    """Each rank keeps its shard's part of the residuals (FSDP2 shards dim 0 as torch.chunk does), on the
+    sharded parameter, for fp4offload.fsdp.optimizer to start FP4AdamW's split master from."""
+    if not residuals:
+        return
+    rank, world = mesh.get_local_rank(), mesh.size()
+    for name, prm in model.named_parameters():
+        if name not in residuals:
+            continue
+        lo, odd = residuals[name]
+        parts = lo.chunk(world, dim=0)
+        local = parts[rank] if rank < len(parts) else lo[:0]
+        start = sum(p.numel() for p in parts[:rank])
+        keep = (odd >= start) & (odd < start + local.numel())
+        prm._fp4offload_residual = (local.reshape(-1).clone(), odd[keep] - start)
+
+
 def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Module:
     """Shard ``model`` with ``fully_shard`` per block and at the root, as ``policy`` says; returns it.
 
@@ -322,6 +358,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
     mesh = _default_mesh() if mesh is None else mesh
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
         else torch.device(mesh.device_type)
+    residuals = _to_bf16(model, policy.compact_master)
     slots = _wrap(model, to_pack, world, device, policy.cpu_offload)
     mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if policy.cpu_offload else OffloadPolicy()
@@ -334,6 +371,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
     fully_shard(model, reshard_after_forward=None if policy.reshard_after_forward else False, **kw)
     units.append(model)
     _make_groups(units, slots, mesh)
+    _keep_local_residuals(model, residuals, mesh)
     model.register_state_dict_post_hook(_state_dict_hook)
     model._fp4offload_policy = policy
     model._fp4offload_all_gather = count_all_gathers(model)

@@ -185,7 +185,7 @@ def _fp4adamw_kwargs(cls: type, st) -> dict:
 
     accepted = inspect.signature(cls.__init__).parameters
     want = {"state_device": st.device, "nvme_path": st.nvme_path, "m_rounding": st.rounding,
-            "min_numel": st.min_numel}
+            "min_numel": st.min_numel, "master": st.master}
     return {k: v for k, v in want.items() if k in accepted}
 
 
@@ -236,4 +236,9 @@ def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterabl
     opt._fsdp_monitor_every = policy.monitor.every if policy.monitor is not None else 0
     opt._fsdp_padded_numel = {id(proxy): _padded_local_numel(p) for p, proxy in pairs}
     opt.fp4offload_inner = name
+    for p, proxy in pairs:  # a compact master starts from the fp32 values apply cast to bf16
+        res = getattr(p, "_fp4offload_residual", None)
+        if res is not None and getattr(opt, "master", "fp32") == "split" and res[0].numel() == proxy.numel():
+            opt.start_master(proxy, res[0].to(proxy.device), res[1])
+            p._fp4offload_residual = None  # held by the optimizer now
     return opt

@@ -71,7 +71,11 @@ class Policy:
         optimizer_states: Adam's m and v for :func:`fp4offload.fsdp.optimizer`: ``format`` ``"nvfp4"``
             (FP4AdamW) or ``"fp32"``; ``device`` ``"same"`` (next to the shard: the GPU, or host RAM
             with ``cpu_offload``), ``"cpu"`` or ``"nvme"``; ``rounding`` of m; ``min_numel`` (elements)
-            under which states stay fp32. ``None``: torch AdamW. Default ``OptimizerStatesConfig()``.
+            under which states stay fp32; ``master`` ``"split"`` or ``"bf16"`` (docs/numerics.md "Master
+            weights"): ``apply`` makes the parameters bf16, so each shard is 2 B/param, and FP4AdamW keeps
+            the 16-bit residual that makes it the fp32 master exactly (split, 2 + 2 B/param) or rounds it
+            stochastically (bf16); needs ``weights=None``. ``None``: torch AdamW. Default
+            ``OptimizerStatesConfig()``.
         activations: tensors saved for backward, compressed and moved: an
             ``fp4offload.ActivationPolicy`` or its YAML keys (``ActivationsConfig``). Default None (off).
         monitor: every ``every`` optimizer steps, the optimizer from :func:`fp4offload.fsdp.optimizer` logs
@@ -122,6 +126,21 @@ class Policy:
         object.__setattr__(self, "block_classes", bc)
         object.__setattr__(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
         object.__setattr__(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
+        master = self.compact_master
+        if master is not None:
+            if self.packs_weights:
+                raise ConfigError("optimizer_states.master", master, "'fp32' with weights.format 'nvfp4'",
+                                  "NVFP4 gathers are encoded from an fp32 master shard; set weights to None (YAML: "
+                                  "weights: null) for a compact master")
+            if self.param_dtype != torch.bfloat16:
+                raise ConfigError("param_dtype", self.param_dtype, f"torch.bfloat16 with optimizer_states.master="
+                                  f"{master!r}", "the bf16 shards are the master's upper half")
+
+    @property
+    def compact_master(self) -> str | None:
+        """``"split"`` or ``"bf16"`` when the optimizer holds a compact master (the shards are then bf16)."""
+        st = self.optimizer_states
+        return st.master if st is not None and st.master != "fp32" else None
 
     @property
     def packs_weights(self) -> bool:

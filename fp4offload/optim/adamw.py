@@ -325,6 +325,22 @@ class FP4AdamW(Optimizer):
         self._copies.finish(p, w, bf)
         return sample
 
+    def start_master(self, p, lo: torch.Tensor, odd: torch.Tensor | None = None) -> None:
+        """Start the split master of `p` from a residual: `p` holds ``rne(x)`` of fp32 values x it was cast
+        from, `lo` and `odd` are ``master.split(x)``'s (fp4offload/optim/master.py), so the first step starts
+        from x itself, as an fp32 master would. For p without state yet (``master="split"`` only)."""
+        if self.master != "split":
+            raise ConfigError("master", self.master, "'split' for start_master", "only split keeps a residual")
+        group = next((g for g in self.param_groups if any(q is p for q in g["params"])), None)
+        if group is None or "step" in self.state.get(p, {}):
+            raise ConfigError("p", f"a tensor of shape {tuple(p.shape)}", "a parameter of this optimizer that has "
+                              "no state yet")
+        st = self._init_state(group, p)
+        if lo.numel() != p.numel() or lo.dtype != torch.int16:
+            raise ConfigError("lo", f"{lo.numel()} {lo.dtype} values", f"{p.numel()} int16 values")
+        st["master_lo"].copy_(lo.reshape(-1))
+        st["master_odd"] = (odd if odd is not None else torch.zeros(0, dtype=torch.int64)).to(st["master_lo"].device)
+
     def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int) -> None:
         """The step of a bf16 parameter with a compact master (``master="split"`` or ``"bf16"``)."""
         h = p.data.view(-1)
