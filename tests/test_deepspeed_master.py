@@ -127,3 +127,19 @@ def test_zero3_compact_master_trains_with_bf16_master_partitions(tmp_path):
         assert r["mem"]["master"] == 2 * r["mem"]["numel"] and r["mem"]["grad"] == 2 * r["mem"]["numel"]
         assert max(abs(a - b) for a, b in zip(r["losses"], f32["losses"])) < 0.05
     assert f32["mem"]["master"] == 4 * f32["mem"]["numel"]
+
+
+def test_nonfinite_step_is_skipped_from_deepspeeds_norm(tmp_path):
+    """ZeRO-2 computes the global gradient norm before the step; FP4AdamW's non-finite check reads it (no
+    pass over the gradients). A NaN step is skipped (by DeepSpeed's overflow check, or by FP4AdamW from the
+    norm) and training goes on finite, split still the fp32 run."""
+    cases = [{"name": f"{f}_nan", "config": ds_config(2, "cpu", _block(f)), "steps": 6, "nan_at": 2,
+              "probe": "master"} for f in ("fp32", "split")]
+    res = _launch(cases, 1, tmp_path)["cases"]
+    for f in ("fp32", "split"):
+        m = res[f"{f}_nan"]["master"]
+        assert m["norm_source"] and m["skipped"] in (0, 1), m
+        losses = res[f"{f}_nan"]["losses"]
+        assert losses[2] != losses[2] and all(x == x for i, x in enumerate(losses) if i != 2)  # NaN only there
+    assert res["split_nan"]["losses"][3:] == res["fp32_nan"]["losses"][3:]
+    assert res["split_nan"]["master"]["weights_sha"] == res["fp32_nan"]["master"]["weights_sha"]

@@ -141,6 +141,8 @@ def _run_case(case: dict, spec: dict, train) -> dict:
     for step in range(start, start + steps):
         tokens = _batch(train, step, seed, rank)
         loss = harness.lm_loss(engine, tokens)
+        if case.get("nan_at") == step:  # every gradient of this step NaN
+            loss = loss * float("nan")
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
@@ -196,7 +198,9 @@ def _run_case(case: dict, spec: dict, train) -> dict:
                          "form": getattr(inner, "master", None),
                          "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
                          "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],
-                         "weights_sha": h.hexdigest(), "rewrites": list(att.prepared.rewrites) if att else []}
+                         "weights_sha": h.hexdigest(), "rewrites": list(att.prepared.rewrites) if att else [],
+                         "skipped": getattr(inner, "skipped_steps", None),
+                         "norm_source": getattr(inner, "_grad_norm_fn", None) is not None}
     if case.get("probe") == "weights" and att is not None and att.weights is not None:
         out["weight_probe"] = _probe_weights(engine, att.weights)
     engine.destroy() if hasattr(engine, "destroy") else None

@@ -325,3 +325,26 @@ def test_reference_segments_match_fused_across_a_segment_boundary(ext):
     la, pa = _train("bf16", 2, big=2 * R.SEGMENT + 5)
     lb, pb = _train("bf16", 2, big=2 * R.SEGMENT + 5, backend="reference")
     assert torch.equal(pa[-1].view(torch.int16), pb[-1].view(torch.int16))
+
+
+def test_a_given_gradient_norm_replaces_the_nonfinite_pass(monkeypatch):
+    p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
+    opt = FP4AdamW([p], lr=1e-2, master="split")
+    calls = []
+    real = opt._grads_finite
+    monkeypatch.setattr(opt, "_grads_finite", lambda gs: calls.append(1) or real(gs))
+    p.grad = torch.ones_like(p)
+    before = p.detach().clone()
+    opt.step(grad_norm=float("inf"))  # the caller's norm says non-finite: skipped, gradients not read
+    assert opt.skipped_steps == 1 and torch.equal(before, p.detach()) and not calls
+    opt.step(grad_norm=torch.tensor(3.0))
+    assert opt.skipped_steps == 1 and not torch.equal(before, p.detach()) and not calls
+    opt.set_grad_norm_source(lambda: -1.0)  # DeepSpeed reports Inf/NaN norms as -1
+    opt.step()
+    assert opt.skipped_steps == 2 and not calls
+    opt.set_grad_norm_source(lambda: None)  # not computed this step: the pass runs
+    p.grad[3] = float("nan")
+    opt.step()
+    assert opt.skipped_steps == 3 and calls == [1]
+    with pytest.raises(ConfigError, match="fn"):
+        opt.set_grad_norm_source(3.0)

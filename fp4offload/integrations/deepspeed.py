@@ -260,6 +260,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     else:
         shared = ds_host.share_bf16_staging(engine, host) if states else 0
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
+    if states:
+        _norm_source(engine)
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_host.release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
@@ -275,6 +277,28 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         attached.monitor = ds_monitor.attach(engine, block.monitor, attached)
     engine.fp4offload = attached
     return result
+
+
+def _norm_source(engine: Any) -> bool:
+    """ZeRO-1/2 computes the global gradient norm before the optimizer steps (for clipping, and always under
+    offload): FP4AdamW's non-finite check reads it instead of every gradient (set_grad_norm_source)."""
+    import weakref
+
+    from fp4offload.optim import FP4AdamW
+
+    zo = getattr(engine, "optimizer", None)
+    inner = ds_internals.read(zo, "optimizer")
+    if not (isinstance(inner, FP4AdamW) and ds_internals.read(zo, "compute_grad_norm", False)
+            and ds_internals.read(zo, "single_partition_of_fp32_groups")):
+        return False
+    ref = weakref.ref(zo)
+
+    def norm():
+        z = ref()
+        return None if z is None else ds_internals.read(z, "_global_grad_norm")
+
+    inner.set_grad_norm_source(norm)
+    return True
 
 
 def features(prepared: Prepared) -> tuple[str, ...]:

@@ -85,6 +85,11 @@ TABLE: tuple[Internal, ...] = (
     Internal(_Z12, "single_partition_of_fp32_groups", "attribute",
              "read: the fp32 master partitions; their .grad is set to the bf16 gradient partition",
              _GRADS + _MASTER + ("monitor",)),
+    Internal(_Z12, "compute_grad_norm", "attribute", "read: whether the step computes the global gradient norm",
+             _OPT),
+    Internal(_Z12, "_global_grad_norm", "attribute",
+             "read: this step's global gradient norm, which FP4AdamW's non-finite check uses instead of a pass "
+             "over the gradients", _OPT),
     Internal(_Z12, "_configure_master_weights", "callable",
              "replaced while deepspeed.initialize runs: lets FP4AdamW step the bf16 master mode's partitions "
              "(DeepSpeed's check admits DeepSpeedCPUAdam only)", _MASTER),

@@ -8,6 +8,7 @@ torch AdamW conversion convert.py's, the argument checks checks.py's.
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Callable, Iterable
 
@@ -234,9 +235,30 @@ class FP4AdamW(Optimizer):
                 flags.append(torch.isfinite(g).all())
         return bool(torch.stack([f.cpu() for f in flags]).all()) if flags else True
 
+    def set_grad_norm_source(self, fn: Callable[[], float | None] | None) -> None:
+        """Where this step's global gradient norm can be read (an engine that computes it anyway, as DeepSpeed
+        does for clipping): ``fn()`` returns it, or None when it was not computed. With a norm, the
+        non-finite check reads it instead of every gradient (a norm that is not finite, or negative, as
+        DeepSpeed reports Inf/NaN, skips the step). None removes the source."""
+        if fn is not None and not callable(fn):
+            raise ConfigError("fn", fn, "None or a function () -> float | None")
+        self._grad_norm_fn = fn
+
+    def _finite_from_norm(self, grad_norm) -> bool | None:
+        """Whether the gradients are finite, from the norm given or the source's (None: unknown)."""
+        if grad_norm is None and getattr(self, "_grad_norm_fn", None) is not None:
+            grad_norm = self._grad_norm_fn()
+        if grad_norm is None:
+            return None
+        v = float(grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm)
+        return math.isfinite(v) and v >= 0
+
     @torch.no_grad()
-    def step(self, closure: Callable | None = None):
-        """One AdamW step over every parameter with a gradient; returns the closure's loss."""
+    def step(self, closure: Callable | None = None, *, grad_norm=None):
+        """One AdamW step over every parameter with a gradient; returns the closure's loss.
+
+        `grad_norm`: this step's global gradient norm when the caller has it (clipping computes it); the
+        non-finite check then costs nothing (see set_grad_norm_source)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -248,7 +270,10 @@ class FP4AdamW(Optimizer):
         for _, p, _ in todo:
             self._copies.clear_results(p)
         with metrics.timer("optim.time.step"):
-            if self.skip_nonfinite and todo and not self._grads_finite([p.grad for _, p, _ in todo]):
+            finite = self._finite_from_norm(grad_norm) if self.skip_nonfinite and todo else True
+            if finite is None:
+                finite = self._grads_finite([p.grad for _, p, _ in todo])
+            if not finite:
                 self.skipped_steps += 1
                 metrics.counter("optim.skipped_steps").add(1)
                 return loss
