@@ -13,6 +13,13 @@ Optimizer variants (``--variants``):
 - ``fp4``: FP4AdamW with m in NVFP4 rounded to nearest, sqrt(v) in ufp4;
 - ``fp4_sr``: the same with m stochastically rounded (FP4AdamW's default since the 1200-step ablation);
 - ``fp4_nvfp4v``: v itself in NVFP4, m nearest (the zero-point problem: small v flush to 0);
+- master weights, each with the model's parameters in bf16 (bf16 gradients; forward reads the bf16 weights
+  upcast to fp32, see :func:`bf16_parameters`):
+  ``adamw_bf16``: torch.optim.AdamW on the bf16 parameters (bf16 m, v and weights, rounded to nearest: what
+  DeepSpeed's ``bf16_master_weights_and_grads`` + ``bf16_optimizer_states`` mode does);
+  ``fp4_sr_m32``: FP4AdamW (m stochastic) with an fp32 master; ``fp4_sr_split``: the same with
+  ``master="split"`` (the run checks it is bit for bit ``fp4_sr_m32``'s when both run); ``fp4_sr_mbf16``:
+  ``master="bf16"``, the bf16 parameter as the master with stochastic rounding;
 - ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit (blockwise 8-bit m and v; it
   runs on CPU with bitsandbytes >= 0.48's CPU backend; tensors under 4096 elements keep fp32 states, as in
   bitsandbytes' default; skipped when not installed or without a usable backend).
@@ -55,7 +62,9 @@ import torch
 
 from benchmarks import harness
 
-VARIANTS = ("adamw", "fp4", "fp4_sr", "fp4_nvfp4v", "torchao4bit", "bnb8bit")
+VARIANTS = ("adamw", "fp4", "fp4_sr", "fp4_nvfp4v", "adamw_bf16", "fp4_sr_m32", "fp4_sr_split", "fp4_sr_mbf16",
+            "torchao4bit", "bnb8bit")
+BF16_VARIANTS = ("adamw_bf16", "fp4_sr_m32", "fp4_sr_split", "fp4_sr_mbf16")  # run on the model cast to bf16
 ACTIVATIONS = ("none", "nvfp4", "mxfp8")
 
 
@@ -66,14 +75,17 @@ class Unavailable(RuntimeError):
 def make_optimizer(variant: str, params, lr: float, weight_decay: float):
     """The optimizer of a variant (see the module docstring)."""
     params = list(params)
-    if variant == "adamw":
+    if variant in ("adamw", "adamw_bf16"):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if variant.startswith("fp4"):
         from fp4offload import FP4AdamW
 
         # explicit m_rounding everywhere, so a variant means the same thing whatever FP4AdamW's default is
         kw = {"fp4": {"m_rounding": "nearest"}, "fp4_sr": {"m_rounding": "stochastic"},
-              "fp4_nvfp4v": {"m_rounding": "nearest", "v_format": "nvfp4"}}[variant]
+              "fp4_nvfp4v": {"m_rounding": "nearest", "v_format": "nvfp4"},
+              "fp4_sr_m32": {"m_rounding": "stochastic", "master": "fp32"},
+              "fp4_sr_split": {"m_rounding": "stochastic", "master": "split"},
+              "fp4_sr_mbf16": {"m_rounding": "stochastic", "master": "bf16"}}[variant]
         return FP4AdamW(params, lr=lr, weight_decay=weight_decay, **kw)
     if variant == "torchao4bit":
         try:
@@ -108,6 +120,28 @@ def activation_context(activations: str | None):
         raise RuntimeError(f"--activations {activations} needs fp4offload.offload_activations / ActivationPolicy, "
                            f"which do not import yet ({type(e).__name__}: {e}); run with --activations none") from None
     return lambda: fp4offload.offload_activations(policy)
+
+
+class _Upcast(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.float()
+
+
+def bf16_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every parameter of `model` a bf16 tensor that forward reads upcast to fp32.
+
+    The optimizer then sees what it sees under bf16 mixed precision (bf16 parameters, bf16 gradients: the
+    gradient of the cast is rounded to bf16), while the matrix products run in fp32: this CPU's bf16 matmul is
+    about 9x slower than its fp32 one, which would make the 1200-step runs take hours. Every bf16 variant runs
+    this way, so they differ only in the optimizer and its master weights."""
+    from torch.nn.utils import parametrize
+
+    for mod in list(model.modules()):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            with torch.no_grad():
+                mod._parameters[name] = torch.nn.Parameter(p.detach().to(torch.bfloat16))
+            parametrize.register_parametrization(mod, name, _Upcast(), unsafe=True)
+    return model
 
 
 # ---- tasks --------------------------------------------------------------------------------------------------
@@ -178,6 +212,8 @@ def train_run(variant: str, *, seed: int = 0, steps: int = 400, activations: str
     """Train `task` with optimizer `variant`; returns curve, final val loss, time, and whether it diverged."""
     spec = TASKS[task]
     model, train, val = spec["make"](seed, cfg)
+    if variant in BF16_VARIANTS:
+        bf16_parameters(model)
     model.train()
     lr = spec["lr"] if lr is None else lr
     opt = make_optimizer(variant, model.parameters(), lr, spec["wd"])
@@ -346,12 +382,28 @@ def main(argv=None) -> None:
                 _save(runs, out, stem)  # after every run, so an interrupted ablation keeps what it measured
     rows = summarize(runs)
     _save(runs, out, stem)
+    for line in split_check(runs):
+        print(line, file=sys.stderr)
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return
     _print_table(rows)
     print(f"\nplot: {out / (stem + '.png')}, data: {out / (stem + '.json')}")
+
+
+def split_check(runs: list[dict]) -> list[str]:
+    """One line per seed run with both fp4_sr_m32 and fp4_sr_split: whether their curves are identical (they
+    must be: split holds the fp32 master exactly)."""
+    by = {(r["variant"], r["seed"], r["activations"]): r for r in runs}
+    out = []
+    for (v, seed, act), r in sorted(by.items()):
+        other = by.get(("fp4_sr_split", seed, act)) if v == "fp4_sr_m32" else None
+        if other is not None:
+            same = other["curve"] == r["curve"]
+            out.append(f"# split vs fp32 master, seed {seed}: {'identical' if same else 'DIFFERENT'} curves "
+                       f"({len(r['curve'])} steps)")
+    return out
 
 
 def _print_table(rows: list[dict]) -> None:

@@ -6,15 +6,54 @@ Configurations (one rank, DS_ACCELERATOR=cpu, bf16, a Llama from benchmarks.harn
 - ``z3_nvme``: ZeRO-3, offload_optimizer nvme. Baseline: DeepSpeed's NVMe optimizer swapper (fp32 master, m, v
   on disk through async_io). Block: FP4AdamW's own NVMe tier (packed m, v on disk; DeepSpeed keeps the fp32
   master in host RAM, since its swapper cannot hold packed states).
+- ``z3_cpu`` (only when named in ``--configs``): ZeRO-3, offload_optimizer cpu. Baseline: DeepSpeedCPUAdam.
+  Block: FP4AdamW, states in host RAM. The ZeRO-3 configuration DeepSpeed's bf16 mode runs in (below).
+
+Arms (``--arms``, run in this order, each configuration; the default is all but the block's ablations):
+
+- ``baseline``: plain DeepSpeed (fp32 master, fp32 gradient partition, fp32 m and v), glibc's allocator as is.
+- ``same_allocator``: plain DeepSpeed with the block's host settings (see Allocator below).
+- ``baseline_jemalloc``: plain DeepSpeed with jemalloc preloaded in the child (``LD_PRELOAD=libjemalloc.so.2``,
+  ``MALLOC_CONF=background_thread:true,dirty_decay_ms:0,muzzy_decay_ms:0``: freed pages go back at once).
+- ``ds_bf16``: DeepSpeed's own low-memory mode, the strongest peer: ``"bf16": {"enabled": true,
+  "bf16_master_weights_and_grads": true, "bf16_optimizer_states": true}``, so the master partition, its
+  gradient partition and DeepSpeedCPUAdam's m and v are all bf16 (the optimizer block's params carry
+  ``fp32_optimizer_states: false``; DeepSpeed 0.19.8 sets it itself in this mode and asserts it). It needs
+  ZeRO-Offload with DeepSpeedCPUAdam. It runs in ``z2_cpu`` and ``z3_cpu``, not in ``z3_nvme``: there
+  DeepSpeed 0.19.8's optimizer swapper fails at the first step (it releases the swapped-out master to an empty
+  fp32 ``torch.Tensor()``, then asks its bf16 SwapBufferManager for that dtype on the next swap-in:
+  AssertionError ``dtype == self.dtype`` in swap_tensor/utils.py), so the bf16-mode arms of ``z3_nvme`` are
+  skipped with that reason (up to 0.19.8; a later DeepSpeed is tried, and skipped the same way if it fails
+  so). Each row records what the engine really ran (``master_dtype`` = the ZeRO optimizer's
+  master_weights_and_grads_dtype, ``optimizer_state_dtypes`` from DeepSpeedCPUAdam's state tensors,
+  ``fp32_optimizer_states``; with DeepSpeed's NVMe swapper the states are on disk between steps, and
+  ``ds_swap_file_B_per_param`` gives its swap files' bytes: 12 B/param for plain DeepSpeed's fp32 master, m
+  and v); the parent stops when a bf16-mode row is not bf16, rather than report plain DeepSpeed under this
+  name.
+- ``ds_bf16_same_allocator``, ``ds_bf16_jemalloc``: DeepSpeed's bf16 mode with the block's host settings, and
+  with jemalloc preloaded as above.
+- ``block``: the "fp4offload" block (its own defaults); ``block_no_host_cache`` and ``block_no_host_cache_env``
+  are the host-cache ablations (``--without-host-cache``, ``--host-env-arm``).
+
+jemalloc is an optional extra of this benchmark (never of the tests): the library is found by ``ldconfig -p``
+or the usual lib folders, or given by ``--jemalloc PATH``. When it is missing the jemalloc arms are skipped
+with the reason and the fix printed (``apt-get install -y libjemalloc2``), and the rest runs; a row says
+``allocator: "jemalloc"`` only when /proc/self/maps of the child shows the library loaded (else the arm is
+skipped too). glibc's mallinfo2 (``malloc_end``) is left empty under jemalloc, where it means nothing.
 
 Each configuration runs in its own process (so peak RSS is its own) and reports: seconds per step (median after
 one warm-up step), minor page faults per step (median, getrusage), peak host RSS while training (sampled every 5
 ms; ``peak_rss_incl_init`` is ru_maxrss, which also holds the model-construction transient) beside the
 preflight's estimate of it (``estimate_peak_rss``, fp4offload.integrations.ds_preflight, computed before
-initialize as the block's initialize does), the optimizer's
+initialize as the block's initialize does; the preflight does not model DeepSpeed's bf16 mode, so for those
+rows it counts fp32 master, gradients and states and reads high), the optimizer's
 host bytes counted from its tensors, and NVMe bytes per step: storage-level bytes from /proc/self/io (exact for
 DeepSpeed's O_DIRECT swapper) and, for FP4AdamW's buffered tier, the bytes it asks the disk for (its counters;
-the page cache may absorb some reads). Ratios are block / baseline from the same invocation.
+the page cache may absorb some reads); ``optimizer_host_B_per_param`` is master + gradient partition + states
+over the master's elements (plain DeepSpeed 4+4+8 = 16, DeepSpeed's bf16 mode 2+2+4 = 8, the block on ZeRO-2
+4+2+1.1). Ratios are block / reference from the same invocation: the flat keys against plain DeepSpeed (and
+``_same_allocator``), and ``against``, keyed by the reference arm's variant, against each reference arm that
+ran (plain DeepSpeed, DeepSpeed's bf16 mode, each with the block's host settings and with jemalloc).
 
 Host RSS, split. On this machine DeepSpeed's accelerator is the CPU, so the RSS also holds what a GPU run
 keeps in device memory: the bf16 parameters (2 B/param), the bf16 gradient bucket (2 B/param while backward
@@ -43,6 +82,7 @@ kills it when its RSS passes ``--budget`` (default 20 GiB) or the machine's avai
 
     python benchmarks/e2e_deepspeed.py                # table
     python benchmarks/e2e_deepspeed.py --json         # one JSON object per line
+    python benchmarks/e2e_deepspeed.py --configs z2_cpu --arms baseline,ds_bf16,block   # three arms
     python benchmarks/e2e_deepspeed.py --search --budget 3GiB      # largest model, with and without the block
 """
 
@@ -64,16 +104,33 @@ import zlib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("z2_cpu", "z3_nvme")
+CONFIGS = ("z2_cpu", "z3_nvme")  # the default; z3_cpu on request (--configs)
+ALL_CONFIGS = CONFIGS + ("z3_cpu",)
 
 
-def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None) -> dict:
+# DeepSpeed's own low-memory offload mode: bf16 master weights, gradients and Adam states (DeepSpeedCPUAdam with
+# fp32_optimizer_states=False; DeepSpeed asserts it, see base_optimizer._configure_master_weights)
+DS_BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
+def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None, ds_bf16: bool = False,
+              master: str = "fp32") -> dict:
+    """The DeepSpeed config of one arm: plain DeepSpeed, DeepSpeed's bf16 mode (``ds_bf16``) or the block."""
+    if fp4 and ds_bf16:
+        raise ValueError("the block and DeepSpeed's bf16 mode are separate arms")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}, "steps_per_print": 10 ** 9,
            "wall_clock_breakdown": False}
+    if ds_bf16:
+        cfg["bf16"] = dict(DS_BF16)
+        cfg["optimizer"]["params"]["fp32_optimizer_states"] = False  # engine.py pops it for DeepSpeedCPUAdam
     if name == "z2_cpu":
         cfg["zero_optimization"] = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                                     "contiguous_gradients": True, "overlap_comm": False}
+        block = {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}
+    elif name == "z3_cpu":
+        cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+                                    "sub_group_size": 10 ** 9}
         block = {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}
     elif name == "z3_nvme":
         cfg["zero_optimization"] = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir,
@@ -83,9 +140,11 @@ def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None) -> 
                       "overlap_events": True}
         block = {"optimizer_states": {"format": "nvfp4", "device": "nvme", "nvme_path": nvme_dir}}
     else:
-        raise SystemExit(f"unknown config {name!r}; choose from {CONFIGS}")
+        raise SystemExit(f"unknown config {name!r}; choose from {ALL_CONFIGS}")
     if host:
         block["host"] = host
+    if master != "fp32":
+        block["optimizer_states"]["master"] = master
     if fp4:
         cfg["fp4offload"] = block
     return cfg
@@ -112,6 +171,14 @@ def _storage_bytes(t, seen: set) -> int:
     return st.nbytes()
 
 
+def _kind(tensors) -> str:
+    """'fp32', or 'bf16' (any other dtype's name) when some tensor is not fp32."""
+    import torch
+
+    other = {t.dtype for t in tensors if t is not None and t.dtype != torch.float32}
+    return "fp32" if not other else "bf16" if other == {torch.bfloat16} else "/".join(sorted(map(str, other)))
+
+
 def buffer_account(engine, model) -> dict[str, dict]:
     """Bytes of DeepSpeed's and the optimizer's buffers, counted from the tensors (storages once each).
 
@@ -134,10 +201,11 @@ def buffer_account(engine, model) -> dict[str, dict]:
     n_model = sum(p.numel() for p in model.parameters())
     if hasattr(zo, "bit16_groups_flat"):  # ZeRO-1/2
         add("bf16 params (bit16_groups_flat)", "device", zo.bit16_groups_flat)
-        add("fp32 master partition", "host", zo.single_partition_of_fp32_groups)
-        grads = [t.grad for t in zo.single_partition_of_fp32_groups]
-        kind = "bf16" if any(g is not None and g.dtype != torch.float32 for g in grads) else "fp32"
-        add(f"{kind} gradient partition", "host", grads)  # bf16: the block's bf16_gradient_partition
+        masters = zo.single_partition_of_fp32_groups  # bf16 in DeepSpeed's bf16 mode, despite the name
+        add(f"{_kind(masters)} master partition", "host", masters)
+        grads = [t.grad for t in masters]
+        # bf16: the block's bf16_gradient_partition, or DeepSpeed's bf16 mode (bf16_master_weights_and_grads)
+        add(f"{_kind(grads)} gradient partition", "host", grads)
         add("bf16 staging copy of the partition (param_buffer_of_bit16_for_cpu_offload)", "host",
             getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", []))
         add("temp_grad_buffer_for_cpu_offload", "host", [getattr(zo, "temp_grad_buffer_for_cpu_offload", None)])
@@ -147,7 +215,8 @@ def buffer_account(engine, model) -> dict[str, dict]:
     else:  # ZeRO-3
         add("bf16 param partitions (fp16_partitioned_groups_flat)", "device",
             getattr(zo, "fp16_partitioned_groups_flat", []) or [])
-        add("fp32 master partition", "host", getattr(zo, "fp32_partitioned_groups_flat", []) or [])
+        masters = getattr(zo, "fp32_partitioned_groups_flat", []) or []
+        add(f"{_kind(masters)} master partition", "host", masters)
         add("gradient partition", "host", [getattr(zo, "grad_partitions_flat_buffer", None)]
             + list(getattr(zo, "fp32_partitioned_groups_flat_grad", []) or []))
         add("bf16 params outside partitions", "device", [p.data for p in model.parameters()])
@@ -174,6 +243,35 @@ def _rss_ladder() -> dict[str, int]:
     except (OSError, AttributeError):
         return {}
     return {"heap_in_use": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
+
+
+JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:0,muzzy_decay_ms:0"
+JEMALLOC_FIX = "apt-get install -y libjemalloc2 (Debian/Ubuntu), or pass --jemalloc /path/to/libjemalloc.so.2"
+
+
+def find_jemalloc(hint: str | None = None) -> tuple[str | None, str]:
+    """(path of libjemalloc.so.2, '') or (None, why not, naming the fix). An optional benchmark extra."""
+    if hint:
+        return (hint, "") if Path(hint).is_file() else (None, f"--jemalloc {hint}: no such file; {JEMALLOC_FIX}")
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if "libjemalloc.so.2" in line and "=>" in line and Path(line.split("=>")[-1].strip()).is_file():
+                return line.split("=>")[-1].strip(), ""
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"):
+        if (Path(d) / "libjemalloc.so.2").is_file():
+            return str(Path(d) / "libjemalloc.so.2"), ""
+    return None, f"libjemalloc.so.2 not found; to run the jemalloc arms: {JEMALLOC_FIX}"
+
+
+def _jemalloc_loaded() -> bool:
+    """Whether jemalloc is mapped into this process (LD_PRELOAD took effect)."""
+    try:
+        return "libjemalloc" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
 
 
 def _host_cache_stats() -> dict:
@@ -207,7 +305,8 @@ def child(args) -> dict:
                                 intermediate=args.intermediate, vocab=256, max_seq=args.seq).to(torch.bfloat16)
     torch.set_default_dtype(torch.float32)
     nparams = sum(p.numel() for p in model.parameters())
-    cfg = ds_config(args.config, args.fp4, args.nvme_dir, json.loads(args.host) if args.host else None)
+    cfg = ds_config(args.config, args.fp4, args.nvme_dir, json.loads(args.host) if args.host else None,
+                    ds_bf16=args.ds_bf16, master=args.master)
     t0 = time.perf_counter()
     allocator = None
     if not args.fp4 and args.allocator == "fixed":  # the baseline with the block's allocator setting
@@ -272,26 +371,47 @@ def child(args) -> dict:
     stop.set()
     sampler.join()
     mem = ds_monitor.optimizer_host_bytes(engine)
+    inner = engine.basic_optimizer
+    state_dtypes = sorted({str(t.dtype).replace("torch.", "") for st in inner.state.values() for t in st.values()
+                           if isinstance(t, torch.Tensor) and t.numel() > 1})
+    master_dtype = str(getattr(engine.optimizer, "master_weights_and_grads_dtype", torch.float32))
+    jemalloc = _jemalloc_loaded()
+    # DeepSpeed's NVMe swapper (z3_nvme): master and states are on disk between steps, their host tensors empty;
+    # the swap files' sizes say what it keeps there (fp32 master, m, v: 12 B/param; bf16 mode: 6)
+    swap_files = [f for f in Path(args.nvme_dir).rglob("*.tensor.swp") if "_gradient_" not in f.name] \
+        if args.nvme_dir and Path(args.nvme_dir).is_dir() else []
+    swap_bytes = sum(f.stat().st_size for f in swap_files)
     peak_all = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     disk = statistics.median(i["disk_read"] + i["disk_write"] for i in ios)
     tier = statistics.median(i["tier_logical"] for i in ios)
     buffers = buffer_account(engine, model)
     device_side = sum(b["bytes"] for b in buffers.values() if b["side"] == "device")
     return {"config": args.config, "fp4": args.fp4, "params": nparams, "init_s": init_s,
-            "allocator": "fixed" if allocator and allocator.get("mmap_threshold") else "glibc default",
+            "mode": "block" if args.fp4 else "ds_bf16" if args.ds_bf16 else "plain", "master": args.master,
+            # what the engine really runs (a bf16-mode row whose master is fp32 ran plain DeepSpeed)
+            "master_dtype": master_dtype.replace("torch.", ""), "optimizer_state_dtypes": state_dtypes,
+            "fp32_optimizer_states": getattr(inner, "fp32_optimizer_states", None),
+            "bf16_config": cfg["bf16"],
+            "allocator": ("jemalloc" if jemalloc else
+                          "fixed" if allocator and allocator.get("mmap_threshold") else "glibc default"),
+            "jemalloc": {"loaded": jemalloc, "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
+                         "MALLOC_CONF": os.environ.get("MALLOC_CONF")} if jemalloc else None,
             "mmap_threshold": (allocator or {}).get("mmap_threshold"), "host_cache": _host_cache_stats(),
             "s_per_step": statistics.median(times), "step_times": times,
             "page_faults_per_step": statistics.median(faults), "peak_rss": peak_train[0],
             "estimate_peak_rss": estimate.per_rank, "estimate_error": estimate.per_rank / peak_train[0] - 1,
             "estimate_consumers": estimate.consumers, "estimate_runtime": estimate.runtime,
-            "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss, "malloc_end": _rss_ladder(),
+            "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss,
+            "malloc_end": {} if jemalloc else _rss_ladder(),  # glibc's counters: meaningless under jemalloc
             "buffers": buffers, "device_side_bytes": device_side, "staging_shared_bytes": shared,
             # a GPU machine's host keeps the staging copy the CPU accelerator lets the block share: add it back
             "peak_rss_host_side": peak_train[0] - device_side + shared,
             "optimizer_host_bytes": mem["total"], "optimizer_host_B_per_param": mem["total"] / max(1, mem["numel"]),
             "nvme_bytes_per_step": max(disk, tier), "nvme_disk_bytes_per_step": disk,
             "nvme_tier_logical_bytes_per_step": tier, "losses": losses,
-            "inner": type(engine.basic_optimizer).__name__}
+            "optimizer_host_split": {k: mem[k] for k in ("master", "grad", "states")},
+            "ds_swap_file_bytes": swap_bytes, "ds_swap_file_B_per_param": swap_bytes / nparams,
+            "inner": type(inner).__name__}
 
 
 class Exceeds(Exception):
@@ -335,7 +455,8 @@ def _child_port(key: str) -> int:
 
 
 def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
-              min_available: int = 0, env_extra: dict | None = None, host: dict | None = None) -> dict:
+              min_available: int = 0, env_extra: dict | None = None, host: dict | None = None,
+              ds_bf16: bool = False, master: str = "fp32") -> dict:
     """One configuration in a child process. With ``budget``, the child (with its children) is killed as soon
     as its RSS passes it, or the machine's available memory falls below ``min_available``: raises Exceeds."""
     import psutil
@@ -346,7 +467,9 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
                "--hidden", str(a.hidden), "--layers", str(a.layers), "--heads", str(a.heads),
                "--intermediate", str(a.intermediate), "--seq", str(a.seq), "--steps", str(a.steps),
                "--allocator", allocator,
-               "--port", str(_child_port(f"{config}/{int(fp4)}/{allocator}"))] + (["--fp4"] if fp4 else []) + \
+               "--port", str(_child_port(f"{config}/{int(fp4)}/{allocator}/{int(ds_bf16)}/{master}/"
+                                         f"{sorted(env_extra or {})}")), "--master", master,
+               ] + (["--fp4"] if fp4 else []) + (["--ds-bf16"] if ds_bf16 else []) + \
               (["--bf16-build"] if getattr(a, "bf16_build", False) else []) + \
               (["--host", json.dumps(host)] if host else [])
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), **(env_extra or {}))
@@ -458,8 +581,76 @@ def search(a) -> list[dict]:
     return summary
 
 
+# The arms --arms selects, in the order they run. ``reference``: the block's ratios are given against it.
+ARMS = {
+    "baseline": {"variant": "baseline", "reference": True},
+    "same_allocator": {"variant": "baseline, same allocator", "allocator": "fixed", "reference": True},
+    "baseline_jemalloc": {"variant": "baseline, jemalloc", "jemalloc": True, "reference": True},
+    "ds_bf16": {"variant": "ds bf16 mode", "ds_bf16": True, "reference": True},
+    "ds_bf16_same_allocator": {"variant": "ds bf16 mode, same allocator", "ds_bf16": True, "allocator": "fixed",
+                               "reference": True},
+    "ds_bf16_jemalloc": {"variant": "ds bf16 mode, jemalloc", "ds_bf16": True, "jemalloc": True, "reference": True},
+    "block": {"variant": "block", "fp4": True},
+    "block_split": {"variant": "block, split master", "fp4": True, "master": "split"},
+    "block_bf16": {"variant": "block, bf16 master", "fp4": True, "master": "bf16"},
+    "block_no_host_cache": {"variant": "block, host cache off", "fp4": True, "host": {"allocator_cache": "off"}},
+    "block_no_host_cache_env": {"variant": "block, host cache off by FP4OFFLOAD_HOST_CACHE", "fp4": True,
+                                "env": {"FP4OFFLOAD_HOST_CACHE": "off"}},
+}
+DEFAULT_ARMS = ("baseline", "same_allocator", "baseline_jemalloc", "ds_bf16", "ds_bf16_same_allocator",
+                "ds_bf16_jemalloc", "block", "block_split", "block_bf16")
+
+
+def _ran_ds_bf16(r: dict) -> bool:
+    """Whether a row ran DeepSpeed's bf16 mode: a bf16 master and bf16 states, in host RAM or, swapped out to
+    NVMe (their host tensors then empty), in swap files of at most 2+2+2 B/param (plain DeepSpeed's are 12)."""
+    if r["master_dtype"] != "bfloat16" or r["fp32_optimizer_states"] is not False:
+        return False
+    states = r["optimizer_state_dtypes"]
+    return states == ["bfloat16"] or (not states and 0 < r["ds_swap_file_B_per_param"] <= 6.5)
+
+
+# DeepSpeed's bf16 mode with ZeRO-3 and offload_optimizer nvme, seen failing in 0.19.8 (its first step)
+DS_BF16_NVME_FAILS = ("DeepSpeed's bf16 mode fails with ZeRO-3 offload_optimizer nvme (seen in 0.19.8, skipped up "
+                      "to that version): the "
+                      "swapper releases the swapped master to torch.Tensor() (fp32, empty), and its next swap-in asks "
+                      "the bf16 SwapBufferManager for that dtype (AssertionError `dtype == self.dtype` in "
+                      "swap_tensor/utils.py allocate); ZeRO-3 with offload_optimizer cpu runs it (--configs z3_cpu)")
+
+
+def ds_bf16_unsupported(config: str) -> str:
+    """Why DeepSpeed's bf16 mode cannot run in ``config`` with the installed DeepSpeed ('' when it can)."""
+    if config != "z3_nvme":
+        return ""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        v = tuple(int(x) for x in re.findall(r"\d+", version("deepspeed"))[:3])
+    except PackageNotFoundError:
+        return ""
+    return DS_BF16_NVME_FAILS if v <= (0, 19, 8) else ""
+
+
+def selected_arms(a) -> list[str]:
+    """--arms, less the same-allocator arms under --no-same-allocator, plus the --without-host-cache ablations."""
+    names = [n.strip() for n in a.arms.split(",") if n.strip()]
+    bad = [n for n in names if n not in ARMS]
+    if bad:
+        raise SystemExit(f"unknown arm(s) {bad}; choose from {', '.join(ARMS)}")
+    if a.no_same_allocator:
+        names = [n for n in names if ARMS[n].get("allocator") != "fixed"]
+    names += ["block_no_host_cache"] if a.without_host_cache else []
+    names += ["block_no_host_cache_env"] if a.without_host_cache and a.host_env_arm else []
+    return list(dict.fromkeys(names))
+
+
 VARIANT_LABELS = {"baseline": "plain DeepSpeed", "baseline, same allocator": "DeepSpeed, the block's host settings",
-                  "block": "fp4offload block", "block, host cache off": "block, host cache off",
+                  "baseline, jemalloc": "plain DeepSpeed, jemalloc",
+                  "ds bf16 mode": "DeepSpeed bf16 mode", "ds bf16 mode, same allocator":
+                      "DeepSpeed bf16 mode, the block's host settings",
+                  "ds bf16 mode, jemalloc": "DeepSpeed bf16 mode, jemalloc",
+                  "block": "fp4offload block", "block, split master": "block, split master",
+                  "block, bf16 master": "block, bf16 master", "block, host cache off": "block, host cache off",
                   "block, host cache off by FP4OFFLOAD_HOST_CACHE": "block, host cache off (env)"}
 
 
@@ -485,7 +676,7 @@ def plot(rows: list[dict], path: str) -> None:
                     xs.append(i + (j - (len(variants) - 1) / 2) * width)
                     ys.append(r[key] / scale)
             ax.bar(xs, ys, width, label=VARIANT_LABELS[v])
-        names = {"z2_cpu": "ZeRO-2 cpu", "z3_nvme": "ZeRO-3 nvme"}
+        names = {"z2_cpu": "ZeRO-2 cpu", "z3_nvme": "ZeRO-3 nvme", "z3_cpu": "ZeRO-3 cpu"}
         ax.set_xticks(range(len(groups)), [f"{names.get(c, c)}\n{n / 1e6:.0f}M" for c, n in groups])
         ax.set_ylabel(label)
         ax.grid(axis="y", alpha=0.3)
@@ -497,9 +688,47 @@ def plot(rows: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+
+def _ratios(config: str, block_arm: str, done: dict, a) -> dict:
+    """A block arm (fp32, split or bf16 master) against every reference arm that ran in this invocation."""
+    f = done[block_arm]
+    b, bs = done.get("baseline"), done.get("same_allocator")
+
+    def red(key, ref):
+        return 1 - f[key] / ref[key] if ref and ref[key] else None
+
+    ratio = {"config": config, "params": f["params"], "block_arm": block_arm,
+             "step_time_ratio": f["s_per_step"] / b["s_per_step"] if b else None,
+             "peak_rss_reduction": red("peak_rss", b),
+             "peak_rss_reduction_same_allocator": red("peak_rss", bs),
+             "peak_rss_host_side_reduction": red("peak_rss_host_side", b),
+             "peak_rss_host_side_reduction_same_allocator": red("peak_rss_host_side", bs),
+             "optimizer_host_reduction": red("optimizer_host_bytes", b),
+             "nvme_bytes_ratio": (b["nvme_bytes_per_step"] / f["nvme_bytes_per_step"]
+                                  if b and f["nvme_bytes_per_step"] else None),
+             # the block against every reference arm of this invocation (DeepSpeed's bf16 mode among them)
+             "against": {ARMS[n]["variant"]: {
+                 "step_time_ratio": f["s_per_step"] / ref["s_per_step"],
+                 "peak_rss_reduction": red("peak_rss", ref),
+                 "peak_rss_host_side_reduction": red("peak_rss_host_side", ref),
+                 "optimizer_host_reduction": red("optimizer_host_bytes", ref),
+                 "nvme_bytes_ratio": (ref["nvme_bytes_per_step"] / f["nvme_bytes_per_step"]
+                                      if f["nvme_bytes_per_step"] else None)}
+                 for n, ref in done.items() if ARMS[n].get("reference")}}
+    if a.json:
+        print(json.dumps(ratio), flush=True)
+    return ratio
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                    help=f"comma-separated arms to run, in this order (default: all but the block ablations); from: "
+                         f"{', '.join(ARMS)}")
+    ap.add_argument("--jemalloc", metavar="PATH",
+                    help="libjemalloc.so.2 for the *_jemalloc arms (default: found by ldconfig; arms skipped when "
+                         "absent)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--heads", type=int, default=16)
@@ -508,7 +737,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--small-layers", type=int, default=4, help="second size for the RSS fit (0: skip the fit)")
     ap.add_argument("--no-same-allocator", action="store_true",
-                    help="skip the baseline run with the block's allocator setting")
+                    help="skip the baseline runs (plain and bf16 mode) with the block's allocator setting")
     ap.add_argument("--without-host-cache", action="store_true",
                     help="also run the block with \"host\": {\"allocator_cache\": \"off\"} (what the host cache is "
                          "worth)")
@@ -534,6 +763,8 @@ def main() -> None:
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--fp4", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ds-bf16", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--master", default="fp32", help=argparse.SUPPRESS)
     ap.add_argument("--allocator", default="default", choices=("default", "fixed"), help=argparse.SUPPRESS)
     ap.add_argument("--bf16-build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host", help=argparse.SUPPRESS)
@@ -558,93 +789,111 @@ def main() -> None:
     import psutil
 
     rows = []
+    arms = selected_arms(a)
+    jemalloc, jemalloc_why = (find_jemalloc(a.jemalloc) if any(ARMS[n].get("jemalloc") for n in arms)
+                              else (None, ""))
     for config in a.configs.split(","):
-        pair = {}
-        variants = [(False, "default")] + ([] if a.no_same_allocator else [(False, "fixed")]) + [(True, "default")]
-        variants += [(True, "no host cache")] if a.without_host_cache else []
-        variants += [(True, "no host cache, env")] if a.without_host_cache and a.host_env_arm else []
-        for fp4, alloc in variants:
-            if alloc == "no host cache":
-                r = run_child(config, True, a, host={"allocator_cache": "off"})
-                r["variant"] = "block, host cache off"
-            elif alloc == "no host cache, env":
-                r = run_child(config, True, a, env_extra={"FP4OFFLOAD_HOST_CACHE": "off"})
-                r["variant"] = "block, host cache off by FP4OFFLOAD_HOST_CACHE"
-            else:
-                r = run_child(config, fp4, a, allocator=alloc)
-                r["variant"] = "block" if fp4 else ("baseline" if alloc == "default" else "baseline, same allocator")
-            pair[(fp4, alloc)] = r
+        done = {}
+        for name in arms:
+            spec = ARMS[name]
+            env = dict(spec.get("env", {}))
+            why, r = "", None
+            if spec.get("ds_bf16"):
+                why = ds_bf16_unsupported(config)
+            if spec.get("jemalloc") and not why:
+                if jemalloc is None:
+                    why = jemalloc_why
+                else:
+                    env.update(LD_PRELOAD=jemalloc, MALLOC_CONF=JEMALLOC_CONF)
+            if not why:
+                try:
+                    r = run_child(config, spec.get("fp4", False), a, allocator=spec.get("allocator", "default"),
+                                  host=spec.get("host"), env_extra=env or None, ds_bf16=spec.get("ds_bf16", False),
+                                  master=spec.get("master", "fp32"))
+                except RuntimeError as e:  # a newer DeepSpeed that still fails as 0.19.8 does: skipped, said why
+                    if not (spec.get("ds_bf16") and config == "z3_nvme" and "dtype == self.dtype" in str(e)):
+                        raise
+                    why, r = DS_BF16_NVME_FAILS, None
+            if r is not None and not why:
+                if spec.get("jemalloc") and r["allocator"] != "jemalloc":
+                    why = f"LD_PRELOAD={jemalloc} did not load jemalloc into the child (not in /proc/self/maps)"
+                elif spec.get("ds_bf16") and not _ran_ds_bf16(r):
+                    raise RuntimeError(f"{config} {name}: DeepSpeed did not run its bf16 mode (master "
+                                       f"{r['master_dtype']}, states {r['optimizer_state_dtypes']}, "
+                                       f"{r['ds_swap_file_B_per_param']:.2f} B/param in swap files)")
+            if why:
+                skip = {"config": config, "skipped": spec["variant"], "arm": name, "why": why}
+                rows.append(skip)
+                print(json.dumps(skip) if a.json else f"skipped {config} {spec['variant']}: {why}", flush=True)
+                continue
+            r["variant"], r["arm"] = spec["variant"], name
+            done[name] = r
             rows.append(r)
             if a.json:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("step_times",)}), flush=True)
-        b, f = pair[(False, "default")], pair[(True, "default")]
-        bs = pair.get((False, "fixed"))
-        ratio = {"config": config, "params": b["params"],
-                 "step_time_ratio": f["s_per_step"] / b["s_per_step"],
-                 "peak_rss_reduction": 1 - f["peak_rss"] / b["peak_rss"],
-                 "peak_rss_reduction_same_allocator": 1 - f["peak_rss"] / bs["peak_rss"] if bs else None,
-                 "peak_rss_host_side_reduction": 1 - f["peak_rss_host_side"] / b["peak_rss_host_side"],
-                 "peak_rss_host_side_reduction_same_allocator":
-                     1 - f["peak_rss_host_side"] / bs["peak_rss_host_side"] if bs else None,
-                 "optimizer_host_reduction": (1 - f["optimizer_host_bytes"] / b["optimizer_host_bytes"]
-                                              if b["optimizer_host_bytes"] else None),
-                 "nvme_bytes_ratio": (b["nvme_bytes_per_step"] / f["nvme_bytes_per_step"]
-                                      if f["nvme_bytes_per_step"] else None)}
-        rows.append(ratio)
-        if a.json:
-            print(json.dumps(ratio), flush=True)
+        for block_arm in [n for n in done if ARMS[n].get("fp4")]:
+            rows.append(_ratios(config, block_arm, done, a))
+
     fit = []
     if a.small_layers:
         small = argparse.Namespace(**{**vars(a), "layers": a.small_layers})
         ram = psutil.virtual_memory().total
-        for fp4 in (False, True):
-            s = run_child("z2_cpu", fp4, small)
-            big = next(r for r in rows if r.get("config") == "z2_cpu" and r.get("fp4") is fp4 and "peak_rss" in r
-                       and r.get("variant") in ("baseline", "block"))
+        for name in [n for n in ("baseline", "ds_bf16", "ds_bf16_jemalloc", "block", "block_split", "block_bf16")
+                     if n in arms]:
+            big = next((r for r in rows if r.get("config") == "z2_cpu" and r.get("arm") == name), None)
+            if big is None:
+                continue
+            spec = ARMS[name]
+            s = run_child("z2_cpu", spec.get("fp4", False), small, ds_bf16=spec.get("ds_bf16", False))
             per = (big["peak_rss"] - s["peak_rss"]) / (big["params"] - s["params"])
             fixed = big["peak_rss"] - per * big["params"]
             usable = 0.9 * ram
-            fit.append({"fit": "z2_cpu", "fp4": fp4, "rss_bytes_per_param": per, "fixed_bytes": fixed,
-                        "ram": ram, "largest_params_at_90pct_ram": (usable - fixed) / per})
+            fit.append({"fit": "z2_cpu", "fp4": spec.get("fp4", False), "arm": name, "rss_bytes_per_param": per,
+                        "fixed_bytes": fixed, "ram": ram, "largest_params_at_90pct_ram": (usable - fixed) / per})
             if a.json:
                 print(json.dumps(fit[-1]), flush=True)
     if a.plot:
         plot(rows, a.plot)
     if not a.json:
-        print(f"{'config':10} {'variant':25} {'params':>8} {'s/step':>8} {'peak RSS':>10} {'estimate':>15} "
-              f"{'host-side':>10} {'opt host':>10} {'B/param':>8} {'NVMe B/step':>12} {'faults/step':>12}")
+        print(f"{'config':10} {'variant':31} {'params':>8} {'master/m,v':>11} {'s/step':>8} {'peak RSS':>10} "
+              f"{'estimate':>15} {'host-side':>10} {'opt host':>10} {'B/param':>8} {'NVMe B/step':>12} "
+              f"{'faults/step':>12}")
         for r in rows:
             if "fp4" in r:
-                print(f"{r['config']:10} {r['variant']:25} {r['params'] / 1e6:7.1f}M "
+                dt = "fp4" if r["fp4"] else "/".join(d.replace("bfloat16", "bf16").replace("float32", "fp32")
+                                                     for d in (r["optimizer_state_dtypes"] or ["?"]))
+                mv = f"{r['master_dtype'].replace('bfloat16', 'bf16').replace('float32', 'fp32')}/{dt}"
+                print(f"{r['config']:10} {r['variant']:31} {r['params'] / 1e6:7.1f}M {mv:>11} "
                       f"{r['s_per_step']:8.2f} {r['peak_rss'] / 2**30:9.2f}G "
                       f"{r['estimate_peak_rss'] / 2**30:6.2f}G ({100 * r['estimate_error']:+4.0f}%) "
                       f"{r['peak_rss_host_side'] / 2**30:9.2f}G "
                       f"{r['optimizer_host_bytes'] / 2**30:9.2f}G "
                       f"{r['optimizer_host_B_per_param']:8.2f} {r['nvme_bytes_per_step'] / 2**20:10.1f}Mi "
                       f"{r['page_faults_per_step']:12.0f}")
+            elif "skipped" in r:
+                print(f"{r['config']:10} {r['skipped']:31} skipped: {r['why']}")
         for r in rows:
             if "fp4" in r:
                 print(f"  {r['config']} {r['variant']}: buffers (B/param; device = in GPU memory on a GPU machine): "
                       + ", ".join(f"{k} {v['bytes'] / r['params']:.2f} [{v['side']}]" for k, v in r["buffers"].items()))
+
+        def pct(x):
+            return f"{-100 * x:+.0f}%" if x is not None else "n/a"
+
         for r in rows:
             if "step_time_ratio" in r:
-                nv = f"{r['nvme_bytes_ratio']:.1f}x fewer" if r["nvme_bytes_ratio"] else "n/a"
-                oh = r["optimizer_host_reduction"]
-                oh = f"{-100 * oh:+.0f}%" if oh is not None else "n/a (baseline keeps them on NVMe)"
-                same = r["peak_rss_reduction_same_allocator"]
-                same_h = r["peak_rss_host_side_reduction_same_allocator"]
-                print(f"{r['config']}: step time x{r['step_time_ratio']:.2f}, peak RSS "
-                      f"{-100 * r['peak_rss_reduction']:+.0f}%"
-                      + (f" ({-100 * same:+.0f}% against the baseline with the same allocator setting)"
-                         if same is not None else "")
-                      + f", host-side peak {-100 * r['peak_rss_host_side_reduction']:+.0f}%"
-                      + (f" ({-100 * same_h:+.0f}%)" if same_h is not None else "")
-                      + f", optimizer host bytes change {oh}, NVMe bytes/step {nv}")
+                for ref, q in r["against"].items():
+                    nv = f"{q['nvme_bytes_ratio']:.1f}x fewer" if q["nvme_bytes_ratio"] else "n/a"
+                    oh = q["optimizer_host_reduction"]
+                    oh = pct(oh) if oh is not None else "n/a (the reference keeps them on NVMe)"
+                    print(f"{r['config']}: block vs {VARIANT_LABELS.get(ref, ref)}: step time "
+                          f"x{q['step_time_ratio']:.2f}, peak RSS {pct(q['peak_rss_reduction'])}, host-side peak "
+                          f"{pct(q['peak_rss_host_side_reduction'])}, optimizer host bytes {oh}, NVMe bytes/step {nv}")
         for r in fit:
-            print(f"largest z2_cpu model (fp4={r['fp4']}): {r['largest_params_at_90pct_ram'] / 1e9:.2f}B params "
+            print(f"largest z2_cpu model ({VARIANT_LABELS[ARMS[r['arm']]['variant']]}): "
+                  f"{r['largest_params_at_90pct_ram'] / 1e9:.2f}B params "
                   f"({r['rss_bytes_per_param']:.1f} B/param RSS + {r['fixed_bytes'] / 2**30:.2f} GiB fixed, 90% of "
                   f"{r['ram'] / 2**30:.0f} GiB)")
-
 
 if __name__ == "__main__":
     main()

@@ -185,25 +185,61 @@ def test_host_gradient_partition_in_bf16(tmp_path):
 @pytest.mark.distributed
 def test_e2e_benchmark_runs_each_arm_with_its_own_settings():
     """benchmarks/e2e_deepspeed.py on a tiny model: each arm in its own process with the host settings it names
-    (the block and the same-settings baseline through the host cache, plain DeepSpeed and the ablation not),
-    and the block's gradient partition in bf16."""
+    (the block and the same-settings baseline through the host cache, plain DeepSpeed, DeepSpeed's bf16 mode and
+    the ablation not), the block's gradient partition in bf16, DeepSpeed's bf16 mode really in bf16 (master,
+    gradients and DeepSpeedCPUAdam's m and v: 8 B/param of optimizer host bytes against plain DeepSpeed's 16),
+    and a jemalloc arm whose library is missing skipped with the fix named, not failed."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("FP4OFFLOAD_HOST_CACHE", None)
     cmd = [sys.executable, str(ROOT / "benchmarks" / "e2e_deepspeed.py"), "--configs", "z2_cpu", "--hidden", "64",
            "--layers", "1", "--heads", "2", "--intermediate", "128", "--seq", "32", "--steps", "2",
-           "--small-layers", "0", "--without-host-cache", "--json"]
+           "--small-layers", "0",
+           "--arms", "baseline,same_allocator,ds_bf16,baseline_jemalloc,block,block_split,block_bf16",
+           "--jemalloc", "/nonexistent/libjemalloc.so.2", "--without-host-cache", "--json"]
     out = subprocess.run(cmd, env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     arms = {r["variant"]: r for r in rows if "variant" in r}
-    assert set(arms) == {"baseline", "baseline, same allocator", "block", "block, host cache off"}
+    assert set(arms) == {"baseline", "baseline, same allocator", "ds bf16 mode", "block", "block, host cache off",
+                         "block, split master", "block, bf16 master"}
     cache = {name: r["host_cache"]["installed"] for name, r in arms.items()}
-    assert cache == {"baseline": False, "baseline, same allocator": True, "block": True,
-                     "block, host cache off": False}, cache
+    assert cache == {"baseline": False, "baseline, same allocator": True, "ds bf16 mode": False, "block": True,
+                     "block, host cache off": False, "block, split master": True, "block, bf16 master": True}, cache
     assert arms["block"]["host_cache"]["allocs"] > 0
     assert "bf16 gradient partition" in arms["block"]["buffers"]
     assert "fp32 gradient partition" in arms["baseline"]["buffers"]
     assert all(r["page_faults_per_step"] >= 0 and r["s_per_step"] > 0 for r in arms.values())
+    # DeepSpeed's bf16 mode, as the engine ran it (plain DeepSpeed would show fp32 and 16 B/param)
+    bf, plain = arms["ds bf16 mode"], arms["baseline"]
+    assert bf["bf16_config"]["bf16_master_weights_and_grads"] and bf["bf16_config"]["bf16_optimizer_states"]
+    assert (bf["master_dtype"], bf["optimizer_state_dtypes"], bf["fp32_optimizer_states"], bf["inner"]) == \
+        ("bfloat16", ["bfloat16"], False, "DeepSpeedCPUAdam")
+    assert (plain["master_dtype"], plain["optimizer_state_dtypes"], plain["fp32_optimizer_states"]) == \
+        ("float32", ["float32"], True)
+    assert "bf16 master partition" in bf["buffers"] and "bf16 gradient partition" in bf["buffers"]
+    assert bf["optimizer_host_B_per_param"] == pytest.approx(8.0)  # master 2 + gradient 2 + m 2 + v 2
+    assert plain["optimizer_host_B_per_param"] == pytest.approx(16.0)  # 4 + 4 + 4 + 4
+    assert bf["optimizer_host_split"]["states"] == 2 * bf["optimizer_host_split"]["master"]
+    assert bf["allocator"] == "glibc default" and bf["jemalloc"] is None
+    skipped = [r for r in rows if "skipped" in r]
+    assert [(r["arm"], r["skipped"]) for r in skipped] == [("baseline_jemalloc", "baseline, jemalloc")]
+    assert "libjemalloc2" in skipped[0]["why"] and "--jemalloc" in skipped[0]["why"], skipped
     ratio = next(r for r in rows if "step_time_ratio" in r)
     assert ratio["step_time_ratio"] == pytest.approx(arms["block"]["s_per_step"] / arms["baseline"]["s_per_step"])
     assert ratio["peak_rss_reduction"] == pytest.approx(1 - arms["block"]["peak_rss"] / arms["baseline"]["peak_rss"])
+    vs_bf16 = ratio["against"]["ds bf16 mode"]
+    assert vs_bf16["peak_rss_reduction"] == pytest.approx(1 - arms["block"]["peak_rss"] / bf["peak_rss"])
+    assert vs_bf16["optimizer_host_reduction"] == pytest.approx(
+        1 - arms["block"]["optimizer_host_bytes"] / bf["optimizer_host_bytes"])
+    assert set(ratio["against"]) == {"baseline", "baseline, same allocator", "ds bf16 mode"}
+    # the block's compact masters, counted from the tensors: below DeepSpeed's bf16 mode in the same run
+    split, b16 = arms["block, split master"], arms["block, bf16 master"]
+    assert (split["master"], split["master_dtype"], b16["master"], b16["master_dtype"]) == \
+        ("split", "bfloat16", "bf16", "bfloat16")
+    assert split["optimizer_host_B_per_param"] == pytest.approx(2 + 2 + 2 + 1.13, abs=0.1)  # master, grad, lo, m+v
+    assert b16["optimizer_host_B_per_param"] == pytest.approx(2 + 2 + 1.13, abs=0.1)
+    assert split["optimizer_host_B_per_param"] < bf["optimizer_host_B_per_param"]
+    by_arm = {r["block_arm"]: r for r in rows if "block_arm" in r}
+    assert set(by_arm) == {"block", "block_no_host_cache", "block_split", "block_bf16"}
+    assert by_arm["block_split"]["against"]["ds bf16 mode"]["optimizer_host_reduction"] == pytest.approx(
+        1 - split["optimizer_host_bytes"] / bf["optimizer_host_bytes"])
