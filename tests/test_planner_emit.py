@@ -4,6 +4,7 @@ config parser accept, with no "auto"; every FSDP2 strategy gives a policy YAML t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -63,12 +64,14 @@ def ds_parse():
 @pytest.mark.parametrize("name", DS)
 def test_deepspeed_config_for_every_strategy_validates(name, cluster, ds_parse, tmp_path):
     s = CAT[name]
-    cfg = deepspeed_config(s, PRESETS["llama-3.1-8b"], cluster, SETUP, OptimizerSettings(lr=3e-4))
+    ga = 4 if s.master.format == "fp32" else 1  # a compact master needs one micro-batch per step
+    cfg = deepspeed_config(s, PRESETS["llama-3.1-8b"], cluster, replace(SETUP, grad_accum=ga),
+                           OptimizerSettings(lr=3e-4))
     assert find_auto_values(cfg) == []
     block = validate_deepspeed_config(cfg, world_size=cluster.world, check_with_deepspeed=True)
-    assert cfg["train_batch_size"] == 2 * 4 * 16 and cfg["optimizer"]["params"]["lr"] == 3e-4
+    assert cfg["train_batch_size"] == 2 * ga * 16 and cfg["optimizer"]["params"]["lr"] == 3e-4
     parsed = ds_parse(cfg, cluster.world)
-    assert parsed.zero_config.stage == s.zero_stage and parsed.train_batch_size == 128
+    assert parsed.zero_config.stage == s.zero_stage and parsed.train_batch_size == 32 * ga
     assert parsed.zero_config.reduce_bucket_size == SETUP.reduce_bucket  # the size the memory model assumed
     if s.master.device != "gpu":
         assert parsed.zero_config.offload_optimizer.device == s.master.device
@@ -130,9 +133,30 @@ def test_the_deepspeed_integration_takes_emitted_configs_as_they_are(name, clust
         from fp4offload.deepspeed import prepare_config
     except ImportError:
         pytest.skip("fp4offload.deepspeed is not importable")
-    cfg = deepspeed_config(CAT[name], PRESETS["llama-3.1-8b"], cluster, SETUP)
+    setup = SETUP if CAT[name].master.format == "fp32" else replace(SETUP, grad_accum=1)  # compact masters: 1
+    cfg = deepspeed_config(CAT[name], PRESETS["llama-3.1-8b"], cluster, setup)
     prepared = prepare_config(cfg, world_size=cluster.world)
     assert prepared.rewrites == ()
     if CAT[name].optimizer_states.format == "nvfp4":
         assert prepared.states.device == {"gpu": "same", "cpu": "same", "nvme": "nvme"}[
             CAT[name].optimizer_states.device]
+
+
+def test_compact_master_strategies_emit_the_bf16_master_mode_and_need_one_micro_batch(cluster):
+    from fp4offload.planner.rank import evaluate
+
+    s = CAT["zero2-opt-cpu-fp4-split"]
+    cfg = deepspeed_config(s, PRESETS["llama-3.1-8b"], cluster, replace(SETUP, grad_accum=1))
+    assert cfg["bf16"]["bf16_master_weights_and_grads"] is True
+    assert cfg["fp4offload"]["optimizer_states"]["master"] == "split"
+    with pytest.raises(ConfigError) as e:
+        deepspeed_config(s, PRESETS["llama-3.1-8b"], cluster, SETUP)
+    assert e.value.key == "--grad-accum"
+    assert any("one micro-batch" in x for x in evaluate(s, PRESETS["llama-3.1-8b"], cluster, SETUP).shortfalls)
+    one = replace(SETUP, grad_accum=1)
+    host = {n: evaluate(CAT[n], PRESETS["llama-3.1-8b"], cluster, one).memory.host_total
+            for n in ("zero2-opt-cpu-fp4", "zero2-opt-cpu-fp4-split", "zero2-opt-cpu-fp4-bf16master")}
+    P = PRESETS["llama-3.1-8b"].param_count() * cluster.gpus_per_node / cluster.world
+    # fp32 master 4 + its bf16 copy to the GPU 2 -> split 2 + 2 (its bf16 half is that copy) or bf16 2
+    assert host["zero2-opt-cpu-fp4"] - host["zero2-opt-cpu-fp4-split"] == pytest.approx(2 * P, rel=0.02)
+    assert host["zero2-opt-cpu-fp4"] - host["zero2-opt-cpu-fp4-bf16master"] == pytest.approx(4 * P, rel=0.02)

@@ -147,15 +147,19 @@ def _scenario(torch, nn, Model, dims, mb, seq, dtype, mode, status) -> int:
     """One scenario; returns the peak resident set of its measured (second) step, bytes."""
     if mode == "host":
         # The host side of ZeRO-Offload alone, for the model's parameter count: fp32 master, fp32
-        # gradient partition, Adam states.
+        # gradient partition, Adam states, and the copy of the new weights in the compute dtype that
+        # goes to the device (DeepSpeed's param_buffer_of_bit16_for_cpu_offload_groups).
         n = sum(p.numel() for p in Model(**dims).parameters())
         master = nn.Parameter(torch.randn(n))
         master.grad = torch.randn(n)
+        staging = torch.zeros(n, dtype=dtype)
         opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
         opt.step()
+        staging.copy_(master.detach())
         open("/proc/self/clear_refs", "w").write("5")
         master.grad.normal_()
         opt.step()
+        staging.copy_(master.detach())
         return status("VmHWM")
 
     model = Model(**dims).to(dtype)
@@ -176,6 +180,7 @@ def _scenario(torch, nn, Model, dims, mb, seq, dtype, mode, status) -> int:
         # Mixed precision as ZeRO does it: bf16 weights compute, an fp32 master steps.
         masters = [nn.Parameter(p.detach().float()) for p in params]
         opt = torch.optim.AdamW(masters, lr=1e-4, fused=True)
+        staging = [torch.zeros_like(p) for p in params] if mode == "offload" else []
         if mode == "offload":
             # ZeRO-Offload: each gradient goes to the host fp32 buffer as soon as it is ready.
             # The fp32 gradient partition is a persistent (pinned) host buffer, as in DeepSpeed.
@@ -195,8 +200,12 @@ def _scenario(torch, nn, Model, dims, mb, seq, dtype, mode, status) -> int:
                     m.grad = p.grad.float()
             opt.step()
             with torch.no_grad():
-                for p, m in zip(params, masters):
-                    p.copy_(m)
+                for i, (p, m) in enumerate(zip(params, masters)):
+                    if mode == "offload":  # through the host copy in the compute dtype, as DeepSpeed does
+                        staging[i].copy_(m)
+                        p.copy_(staging[i])
+                    else:
+                        p.copy_(m)
                     p.grad = None
                     if mode == "mixed":
                         m.grad = None

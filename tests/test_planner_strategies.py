@@ -87,7 +87,7 @@ BASE = yaml.safe_load((ROOT / "strategies" / "zero2-opt-cpu-fp4.yaml").read_text
     (lambda d: d.update(colour="red"), "colour"),
     (lambda d: d.pop("tensors"), "tensors"),
     (lambda d: d["tensors"].update(weights={"device": "disk", "format": "bf16"}), "tensors.weights.device"),
-    (lambda d: d["tensors"].update(master={"device": "cpu", "format": "bf16"}), "tensors.master.format"),
+    (lambda d: d["tensors"].update(master={"device": "cpu", "format": "fp8"}), "tensors.master.format"),
     (lambda d: d["tensors"]["activations"].update(checkpointing="sometimes"), "tensors.activations.checkpointing"),
     (lambda d: d["tensors"].update(kv_cache={"device": "gpu", "format": "bf16"}), "tensors.kv_cache"),
     (lambda d: d["tensors"].update(weights={"device": "cpu", "format": "bf16"}), "tensors.weights.device"),

@@ -47,8 +47,8 @@ def fp4offload_block(strategy: Strategy, nvme_path: str | None = None, monitor_e
         if dev == "nvme" and nvme_path is None:
             raise ConfigError("--nvme-path", None, "a directory on an NVMe drive", f"strategy {s.name} keeps "
                               "optimizer states on NVMe")
-        opt = OptimizerStatesConfig(format="nvfp4", device=dev,
-                                    nvme_path=nvme_path if dev == "nvme" else None)
+        opt = OptimizerStatesConfig(format="nvfp4", device=dev, nvme_path=nvme_path if dev == "nvme" else None,
+                                    master=s.master.format)
     acts = None
     a = s.activations
     if a.device != "gpu" or a.format != "bf16":
@@ -107,9 +107,17 @@ def deepspeed_config(strategy: Strategy, model: ModelSpec, cluster: Cluster, set
                                          buffer_size=int(max(model.units()) * 2), max_in_cpu=int(1e9))
         uses_ds_nvme |= dev == "nvme"
 
+    if s.master.format != "fp32":  # the block's compact master runs on DeepSpeed's bf16 master mode
+        if t.grad_accum != 1 or not cluster.gpu.bf16:
+            raise ConfigError("--grad-accum" if t.grad_accum != 1 else "--gpu", t.grad_accum if t.grad_accum != 1
+                              else cluster.gpu.name, f"one micro-batch per step on a bf16 GPU for {s.name}",
+                              f"master {s.master.format} runs on DeepSpeed's bf16 master mode, which accumulates "
+                              "gradients in bf16; pick a strategy with an fp32 master")
     precision = {"bf16": {"enabled": True}} if cluster.gpu.bf16 else {
         "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "min_loss_scale": 1}}
+    if s.master.format != "fp32":
+        precision["bf16"]["bf16_master_weights_and_grads"] = True
     cfg: dict[str, Any] = {
         "train_batch_size": t.micro_batch * t.grad_accum * cluster.world,
         "train_micro_batch_size_per_gpu": t.micro_batch,

@@ -53,7 +53,10 @@ class Inputs:
         block's ``host.mmap_threshold``: they go back to the kernel), with ``cache_fraction`` the block's
         ``host.allocator_cache`` (0 when off). packed_weights: ZeRO-3
         offload_param host partitions as NVFP4 (``weights``). reduce_bucket ... buffer_count: the
-        DeepSpeed keys of the same names.
+        DeepSpeed keys of the same names. master: the master partition's form: ``"fp32"``, ``"bf16"``
+        (DeepSpeed's ``bf16_master_weights_and_grads``, or the block's bf16 master) or ``"split"`` (the
+        block's: a bf16 partition and a 16-bit residual); with the block's compact masters the bf16 copy-back
+        buffer is the master itself. ds_bf16_states: DeepSpeed's ``bf16_optimizer_states`` (bf16 m and v).
     """
 
     params: int
@@ -76,6 +79,8 @@ class Inputs:
     prefetch_bucket: int = DS_DEFAULTS["stage3_prefetch_bucket_size"]
     max_live: int = DS_DEFAULTS["stage3_max_live_parameters"]
     buffer_count: int = DS_DEFAULTS["buffer_count"]
+    master: str = "fp32"
+    ds_bf16_states: bool = False
 
     @property
     def block(self) -> bool:
@@ -156,7 +161,12 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
             bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
             share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
     buffers = off.get("buffer_count", DS_DEFAULTS["buffer_count"])
-    return Inputs(
+    bf16 = ds.get("bf16") if isinstance(ds.get("bf16"), Mapping) else {}
+    master = st.get("master", "fp32") if st is not None else "fp32"
+    if master == "fp32" and bf16.get("bf16_master_weights_and_grads") is True:
+        master = "bf16"
+    ds_bf16_states = states is None and master == "bf16" and bf16.get("bf16_optimizer_states") is True
+    return Inputs(master=master if master in ("fp32", "bf16", "split") else "fp32", ds_bf16_states=ds_bf16_states,
         params=int(params), world=max(1, int(world)), local_ranks=max(1, int(local_ranks)), accelerator=accelerator,
         stage=stage, compute_bytes=BF16_BYTES if mixed else FP32_BYTES,
         offload_optimizer=device("offload_optimizer"), offload_param=device("offload_param") if stage == 3 else "none",
@@ -209,18 +219,20 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         master_where = "nvme"  # DeepSpeed's optimizer swapper holds master, m and v on disk
     if e == FP32_BYTES and x.stage < 3 and not offload_opt:
         pass  # pure fp32 without offload: the parameters are the master
-    elif master_where == "host":
-        put("fp32 master partition", FP32_BYTES * part)
-    elif master_where == "device":
-        device("fp32 master partition", FP32_BYTES * part)
     else:
-        put("fp32 master partition", FP32_BYTES * part, "nvme")
+        mb, label = (FP32_BYTES, "fp32") if x.master == "fp32" else (BF16_BYTES, "bf16")
+        where = {"host": "host", "nvme": "nvme"}.get(master_where)
+        for key, nbytes in ((f"{label} master partition", mb * part),
+                            ("split master residual", BF16_BYTES * part if x.master == "split" else 0)):
+            put(key, nbytes, where) if where else device(key, nbytes)
 
     sub = min(x.sub_group, part)  # ZeRO-3 steps one sub-group at a time
     if offload_opt and x.stage < 3:  # ZeRO-1/2: the host gradient partition the optimizer reads
-        g = BF16_BYTES if x.bf16_grads else FP32_BYTES
-        put(("bf16" if x.bf16_grads else "fp32") + " gradient partition", g * part)
-        if not x.share_staging:
+        bf16_grads = x.bf16_grads or x.master != "fp32"  # DeepSpeed's bf16 master mode: bf16 gradients too
+        g = BF16_BYTES if bf16_grads else FP32_BYTES
+        put(("bf16" if bf16_grads else "fp32") + " gradient partition", g * part)
+        block_compact = x.states is not None and x.master != "fp32"  # the copy-back buffer is the master
+        if not x.share_staging and not block_compact:
             put("bf16 copy-back buffer", e * part)  # param_buffer_of_bit16_for_cpu_offload_groups
     elif offload_opt:  # ZeRO-3: the partition in the compute dtype, and the sub-group's fp32 copy at its step
         put("gradient partition", e * part)  # grad_partitions_flat_buffer
@@ -235,7 +247,8 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
             put("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part, "nvme")
             put("NVMe swap buffers", x.buffer_count * FP32_BYTES * sub)  # SwapBufferManager: master, m, v, grad
         elif offload_opt:
-            put("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part)
+            sb = BF16_BYTES if x.ds_bf16_states else FP32_BYTES
+            put(f"optimizer states ({'bf16' if x.ds_bf16_states else 'fp32'} m, v)", 2 * sb * part)
         else:
             device("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part)
     else:

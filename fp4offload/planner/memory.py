@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from fp4offload.errors import ConfigError
 from fp4offload.planner.hardware import Cluster
 from fp4offload.planner.models import ModelSpec
-from fp4offload.planner.sizes import ACT_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
+from fp4offload.planner.sizes import ACT_BYTES, MASTER_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
 from fp4offload.planner.strategies import Strategy
 
 __all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "ACT_BYTES", "STATE_BYTES", "WEIGHT_PACKED_BYTES",
@@ -163,8 +163,10 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
         put("gpu", "weights", e * P)
 
     # fp32 master (pure fp32 training: the weights are the master) and Adam states.
-    if fsdp or not pure_fp32 or s.master.device != "gpu":
-        put(s.master.device, "master", 4 * P / shard_o)
+    if fsdp and s.master.format != "fp32":  # the bf16 shard is the master's upper half
+        put(s.master.device, "master", (MASTER_BYTES[s.master.format] - 2) / N * P)
+    elif fsdp or not pure_fp32 or s.master.device != "gpu":
+        put(s.master.device, "master", MASTER_BYTES[s.master.format] * P / shard_o)
     put(s.optimizer_states.device, "optimizer_states", STATE_BYTES[s.optimizer_states.format] * P / shard_o)
 
     # Gradients: resident per-parameter bytes on the GPU, and their host copy when offloaded.
@@ -175,10 +177,14 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
         g_per_param = 0.0
         # the DeepSpeed block keeps ZeRO-1/2's host gradient partition in bf16 when FP4AdamW runs the step and
         # nothing accumulates into it (integrations.deepspeed.bf16_gradient_partition)
-        bf16_grads = (s.engine == "deepspeed" and stage in (1, 2) and s.optimizer_states.format == "nvfp4"
-                      and t.grad_accum == 1 and e == 2)
+        bf16_grads = ((s.engine == "deepspeed" and stage in (1, 2) and s.optimizer_states.format == "nvfp4"
+                       and t.grad_accum == 1 and e == 2) or s.master.format != "fp32")
         host_grads = (2 if bf16_grads else 4) * P / shard_o
         put("cpu", "grads", host_grads)
+        if s.engine == "deepspeed" and stage in (1, 2) and s.master.format == "fp32":
+            # ZeRO-1/2 offload's bf16 copy of the updated partition on its way to the GPU
+            # (param_buffer_of_bit16_for_cpu_offload_groups); a compact master is that copy itself
+            put("cpu", "staging", e * P / shard_o)
     g_end = g_per_param * P
     fp32_grad_at_step = 4 * P / shard_o if (s.master.device == "gpu" and not pure_fp32 and not fsdp) else 0.0
 

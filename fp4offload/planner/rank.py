@@ -30,6 +30,12 @@ RISKS: dict[tuple[str, str], tuple[str, str]] = {
                   "activations.exclude, or use mxfp8, if the loss drifts"),
     ("activations", "mxfp4"): ("medium", "as nvfp4 activations, with coarser power-of-two block scales"),
     ("activations", "mxfp8"): ("low", "8-bit saved activations with a power-of-two scale per 32"),
+    ("master", "split"): ("none", "the fp32 master held as the bf16 weight and a 16-bit residual: exactly the fp32 "
+                                  "master, training is bit for bit the fp32-master run (ZeRO-3: DeepSpeed's bf16 "
+                                  "master mode also rounds the gradient partition to bf16)"),
+    ("master", "bf16"): ("low", "the bf16 weight is the master, updated with stochastic rounding (unbiased): "
+                                "benchmarks/RESULTS.md compares it with fp32 AdamW; use split where every "
+                                "update must land"),
 }
 RISK_ORDER = {"none": 0, "low": 1, "medium": 2, "high": 3}
 
@@ -104,6 +110,18 @@ def _shortfalls(s: Strategy, mem: MemoryEstimate, c: Cluster) -> tuple[str, ...]
     return tuple(out)
 
 
+def _master_shortfalls(s: Strategy, c: Cluster, t: TrainSetup) -> tuple[str, ...]:
+    """A compact master runs on DeepSpeed's bf16 master mode: one micro-batch per step, and bf16."""
+    if s.master.format == "fp32" or s.engine != "deepspeed":
+        return ()
+    out = []
+    if t.grad_accum != 1:
+        out.append(f"master {s.master.format} needs one micro-batch per step (grad_accum {t.grad_accum})")
+    if not c.gpu.bf16:
+        out.append(f"master {s.master.format} needs bf16 ({c.gpu.name} has none)")
+    return tuple(out)
+
+
 def evaluate(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup,
              checkpointing: bool | None = None) -> Candidate:
     """Memory and time of one strategy. Checkpointing follows the strategy ("auto": off if that
@@ -119,7 +137,8 @@ def evaluate(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: Trai
     for ckpt in options:
         mem = estimate_memory(strategy, model, cluster, setup, ckpt)
         cand = Candidate(strategy, mem, estimate_time(strategy, model, cluster, setup, mem),
-                         _shortfalls(strategy, mem, cluster), risk, notes)
+                         _shortfalls(strategy, mem, cluster) + _master_shortfalls(strategy, cluster, setup), risk,
+                         notes)
         if cand.fits:
             break
     assert cand is not None

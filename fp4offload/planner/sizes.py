@@ -13,7 +13,8 @@ from __future__ import annotations
 from fp4offload.formats.layout import bytes_per_element
 from fp4offload.optim import CHUNK
 
-__all__ = ["FP32_BYTES", "BF16_BYTES", "STATE_BYTES", "ACT_BYTES", "WEIGHT_PACKED_BYTES", "step_bytes_per_param"]
+__all__ = ["FP32_BYTES", "BF16_BYTES", "STATE_BYTES", "MASTER_BYTES", "ACT_BYTES", "WEIGHT_PACKED_BYTES",
+           "step_bytes_per_param"]
 
 FP32_BYTES = 4
 BF16_BYTES = 2
@@ -25,6 +26,9 @@ STATE_BYTES: dict[str, float] = {
     "fp32": 2.0 * FP32_BYTES,
     "nvfp4": bytes_per_element("nvfp4", "1x16", CHUNK) + bytes_per_element("ufp4", "1x16", CHUNK),
 }
+#: Bytes per parameter of the master weight in each form (FP4AdamW's ``master``): fp32; split = the bf16
+#: partition (which is also the copy that goes to the device) plus a 16-bit residual; bf16.
+MASTER_BYTES: dict[str, float] = {"fp32": float(FP32_BYTES), "split": 2.0 * BF16_BYTES, "bf16": float(BF16_BYTES)}
 #: Bytes per element of a saved activation in each packed format (default block, one tensor scale).
 ACT_BYTES: dict[str, float] = {fmt: bytes_per_element(fmt) for fmt in ("nvfp4", "mxfp4", "mxfp8")}
 #: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (docs/design.md 3.3, 3.8).

@@ -35,7 +35,7 @@ DEVICES = ("gpu", "cpu", "nvme")
 TENSOR_CLASSES: dict[str, tuple[str, ...]] = {
     "weights": ("bf16", "nvfp4"),
     "grads": ("bf16", "fp32"),
-    "master": ("fp32",),
+    "master": ("fp32", "split", "bf16"),
     "optimizer_states": ("fp32", "nvfp4"),
     "activations": ("bf16", "nvfp4", "mxfp8", "mxfp4"),
 }
@@ -86,7 +86,8 @@ class Strategy:
 
     def compressions(self) -> list[tuple[str, str]]:
         """(tensor class, format) for every 4- or 8-bit class."""
-        return [(c, p.format) for c, p in self.placements().items() if p.format in ("nvfp4", "mxfp4", "mxfp8")]
+        return [(c, p.format) for c, p in self.placements().items()
+                if p.format in ("nvfp4", "mxfp4", "mxfp8") or (c == "master" and p.format != "fp32")]
 
 
 def _err(src: str, key: str, value: Any, allowed: str, hint: str | None = None) -> ConfigError:
@@ -163,6 +164,15 @@ def _check_consistent(s: Strategy) -> None:
     """Combinations the engines cannot run."""
     src = s.source
     w, m, o, g = s.weights, s.master, s.optimizer_states, s.grads
+    if m.format != "fp32":  # the block's compact master: FP4AdamW's, on DeepSpeed's bf16 master mode or FSDP2
+        if o.format != "nvfp4":
+            raise _err(src, "tensors.master.format", m.format, "fp32 with fp32 optimizer states",
+                       "a compact master is FP4AdamW's")
+        if s.engine == "deepspeed" and m.device != "cpu":
+            raise _err(src, "tensors.master", f"{m.device}/{m.format}", "device cpu (offload_optimizer)")
+        if w.format == "nvfp4":
+            raise _err(src, "tensors.weights.format", "nvfp4", f"bf16 with master {m.format}",
+                       "packed weights are encoded from an fp32 master")
     if w.format == "nvfp4" and w.device == "gpu" and s.engine == "deepspeed":
         raise _err(src, "tensors.weights", "gpu/nvfp4", "device cpu or nvme for nvfp4 weights",
                    "the packed copy is the host/NVMe partition fetched per layer")
