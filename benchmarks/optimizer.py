@@ -4,7 +4,10 @@ Peers: DeepSpeedCPUAdam (JIT-builds its cpu_adam op on first use, DS_ACCELERATOR
 and torchao's AdamW4bit when installed. Each round times one step of every optimizer in turn, so a drift in
 the host's memory bandwidth hits them alike; the table reports the median over rounds.
 
-Also reports the host bytes per parameter each optimizer holds for m and v (measured from its tensors),
+Also reports the host bytes per parameter each optimizer holds for m and v (measured from its tensors) and,
+for FP4AdamW, for the master weight (``fp4adamw_bf16_*``: a bf16 parameter with an fp32, split or bf16
+master; ``fp4adamw_norm``: the engine's gradient norm given, so the non-finite pass over the gradients is
+skipped, as under DeepSpeed),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
 
     python benchmarks/optimizer.py --numel 64M --threads 2 --rounds 15 [--json] [--nvme-path /tmp/x]
@@ -47,7 +50,7 @@ def _state_bytes(opt) -> int:
     total = 0
     for st in opt.state.values():
         for k, t in st.items():
-            if torch.is_tensor(t) and k not in ("step", "master") and t.numel() > 1:
+            if torch.is_tensor(t) and k not in ("step", "master", "master_lo", "master_odd") and t.numel() > 1:
                 total += _tensor_bytes(t)
     return total
 
@@ -96,6 +99,21 @@ def make_optimizers(n: int, lr: float, which: list[str]):
 
                 p = param()
                 out[name] = (FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p)
+            elif name == "fp4adamw_norm":  # the engine's global norm replaces the non-finite pass (DeepSpeed)
+                from fp4offload import FP4AdamW
+
+                p = param()
+                opt = FP4AdamW([p], lr=lr, backend="fused")
+                opt.set_grad_norm_source(lambda: 1.0)
+                out[name] = (opt, p)
+            elif name.startswith("fp4adamw_bf16_"):  # a bf16 parameter (bf16 gradient) with each master form
+                from fp4offload import FP4AdamW
+
+                p = torch.nn.Parameter(base.to(torch.bfloat16))
+                p.grad = grad.to(torch.bfloat16)
+                master = {"fp4adamw_bf16_m32": "fp32", "fp4adamw_bf16_split": "split",
+                          "fp4adamw_bf16_mbf16": "bf16"}[name]
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused", master=master), p)
             elif name == "fp4adamw_wcopy":  # + the NVFP4 16x16 working copy, written inside the fused step
                 from fp4offload import FP4AdamW
 
@@ -143,7 +161,9 @@ def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[
         rows.append({"bench": "step", "optimizer": name, "numel": n, "threads": torch.get_num_threads(),
                      "median_s": med, "min_s": min(ts), "updates_per_s": n / med,
                      "vs_deepspeed": (ds / med) if ds else None,
-                     "state_bytes_per_param": _state_bytes(opts[name][0]) / n})
+                     "state_bytes_per_param": _state_bytes(opts[name][0]) / n,
+                     "master_bytes_per_param": (opts[name][0].master_bytes()["host"] / n
+                                                if hasattr(opts[name][0], "master_bytes") else None)})
     return rows
 
 
