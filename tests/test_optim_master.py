@@ -348,3 +348,23 @@ def test_a_given_gradient_norm_replaces_the_nonfinite_pass(monkeypatch):
     assert opt.skipped_steps == 3 and calls == [1]
     with pytest.raises(ConfigError, match="fn"):
         opt.set_grad_norm_source(3.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("master", ["split", "bf16"])
+def test_cuda_compact_master_equals_the_cpu_step(master):
+    """On the GPU the master is rebuilt and split in torch ops around the fused CUDA step: the same bits as the
+    CPU step, and split the same as the fp32 master there."""
+    res = {}
+    for dev, form in (("cpu", master), ("cuda", master), ("cuda", "fp32")):
+        g = torch.Generator().manual_seed(5)
+        p = torch.nn.Parameter((torch.randn((1 << 20) + 333, generator=g) * 0.02).to(torch.bfloat16).to(dev))
+        opt = FP4AdamW([p], lr=1e-2, weight_decay=0.1, master=form)
+        for _ in range(3):
+            p.grad = (torch.randn(p.numel(), generator=g) * 1e-3).to(torch.bfloat16).to(dev)
+            opt.step()
+        res[(dev, form)] = p.detach().cpu().view(torch.int16)
+    assert torch.equal(res[("cpu", master)], res[("cuda", master)])
+    if master == "split":
+        assert torch.equal(res[("cuda", "split")], res[("cuda", "fp32")])
