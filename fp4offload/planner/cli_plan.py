@@ -153,19 +153,20 @@ def format_table(plan) -> str:
              f"step:    micro batch {t.micro_batch} x seq {t.seq_len} x accum {t.grad_accum} on {c.world} GPU(s) "
              f"= {t.tokens * t.grad_accum * c.world:,} tokens"]
     lines += [f"note:    {n}" for n in plan.notes]
-    head = f"{'#':>2}  {'strategy':26s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GB/node':>12s} " \
+    w = max([26] + [len(c.name) for c in (*plan.ranked, *plan.rejected)])  # the strategy column fits every name
+    head = f"{'#':>2}  {'strategy':{w}s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GB/node':>12s} " \
            f"{'s/step':>8s} {'tokens/s':>10s}  {'bound':14s} risk"
     lines += ["", head, "-" * len(head)]
     for i, cand in enumerate(plan.ranked, 1):
         m, tm = cand.memory, cand.time
         nv = f"{m.nvme_total / 1e9:.0f}" if m.nvme_total else "-"
-        lines.append(f"{i:>2}  {cand.name:26s} {'on' if m.checkpointing else 'off':4s} {_gib(m.device_total):>8s} "
+        lines.append(f"{i:>2}  {cand.name:{w}s} {'on' if m.checkpointing else 'off':4s} {_gib(m.device_total):>8s} "
                      f"{_gib(m.host_total):>13s} {nv:>12s} {tm.step_s:8.2f} {tm.tokens_per_s:10,.0f}  "
                      f"{tm.bound:14s} {cand.risk}")
     if plan.rejected:
         lines += ["", "does not fit:"]
         for cand in plan.rejected:
-            lines.append(f"    {cand.name:26s} {'; '.join(cand.shortfalls)}")
+            lines.append(f"    {cand.name:{w}s} {'; '.join(cand.shortfalls)}")
     w = plan.winner
     if w is None:
         lines += ["", "no strategy fits this model on this machine."]
