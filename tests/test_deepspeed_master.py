@@ -66,13 +66,13 @@ def test_configs_that_cannot_take_a_compact_master_are_refused(make, key, fix):
 
 # ---- training ---------------------------------------------------------------------------------------------
 
-def _cases(stage, steps, forms=("fp32", "split", "bf16"), offload="cpu"):
-    return [{"name": f"z{stage}_{f}", "config": ds_config(stage, offload, _block(f)), "steps": steps,
-             "probe": "master"} for f in forms]
+def _cases(stage, steps, forms=("fp32", "split", "bf16"), offload="cpu", bf16_steps=None):
+    return [{"name": f"z{stage}_{f}", "config": ds_config(stage, offload, _block(f)),
+             "steps": bf16_steps if (f == "bf16" and bf16_steps) else steps, "probe": "master"} for f in forms]
 
 
 def test_zero2_split_is_the_fp32_master_run_bit_for_bit_over_200_steps(tmp_path):
-    res = _launch(_cases(2, 200), 1, tmp_path, timeout=600)["cases"]
+    res = _launch(_cases(2, 200, bf16_steps=40), 1, tmp_path, timeout=600)["cases"]
     f32, split, bf16 = res["z2_fp32"], res["z2_split"], res["z2_bf16"]
     assert split["losses"] == f32["losses"] and len(f32["losses"]) == 200
     assert split["master"]["weights_sha"] == f32["master"]["weights_sha"]
@@ -88,38 +88,52 @@ def test_zero2_split_is_the_fp32_master_run_bit_for_bit_over_200_steps(tmp_path)
     assert per["z2_split"] == pytest.approx(2 + 2 + 1.13 + 2, abs=0.1) and per["z2_split"] <= 7.2
     assert per["z2_bf16"] == pytest.approx(2 + 2 + 1.13, abs=0.1) and per["z2_bf16"] <= 5.2
     # bf16 with stochastic rounding trains like the others, not identically
-    assert bf16["losses"] != f32["losses"]
-    assert abs(sum(bf16["losses"][-20:]) - sum(f32["losses"][-20:])) / 20 < 0.05
+    assert bf16["losses"] != f32["losses"][:40]
+    assert abs(sum(bf16["losses"][30:40]) - sum(f32["losses"][30:40])) / 10 < 0.05
     assert f32["losses"][-1] < 0.6 * f32["losses"][0]
 
 
-def test_zero1_and_two_ranks_split_is_the_fp32_run(tmp_path):
-    res = _launch(_cases(1, 12, ("fp32", "split")) + _cases(2, 12, ("fp32", "split")), 2, tmp_path)["cases"]
-    for s in (1, 2):
-        assert res[f"z{s}_split"]["losses"] == res[f"z{s}_fp32"]["losses"]
-        assert res[f"z{s}_split"]["master"]["weights_sha"] == res[f"z{s}_fp32"]["master"]["weights_sha"]
-        assert res[f"z{s}_split"]["master"]["dtypes"] == ["torch.bfloat16"]
+def test_two_ranks_split_is_the_fp32_run(tmp_path):
+    res = _launch(_cases(2, 8, ("fp32", "split")), 2, tmp_path)["cases"]
+    assert res["z2_split"]["losses"] == res["z2_fp32"]["losses"]
+    assert res["z2_split"]["master"]["weights_sha"] == res["z2_fp32"]["master"]["weights_sha"]
+    assert res["z2_split"]["master"]["dtypes"] == ["torch.bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs(tmp_path_factory):
+    """One launch for the shorter one-rank runs: ZeRO-3 and ZeRO-1 with each master, and a NaN step."""
+    nan = [{"name": f"{f}_nan", "config": ds_config(2, "cpu", _block(f)), "steps": 6, "nan_at": 2,
+            "probe": "master"} for f in ("fp32", "split")]
+    return _launch(_cases(3, 8) + _cases(1, 8, ("fp32", "split")) + nan, 1, tmp_path_factory.mktemp("one"))["cases"]
+
+
+def test_zero1_split_is_the_fp32_run(one_rank_runs):
+    res = one_rank_runs
+    assert res["z1_split"]["losses"] == res["z1_fp32"]["losses"]
+    assert res["z1_split"]["master"]["weights_sha"] == res["z1_fp32"]["master"]["weights_sha"]
+    assert res["z1_split"]["master"]["dtypes"] == ["torch.bfloat16"]
 
 
 def test_zero2_split_survives_save_kill_and_resume(tmp_path):
     ck = str(tmp_path / "ck")
     cfg = ds_config(2, "cpu", _block("split"))
-    full = _launch([{"name": "full", "config": cfg, "steps": 20, "probe": "master"}], 1, tmp_path / "a")["cases"]
+    full = _launch([{"name": "full", "config": cfg, "steps": 12, "probe": "master"}], 1, tmp_path / "a")["cases"]
     # the worker kills itself (SIGKILL) right after saving: nothing after the save runs
-    _launch([{"name": "first", "config": cfg, "steps": 10, "save_dir": ck, "kill_after_save": True}], 1,
+    _launch([{"name": "first", "config": cfg, "steps": 6, "save_dir": ck, "kill_after_save": True}], 1,
             tmp_path / "b")
     assert (tmp_path / "ck" / "latest").exists()
-    rest = _launch([{"name": "rest", "config": cfg, "steps": 10, "load_dir": ck, "probe": "master"}], 1,
+    rest = _launch([{"name": "rest", "config": cfg, "steps": 6, "load_dir": ck, "probe": "master"}], 1,
                    tmp_path / "c")["cases"]
-    assert rest["rest"]["losses"] == full["full"]["losses"][10:]
+    assert rest["rest"]["losses"] == full["full"]["losses"][6:]
     assert rest["rest"]["master"]["weights_sha"] == full["full"]["master"]["weights_sha"]
 
 
-def test_zero3_compact_master_trains_with_bf16_master_partitions(tmp_path):
+def test_zero3_compact_master_trains_with_bf16_master_partitions(one_rank_runs):
     """ZeRO-3: DeepSpeed's bf16 master mode also keeps the gradient partition in bf16 (the fp32-master block
     keeps ZeRO-3's gradients in fp32), so split holds the master exactly but steps with bf16 gradients: close
     to the fp32 run, not identical."""
-    res = _launch(_cases(3, 16), 1, tmp_path)["cases"]
+    res = one_rank_runs
     f32 = res["z3_fp32"]
     for form in ("split", "bf16"):
         r = res[f"z3_{form}"]
@@ -129,13 +143,11 @@ def test_zero3_compact_master_trains_with_bf16_master_partitions(tmp_path):
     assert f32["mem"]["master"] == 4 * f32["mem"]["numel"]
 
 
-def test_nonfinite_step_is_skipped_from_deepspeeds_norm(tmp_path):
+def test_nonfinite_step_is_skipped_from_deepspeeds_norm(one_rank_runs):
     """ZeRO-2 computes the global gradient norm before the step; FP4AdamW's non-finite check reads it (no
     pass over the gradients). A NaN step is skipped (by DeepSpeed's overflow check, or by FP4AdamW from the
     norm) and training goes on finite, split still the fp32 run."""
-    cases = [{"name": f"{f}_nan", "config": ds_config(2, "cpu", _block(f)), "steps": 6, "nan_at": 2,
-              "probe": "master"} for f in ("fp32", "split")]
-    res = _launch(cases, 1, tmp_path)["cases"]
+    res = one_rank_runs
     for f in ("fp32", "split"):
         m = res[f"{f}_nan"]["master"]
         assert m["norm_source"] and m["skipped"] in (0, 1), m

@@ -57,7 +57,7 @@ def _worker(rank, world, tmp, steps, reduce_dtype):
 
 
 def test_split_is_the_fp32_master_run_and_bf16_trains(tmp_path):
-    res = run_ranks(_worker, world_size=2, args=(40, torch.bfloat16), timeout=400)
+    res = run_ranks(_worker, world_size=2, args=(16, torch.bfloat16), timeout=400)
     for r in res:
         f32, split, bf16 = r["fp32"], r["split"], r["bf16"]
         assert split["losses"] == f32["losses"] and split["sha"] == f32["sha"]
@@ -65,8 +65,8 @@ def test_split_is_the_fp32_master_run_and_bf16_trains(tmp_path):
         assert 2 * split["numel"] <= split["held"]["host"] < 2 * split["numel"] + 8 * split["numel"] // 1000
         assert bf16["held"]["host"] == 0 and f32["held"]["host"] == 0  # fp32 shards are their own master
         assert bf16["losses"] != f32["losses"]
-        assert abs(sum(bf16["losses"][-10:]) - sum(f32["losses"][-10:])) / 10 < 0.05
-        assert f32["losses"][-1] < 0.75 * f32["losses"][0]
+        assert abs(sum(bf16["losses"][-6:]) - sum(f32["losses"][-6:])) / 6 < 0.05
+        assert f32["losses"][-1] < 0.85 * f32["losses"][0]
 
 
 def test_compact_master_policy_checks_and_yaml(tmp_path):
