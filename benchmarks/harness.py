@@ -73,13 +73,14 @@ def batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Ge
 
 
 def small_llama(*, hidden: int = 128, layers: int = 4, heads: int = 4, intermediate: int = 344, vocab: int = 256,
-                max_seq: int = 512, seed: int = 0, tie: bool = False):
-    """A Llama from a transformers config, randomly initialized (deterministic for `seed`)."""
+                max_seq: int = 512, seed: int = 0, tie: bool = False, attn: str = "eager"):
+    """A Llama from a transformers config, randomly initialized (deterministic for `seed`). `attn` is
+    transformers' attention implementation ("eager" here; "sdpa" on a GPU at long sequences)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_seq,
-                      tie_word_embeddings=tie, attn_implementation="eager")
+                      tie_word_embeddings=tie, attn_implementation=attn)
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg)
 

@@ -12,6 +12,7 @@ through tests/test_optim_fused.py's checks (the GPU run is tests/test_optim_cuda
 from __future__ import annotations
 
 import ctypes
+import itertools
 import re
 import shutil
 import subprocess
@@ -22,6 +23,8 @@ import torch
 
 from _codec_data import codec_data
 from fp4offload.formats import reference
+from fp4offload.optim import master as MW
+from fp4offload.optim import reference_step as R
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -294,28 +297,65 @@ def test_codec_header_pack_helpers_match_reference(tmp_path):
     assert so.e_word(_p(codes)) == int.from_bytes(bytes(reference.pack_nibbles(codes).tolist()), "little")
 
 
+def mask_positions(mask: torch.Tensor) -> torch.Tensor:
+    """adam_cuda.cpp's mask_positions, op for op: the sorted positions of the set bits of the odd mask."""
+    blocks = torch.nonzero(mask).reshape(-1)
+    if blocks.numel() == 0:
+        return blocks
+    words = mask.index_select(0, blocks).to(torch.int32).bitwise_and(0xFFFF)
+    bits = words.unsqueeze(1).bitwise_right_shift(torch.arange(16, dtype=torch.int32)).bitwise_and(1)
+    rc = torch.nonzero(bits)
+    return blocks.index_select(0, rc.select(1, 0)) * 16 + rc.select(1, 1)
+
+
 @pytest.fixture(scope="module")
 def emu_adam(tmp_path_factory):
     """csrc/cuda/adam_kernels.cu (the fused CUDA FP4AdamW step) compiled with g++ against emu.h, with the
-    extension's fused_step signature, so tests/test_optim_fused.py's checks run on it."""
-    src = _rewrite_launches((CSRC / "cuda" / "adam_kernels.cu").read_text(), at_least=1)
+    extensions' fused_step and fused_step_master signatures (the latter wrapped as adam_cuda.cpp wraps it), so
+    tests/test_optim_fused.py's checks and the compact-master checks below run on it."""
+    src = _rewrite_launches((CSRC / "cuda" / "adam_kernels.cu").read_text(), at_least=2)
     so = _emu_library(tmp_path_factory.mktemp("cuda_emu_adam"),
                       {"adam.cpp": src + '\nextern "C" long e_divergent() { return emu::S().divergent; }\n'})
-    P, Int, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint
-    so.fp4adam_fused_step_cuda.argtypes = [P, P, Int, ctypes.c_int64, P, P, P, P, P, P, P, Int, Int, Int, Int, U, U,
-                                           P, P]
+    P, Int, U, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_int64
+    so.fp4adam_fused_step_cuda.argtypes = [P, P, Int, I64, P, P, P, P, P, P, P, Int, Int, Int, Int, U, U, P, P]
+    so.fp4adam_fused_step_master_cuda.argtypes = [P, P, P, I64, P, Int, P, Int, I64, P, P, P, P, P, P, P, Int, Int,
+                                                  Int, Int, U, U, P]
     so.e_divergent.restype = ctypes.c_long
+
+    def scalars(*xs):
+        return torch.tensor(xs, dtype=torch.float32)
 
     class Ext:
         @staticmethod
         def fused_step(param, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size, rsbc2,
                        weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, bf16_out=None):
-            scalars = torch.tensor([b1, omb1, b2, omb2, eps, decay, step_size, rsbc2], dtype=torch.float32)
+            sc = scalars(b1, omb1, b2, omb2, eps, decay, step_size, rsbc2)
             rc = so.fp4adam_fused_step_cuda(_p(param), _p(grad), int(grad.dtype == torch.bfloat16), param.numel(),
-                                            _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(scalars),
+                                            _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(sc),
                                             int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic),
                                             seed & 0xFFFFFFFF, stream0 & 0xFFFFFFFF, _p(bf16_out), None)
             assert rc == 0 and so.e_divergent() == 0
+
+        @staticmethod
+        def fused_step_master(hi, lo, odd, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size,
+                              rsbc2, weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, mode):
+            n = hi.numel()
+            nwords, nb = _cdiv(n, 32), _cdiv(n, 16)
+            words = torch.full((nwords + 1,), -1, dtype=torch.int32)  # poison: the entry point clears it
+            pos = odd.contiguous()
+            sc = scalars(b1, omb1, b2, omb2, eps, decay, step_size, rsbc2)
+            rc = so.fp4adam_fused_step_master_cuda(
+                _p(hi), _p(lo), _p(pos), pos.numel(), _p(words) if mode == 1 else None, mode, _p(grad),
+                int(grad.dtype == torch.bfloat16), n, _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(sc),
+                int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic), seed & 0xFFFFFFFF,
+                stream0 & 0xFFFFFFFF, None)
+            assert rc == 0 and so.e_divergent() == 0
+            if mode == 2 or n == 0:
+                return torch.zeros(0, dtype=torch.int64)
+            if int(words[nwords]) != 0:
+                raise RuntimeError("fused_step_master (cuda): odd must hold increasing positions inside the "
+                                   "parameter")
+            return mask_positions(words[:nwords].view(torch.int16)[:nb])
 
     return Ext()
 
@@ -329,8 +369,174 @@ def test_fused_adam_kernel_matches_reference_step(n, v_format, stochastic, emu_a
     _run(emu_adam, n, v_format, stochastic, torch.float32)
 
 
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
+def test_fused_adam_kernel_bf16_grads_ragged_size(stochastic, emu_adam):
+    """bf16 gradients on a size that is neither a multiple of a block nor of a chunk (the last CTA's last
+    thread has 7 elements, the threads after it none)."""
+    from test_optim_fused import _run
+
+    _run(emu_adam, 3 * 1024 + 7, "nvfp4" if stochastic else "ufp4", stochastic, torch.bfloat16, wd=0.1)
+
+
 @pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros"])
 def test_fused_adam_kernel_special_values(kind, emu_adam):
     from test_optim_fused import _run, _special
 
     _run(emu_adam, 3001, "ufp4", True, torch.bfloat16, special=_special(kind), maximize=True)
+
+
+# ---- the compact masters (master="split" | "bf16") in the fused CUDA step ------------------------------
+
+def _plant_ties(x: torch.Tensor) -> torch.Tensor:
+    """x with exact bf16 ties planted: every 14th element rounds down to an even bf16 value (odd in split),
+    every 14th from the 7th rounds up (not odd)."""
+    b = x.view(torch.int32).clone()
+    i = torch.arange(x.numel())
+    b = torch.where(i % 14 == 0, (b & ~0x1FFFF) | 0x8000, b)
+    b = torch.where(i % 14 == 7, (b & ~0x1FFFF) | 0x18000, b)
+    return b.view(torch.float32)
+
+
+def _plant_specials(h, lo, split):
+    """Masters at the edges: +-Inf halves with a positive residual (stay infinite), +Inf with a negative one
+    (the finite values that round up to Inf), a NaN."""
+    hb = h.view(torch.int16)
+    for i, hv, r in ((3, 0x7F80, 5), (4, -0x80, 7), (5, 0x7F80, -5), (6, 0x7FC0, 0)):  # -0x80: 0xFF80
+        hb[i] = hv
+        if split:
+            lo[i] = r
+
+
+def _compact_reference(h, lo, odd, g, m, v, sc, *, split, v_format, stochastic, seed, pid, maximize):
+    """adamw.py's torch-op path, segment by segment (master.py and reference_step, normative)."""
+    n = h.numel()
+    new_odd = []
+    for k, (s0, s1) in enumerate(R.segment_ranges(n)):
+        x = MW.join(h[s0:s1], lo[s0:s1], MW.odd_in(odd, s0, s1)) if split else h[s0:s1].float()
+        R.packed_step(x, g[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1), sc, v_format=v_format,
+                      m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k), maximize=maximize)
+        if split:
+            hh, r, o = MW.split(x)
+            h[s0:s1], lo[s0:s1] = hh, r
+            new_odd.append(o + s0)
+        else:
+            h[s0:s1] = MW.stochastic_bf16(x, seed, R.sr_stream(pid, k))
+    return torch.cat(new_odd) if new_odd else torch.zeros(0, dtype=torch.int64)
+
+
+def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, steps=3, pid=5):
+    """`steps` steps of each fused_step_master in `exts` (name -> extension) and of the reference on the same
+    data from the same start; asserts every byte of hi, lo, odd and packed m and v agrees after each step.
+    Returns the number of odd positions before the first step and after the last."""
+    split = mode == "split"
+    g0 = torch.Generator().manual_seed(n)
+    x0 = _plant_ties(torch.randn(n, generator=g0) * 0.02)
+    if split:
+        h0, lo0, odd0 = MW.split(x0)
+    else:
+        h0, lo0, odd0 = x0.to(torch.bfloat16), torch.zeros(n, dtype=torch.int16), torch.zeros(0, dtype=torch.int64)
+    if special is not None and n > 8:
+        _plant_specials(h0, lo0, split)
+        odd0 = odd0[(odd0 < 3) | (odd0 > 6)]
+    runs = {name: [h0.clone(), lo0.clone(), odd0.clone(), R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")]
+            for name in ("ref", *exts)}
+    still = (torch.arange(n) // 16) % 5 == 2  # whole blocks with zero gradients: m = v = 0, the update is 0
+    odd_before = odd0.numel()
+    for t in range(1, steps + 1):
+        g = torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)
+        if special is not None:
+            g = special(g, t)
+        g = torch.where(still, torch.zeros_like(g), g).to(gdt)
+        sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=t)
+        seed = R.sr_seed(7, t)
+        for name, run in runs.items():
+            h, lo, odd, m, v = run
+            if name == "ref":
+                run[2] = _compact_reference(h, lo, odd, g, m, v, sc, split=split, v_format=v_format,
+                                            stochastic=stochastic, seed=seed, pid=pid, maximize=False)
+            else:
+                run[2] = exts[name].fused_step_master(
+                    h, lo if split else None, odd, g, *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
+                    sc.step_size, sc.rsbc2, sc.weight_decay, False, v_format == "nvfp4", stochastic, seed,
+                    R.sr_stream(pid, 0), 1 if split else 2)
+        ref = runs["ref"]
+        for name in exts:
+            got = runs[name]
+            for what, a, b in (("hi", ref[0].view(torch.int16), got[0].view(torch.int16)), ("lo", ref[1], got[1]),
+                               ("odd", ref[2], got[2])):
+                assert torch.equal(a, b), f"{name}: {what} differs at step {t} (n={n}, {mode})"
+            for what, a, b in zip(("m codes", "m scales", "m chunk scales", "v codes", "v scales",
+                                   "v chunk scales"), (*ref[3], *ref[4]), (*got[3], *got[4])):
+                assert torch.equal(a, b), f"{name}: {what} differ at step {t} (n={n}, {mode})"
+    h = runs["ref"][0]
+    assert not torch.equal(h.view(torch.int16), h0.view(torch.int16)) and runs["ref"][3].codes.any()
+    return odd_before, runs["ref"][2].numel()
+
+
+@pytest.fixture(scope="module")
+def cpu_ext():
+    """The CPU extension's fused_step_master as a second oracle, where it builds (else the reference alone)."""
+    from fp4offload.optim import fused
+
+    return fused.cpu_extension()
+
+
+def _oracles(emu_adam, cpu_ext):
+    return {"emu": emu_adam, **({"cpu": cpu_ext} if cpu_ext is not None else {})}
+
+
+_COMBOS = list(itertools.product([False, True], ["ufp4", "nvfp4"], [torch.float32, torch.bfloat16]))
+# (n, mode, m stochastic, v format, grad dtype, weight decay): the small sizes take the roundings, v formats and
+# grad dtypes in turn (decay off on every other size, so the planted ties in the still blocks survive); 5003
+# (five chunks, 5003 % 16 = 11) every combination; two segments (1043 % 16 = 3) once, bf16 with m's stochastic
+# rounding, so that both keys change at the segment boundary (one step: the emulation alone takes ~1.5 s; split
+# has nothing per segment in the kernel, its mask spans the tensor; tests/test_optim_cuda.py runs it on a GPU)
+MASTER_CASES = [(n, mode, *_COMBOS[(2 * a + b) % 8], 0.1 * (a % 2))
+                for a, n in enumerate([1, 17, 1024 + 1]) for b, mode in enumerate(["split", "bf16"])]
+MASTER_CASES += [(5003, mode, sr, vf, gdt, 0.0 if gdt == torch.bfloat16 else 0.1)
+                 for mode in ("split", "bf16") for sr, vf, gdt in _COMBOS]
+MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ufp4", torch.bfloat16, 0.0)]
+
+
+@pytest.mark.parametrize("n,mode,stochastic,v_format,gdt,wd", MASTER_CASES,
+                         ids=[f"{c[1]}-{c[0]}-{'sr' if c[2] else 'nearest'}-{c[3]}-{str(c[4])[6:]}-wd{c[5]:g}"
+                              for c in MASTER_CASES])
+def test_fused_adam_kernel_compact_master_matches_cpu_and_reference(n, mode, stochastic, v_format, gdt, wd,
+                                                                     emu_adam, cpu_ext):
+    steps = 1 if n > R.SEGMENT else 3
+    before, after = _run_master(_oracles(emu_adam, cpu_ext), n, mode, stochastic, v_format, gdt, wd, steps=steps)
+    if mode == "split":
+        assert before >= len(range(0, n, 14))  # every planted tie that rounds down is odd
+        if wd == 0:  # the still blocks keep their ties: odd comes out of the kernel too
+            assert after >= sum(1 for i in range(0, n, 14) if (i // 16) % 5 == 2) > 0 or n < 48
+
+
+@pytest.mark.parametrize("mode", ["split", "bf16"])
+@pytest.mark.parametrize("kind", ["overflow", "nonfinite"])
+def test_fused_adam_kernel_compact_master_special_values(kind, mode, emu_adam, cpu_ext):
+    """g^2 overflow (v = Inf in some blocks), non-finite gradients (NaN masters), and infinite and NaN masters
+    at the start (an infinite half with a positive residual stays infinite, with a negative one it is finite)."""
+    from test_optim_fused import _special
+
+    _run_master(_oracles(emu_adam, cpu_ext), 5003, mode, mode == "bf16", "ufp4", torch.float32, 0.1,
+                special=_special(kind))
+
+
+def test_fused_adam_kernel_compact_master_refuses_bad_odd_positions(emu_adam):
+    """Unsorted, repeated or out-of-range odd positions raise, and the step changed nothing."""
+    n = 3000
+    h = (torch.randn(n, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    lo = torch.arange(n, dtype=torch.int16)
+    g = torch.randn(n)
+    sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1)
+    cases = ([5, 3], [7, 7], [n], [-1], [0, 1, 2, n + 100], [10, 2000, 1999])
+    for bad in cases:
+        m, v = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
+        hh, ll = h.clone(), lo.clone()
+        with pytest.raises(RuntimeError, match="odd must hold increasing positions"):
+            emu_adam.fused_step_master(hh, ll, torch.tensor(bad, dtype=torch.int64), g, *m, *v, sc.b1, sc.omb1,
+                                       sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, True, False, False,
+                                       True, 1, 2, 1)
+        assert torch.equal(hh.view(torch.int16), h.view(torch.int16)) and torch.equal(ll, lo)
+        assert not any(t.any() for t in (*m, *v))
+    print(f"fuzz: {len(cases)} cases of bad odd positions, each refused with nothing changed")

@@ -43,6 +43,110 @@ def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic):
             assert torch.equal(x, y.cpu())
 
 
+class _OnGpu:
+    """The CUDA extension's fused_step_master on CPU tensors: copies them to the GPU, steps, copies them back
+    (so tests/test_cuda_emulated.py's _run_master drives it beside the CPU step and the reference)."""
+
+    def __init__(self, ext):
+        self.ext = ext
+
+    def fused_step_master(self, hi, lo, odd, grad, *rest):
+        tensors = [hi, lo, grad, *rest[:6]]
+        on_gpu = [None if t is None else t.cuda() for t in tensors]
+        new = self.ext.fused_step_master(*on_gpu[:2], odd, *on_gpu[2:], *rest[6:])  # odd from the host: moved
+        torch.cuda.synchronize()
+        assert new.is_cuda and new.dtype == torch.int64
+        for t, d in zip(tensors, on_gpu):
+            if t is not None:
+                t.copy_(d.cpu())
+        return new.cpu()
+
+
+@pytest.mark.parametrize("n", [1, 17, 1025, 70001, R.SEGMENT + 3000])
+@pytest.mark.parametrize("mode", ["split", "bf16"])
+@pytest.mark.parametrize("stochastic,v_format,gdt", [(False, "ufp4", torch.float32), (True, "nvfp4", torch.bfloat16)])
+def test_cuda_fused_step_master_equals_cpu_and_reference(cuda_ext, n, mode, stochastic, v_format, gdt):
+    """The compact masters in the CUDA kernel (the dense odd mask and its conversions included): the CPU
+    fused_step_master's and the reference's bytes, with planted ties that stay odd in zero-gradient blocks."""
+    from _extensions import fused_extension as fx
+    from test_cuda_emulated import _run_master
+
+    exts = {"cuda": _OnGpu(cuda_ext), "cpu": fx(cuda=False)}
+    before, after = _run_master(exts, n, mode, stochastic, v_format, gdt, 0.0, steps=2 if n > R.SEGMENT else 3)
+    if mode == "split" and n > 48:
+        assert before > 0 and after > 0
+
+
+@pytest.mark.parametrize("mode", ["split", "bf16"])
+@pytest.mark.parametrize("kind", ["overflow", "nonfinite"])
+def test_cuda_fused_step_master_special_values(cuda_ext, kind, mode):
+    from _extensions import fused_extension as fx
+    from test_cuda_emulated import _run_master
+    from test_optim_fused import _special
+
+    _run_master({"cuda": _OnGpu(cuda_ext), "cpu": fx(cuda=False)}, 5003, mode, mode == "bf16", "ufp4",
+                torch.float32, 0.1, special=_special(kind))
+
+
+def test_cuda_fused_step_master_refuses_bad_odd_and_changes_nothing(cuda_ext):
+    n = 3000
+    h = torch.randn(n, device="cuda").to(torch.bfloat16)
+    lo = torch.arange(n, dtype=torch.int16, device="cuda")
+    g = torch.randn(n, device="cuda")
+    m, v = R.empty_packed(n, "cuda"), R.empty_packed(n, "cuda")
+    sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, step=1)
+    for bad in ([5, 3], [7, 7], [n], [-1]):
+        hh, ll = h.clone(), lo.clone()
+        with pytest.raises(RuntimeError, match="odd must hold increasing positions"):
+            cuda_ext.fused_step_master(hh, ll, torch.tensor(bad, device="cuda"), g, *m, *v, sc.b1, sc.omb1, sc.b2,
+                                       sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, True, False, False, True, 1,
+                                       2, 1)
+        assert torch.equal(hh.view(torch.int16), h.view(torch.int16)) and torch.equal(ll, lo)
+        assert not any(bool(t.any()) for t in (*m, *v))
+
+
+@pytest.mark.parametrize("master", ["split", "bf16"])
+def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypatch):
+    """FP4AdamW on a GPU with master="split"/"bf16" steps through the kernel (no torch-op join or split; the
+    reference backend still uses them) and gives the CPU step's bits: parameter, residual and odd positions."""
+    from test_cuda_emulated import _plant_ties
+
+    from fp4offload import FP4AdamW
+    from fp4offload.optim import master as MW
+
+    calls = []
+    for name in ("join", "split", "stochastic_bf16"):
+        real = getattr(MW, name)
+        monkeypatch.setattr(MW, name, lambda *a, _r=real, _n=name, **k: calls.append(_n) or _r(*a, **k))
+    n = 2 * R.SEGMENT + 333
+    still = (torch.arange(n) // 16) % 5 == 2
+    res, used = {}, {}
+    for dev, backend in (("cpu", "auto"), ("cuda", "auto"), ("cuda", "reference")):
+        gen = torch.Generator().manual_seed(5)
+        x = _plant_ties(torch.randn(n, generator=gen) * 0.02)
+        h, lo, odd = MW.split(x)
+        p = torch.nn.Parameter((h if master == "split" else x.to(torch.bfloat16)).to(dev))
+        opt = FP4AdamW([p], lr=1e-2, weight_decay=0.0, master=master, backend=backend)
+        if master == "split":
+            opt.start_master(p, lo.to(dev), odd.to(dev))
+        calls.clear()
+        for _ in range(3):
+            gr = torch.randn(n, generator=gen) * 1e-3
+            p.grad = torch.where(still, torch.zeros_like(gr), gr).to(torch.bfloat16).to(dev)
+            opt.step()
+        used[(dev, backend)] = list(calls)
+        st = opt.state[p]
+        if master == "split":
+            assert st["master_lo"].device == p.device and st["master_odd"].device == p.device
+        res[(dev, backend)] = [p.detach().cpu().view(torch.int16)] + (
+            [st["master_lo"].cpu(), st["master_odd"].cpu()] if master == "split" else [])
+    assert used[("cuda", "auto")] == [] and used[("cuda", "reference")]
+    for key in (("cuda", "auto"), ("cuda", "reference")):
+        assert all(torch.equal(a, b) for a, b in zip(res[("cpu", "auto")], res[key])), key
+    if master == "split":  # the still blocks kept their planted ties: odd positions came back from the kernel
+        assert res[("cuda", "auto")][2].numel() >= 1000
+
+
 @pytest.mark.parametrize("tier", ["same", "cpu"])
 def test_gpu_params_match_cpu_params(tier, tmp_path):
     """GPU parameters with states on the GPU or on the host train bit-identically to CPU parameters."""

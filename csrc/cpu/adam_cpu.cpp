@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "fp4_codec.h"
+#include "master_bits.h"
 #include "cpu/nvfp4_avx512.h"
 #include "cpu/adam_avx512.h"
 #include "cpu/nvfp4_rows.h"
@@ -26,17 +27,15 @@ using fp4adam::ChunkArgs;
 using fp4adam::kChunk;
 using fp4adam::kSegment;
 using fp4adam::Scalars;
+using fp4master::bf16_stochastic;
+using fp4master::split_join;
+using fp4master::split_residual;
+using fp4master::to_bf16;
 
 // ---- scalar path ------------------------------------------------------------------------------------
 
 inline float load_grad(const float* g, int64_t i) { return g[i]; }
 inline float load_grad(const uint16_t* g, int64_t i) { return fp4::u2f((uint32_t)g[i] << 16); }
-
-inline uint16_t to_bf16(float x) {  // round to nearest even; NaN -> 0x7FC0 (as c10::BFloat16)
-  const uint32_t b = fp4::f2u(x);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x7FFFFFu)) return (uint16_t)0x7FC0;
-  return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 // Decodes one packed 1x16 chunk of `cnt` elements into out[0..cnt), zeros after it up to the block end.
 inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, float s_dec, int cnt, bool unsigned_,
@@ -301,31 +300,6 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
 }
 
 // ---- compact master weights (fp4offload/optim/master.py, normative) ---------------------------------
-
-// split: the fp32 pattern b from the bf16 parameter h, the residual r and whether i is in `odd`.
-inline uint32_t split_join(uint16_t h, int16_t r, bool odd) {
-  const uint32_t a = (uint32_t)h + (odd ? 1u : 0u);
-  int32_t rr = r;
-  if ((a & 0x7FFFu) == 0x7F80u && rr > 0) rr = 0;  // an infinite h stays infinite
-  return (a << 16) + (uint32_t)rr;
-}
-
-// split: the residual of b for h = to_bf16(b) (written by the step); sets odd when b is a tie that rounded down.
-inline int16_t split_residual(uint32_t b, bool& odd) {
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) {
-    odd = false;
-    return 0;
-  }
-  const uint32_t a = (b + 0x8000u) >> 16;
-  odd = (b & 0x1FFFFu) == 0x8000u;
-  return (int16_t)(int32_t)(b - (a << 16));
-}
-
-// bf16: b rounded stochastically with 16 random bits.
-inline uint16_t bf16_stochastic(uint32_t b, uint32_t rnd16) {
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)0x7FC0;
-  return (uint16_t)((b + rnd16) >> 16);
-}
 
 // One AdamW step over a flat bf16 parameter `hi` whose master is compact (mode 1: split, with the int16
 // residual `lo` and the sorted int64 positions `odd`; mode 2: bf16 with stochastic rounding), with packed

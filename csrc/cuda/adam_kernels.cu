@@ -1,20 +1,36 @@
 // The fused FP4AdamW step on CUDA: one thread block per chunk of 1024 elements, one thread per NVFP4 block
-// of 16 elements. Decodes m and sqrt(v), updates the fp32 master, re-encodes both, optionally writes a bf16
+// of 16 elements. Decodes m and sqrt(v), updates the master weight, re-encodes both, optionally writes a bf16
 // copy of the new weight. Same operation order as fp4offload/optim/reference_step.py (normative) and the
 // CPU step; every scalar rule comes from csrc/fp4_codec.h. Build with --fmad=false (no contraction) and
 // without fast math: sqrtf and '/' are then IEEE round-to-nearest, as the reference requires.
+//
+// The master is a template parameter of the one kernel (the Adam math is written once):
+//   kFp32  - an fp32 tensor, updated in place (optionally with a bf16 copy);
+//   kSplit - master="split" (fp4offload/optim/master.py, normative): the bf16 parameter `hi`, the int16
+//            residual `lo` and the odd flags, here a dense mask of one uint16 per block of 16 (bit j: element
+//            j of the block is odd), which the thread that owns the block reads before and writes after;
+//   kBf16  - master="bf16": the bf16 parameter, rounded stochastically after the update.
+// The bindings turn the sorted odd positions into the mask (fp4adam_fused_step_master_cuda does it, on the
+// stream, with a validity flag that makes the step a no-op) and the mask back into positions.
 //
 // Pure CUDA (no torch headers): csrc/cuda/adam_cuda.cpp binds it.
 #include <cuda_runtime.h>
 #include <stdint.h>
 
 #include "fp4_codec.h"
+#include "master_bits.h"
 
 namespace fp4adam_cuda {
+
+using fp4master::bf16_stochastic;
+using fp4master::split_join;
+using fp4master::split_residual;
+using fp4master::to_bf16;
 
 constexpr int kChunk = 1024;
 constexpr int kBlocksPerChunk = kChunk / 16;  // threads per CUDA block
 constexpr int64_t kSegment = 1 << 20;
+constexpr int kFp32 = 0, kSplit = 1, kBf16 = 2;  // the master forms (fused_step_master's mode is 1 or 2)
 
 struct Scalars {
   float b1, omb1, b2, omb2, eps, decay, step_size, rsbc2;
@@ -22,7 +38,11 @@ struct Scalars {
 
 struct Args {
   int64_t n;
-  float* param;
+  float* param;       // kFp32
+  uint16_t* hi;       // kSplit, kBf16: the bf16 parameter (bit patterns)
+  int16_t* lo;        // kSplit: the residual
+  uint16_t* odd;      // kSplit: the odd mask, one word per block of 16 (in and out)
+  const int* bad;     // kSplit: nonzero when the odd positions were invalid; the step then changes nothing
   const float* grad_f32;
   const uint16_t* grad_bf16;
   uint8_t *m_codes, *m_scales, *v_codes, *v_scales;
@@ -32,12 +52,6 @@ struct Args {
   int weight_decay, maximize, v_nvfp4, m_stochastic;
   uint32_t seed, stream0;
 };
-
-__device__ __forceinline__ uint16_t to_bf16(float x) {
-  const uint32_t b = __float_as_uint(x);
-  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x7FFFFFu)) return (uint16_t)0x7FC0;
-  return (uint16_t)((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
 
 // Max over the CUDA block (kBlocksPerChunk threads = 2 warps); every thread gets the result.
 __device__ __forceinline__ float block_max(float v, float* shared2) {
@@ -75,14 +89,19 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
   reinterpret_cast<uint2*>(codes8)[0] = make_uint2(w[0], w[1]);
 }
 
+template <int kMode>
 __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   __shared__ float red[2];
+  if (kMode == kSplit && *a.bad) return;  // the same for every thread: no barrier is left waiting
   const int64_t c = blockIdx.x;
   const int64_t i0 = c * kChunk + (int64_t)threadIdx.x * 16;
   const int cnt = i0 >= a.n ? 0 : (a.n - i0 < 16 ? (int)(a.n - i0) : 16);
   const int64_t nb = (a.n + 15) / 16;
   const int64_t b = c * kBlocksPerChunk + threadIdx.x;  // NVFP4 block index
   const bool has = b < nb;
+  const int64_t seg = (c * kChunk) / kSegment;
+  const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
+  const uint32_t wkey = kMode == kBf16 ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 1u) : 0u;
   float m[16], u[16];
   float m_amax = 0.0f, u_amax = 0.0f;
   bool m_bad = false, u_bad = false;
@@ -91,6 +110,8 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
     const float msv = fp4::e4m3_value(a.m_scales[b]), vsv = fp4::e4m3_value(a.v_scales[b]);
     const uint2 mc = reinterpret_cast<const uint2*>(a.m_codes)[b];
     const uint2 vc = reinterpret_cast<const uint2*>(a.v_codes)[b];
+    const uint32_t odd_in = kMode == kSplit ? (uint32_t)a.odd[b] : 0u;
+    uint32_t odd_out = 0u;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const uint32_t mw = j < 8 ? mc.x : mc.y, vw = j < 8 ? vc.x : vc.y;
@@ -101,7 +122,10 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
         const int64_t i = i0 + j;
         float g = a.grad_f32 ? a.grad_f32[i] : __uint_as_float((uint32_t)a.grad_bf16[i] << 16);
         if (a.maximize) g = -g;
-        float p = a.param[i];
+        float p;
+        if (kMode == kFp32) p = a.param[i];
+        else if (kMode == kSplit) p = __uint_as_float(split_join(a.hi[i], a.lo[i], (odd_in >> j) & 1u));
+        else p = __uint_as_float((uint32_t)a.hi[i] << 16);
         if (a.weight_decay) p = __fmul_rn(p, a.s.decay);
         const float mn = __fadd_rn(__fmul_rn(mo, a.s.b1), __fmul_rn(g, a.s.omb1));
         const float vo = a.v_nvfp4 ? vdec : __fmul_rn(vdec, vdec);
@@ -109,8 +133,17 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
         const float un = __fsqrt_rn(vn);
         const float d = __fadd_rn(__fmul_rn(un, a.s.rsbc2), a.s.eps);
         p = __fsub_rn(p, __fmul_rn(__fdiv_rn(mn, d), a.s.step_size));
-        a.param[i] = p;
-        if (a.bf16_out) a.bf16_out[i] = to_bf16(p);
+        if (kMode == kFp32) {
+          a.param[i] = p;
+          if (a.bf16_out) a.bf16_out[i] = to_bf16(p);
+        } else if (kMode == kSplit) {
+          bool o;
+          a.hi[i] = to_bf16(p);
+          a.lo[i] = split_residual(__float_as_uint(p), o);
+          odd_out |= (o ? 1u : 0u) << j;
+        } else {
+          a.hi[i] = bf16_stochastic(__float_as_uint(p), fp4::sr_bits(wkey, (uint64_t)(index0 + j)) >> 16);
+        }
         m[j] = mn;
         u[j] = a.v_nvfp4 ? vn : un;
       } else {
@@ -123,15 +156,14 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
       m_amax = fp4::fmax_(m_amax, mf ? fp4::fabs_(m[j]) : 0.0f);
       u_amax = fp4::fmax_(u_amax, uf ? fp4::fabs_(u[j]) : 0.0f);
     }
+    if (kMode == kSplit) a.odd[b] = (uint16_t)odd_out;
   }
   const float m_chunk = block_max(m_amax, red);
   const float u_chunk = block_max(u_amax, red);
   if (!has) return;
   const fp4::TensorScale mts = fp4::tensor_scale(m_chunk, fp4::kE2M1Max);
   const fp4::TensorScale uts = fp4::tensor_scale(u_chunk, a.v_nvfp4 ? fp4::kE2M1Max : fp4::kUfp4Max);
-  const int64_t seg = (c * kChunk) / kSegment;
   const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 0u) : 0u;
-  const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
   encode_block(m, m_amax, m_bad, mts, false, a.m_stochastic != 0, key, index0, a.m_codes + b * 8, a.m_scales + b);
   encode_block(u, u_amax, u_bad, uts, a.v_nvfp4 == 0, false, 0u, 0u, a.v_codes + b * 8, a.v_scales + b);
   if (threadIdx.x == 0) {
@@ -140,19 +172,38 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   }
 }
 
-}  // namespace fp4adam_cuda
+// The odd mask from k sorted positions: bit (pos & 31) of 32-bit word pos >> 5 (little-endian, so the uint16
+// word of block pos >> 4 holds bit pos & 15). A position outside [0, n) or not above the one before it sets
+// words[nwords] (the flag) and is left out.
+__global__ void odd_mask_kernel(const int64_t* pos, int64_t k, int64_t n, uint32_t* words, int64_t nwords) {
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; t < k; t += stride) {
+    const int64_t q = pos[t];
+    if (q < 0 || q >= n || (t > 0 && pos[t - 1] >= q)) {
+      words[nwords] = 1u;
+      continue;
+    }
+    atomicOr(&words[q >> 5], 1u << (q & 31));
+  }
+}
 
-// C entry point for the bindings: returns the cudaError_t of the launch.
-extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes,
-                                       uint8_t* m_scales, float* m_ts, uint8_t* v_codes, uint8_t* v_scales,
-                                       float* v_ts, const float* scalars8, int weight_decay, int maximize,
-                                       int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0,
-                                       uint16_t* bf16_out, void* stream) {
-  using namespace fp4adam_cuda;
-  if (n <= 0) return 0;
+template <int kMode>
+int launch_step(const Args& a, cudaStream_t stream) {
+  const int64_t chunks = (a.n + kChunk - 1) / kChunk;
+  fused_step_kernel<kMode><<<(unsigned)chunks, kBlocksPerChunk, 0, stream>>>(a);
+  return (int)cudaGetLastError();
+}
+
+Args make_args(const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
+               uint8_t* v_codes, uint8_t* v_scales, float* v_ts, const float* scalars8, int weight_decay,
+               int maximize, int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0) {
   Args a;
   a.n = n;
-  a.param = param;
+  a.param = nullptr;
+  a.hi = nullptr;
+  a.lo = nullptr;
+  a.odd = nullptr;
+  a.bad = nullptr;
   a.grad_f32 = grad_is_bf16 ? nullptr : static_cast<const float*>(grad);
   a.grad_bf16 = grad_is_bf16 ? static_cast<const uint16_t*>(grad) : nullptr;
   a.m_codes = m_codes;
@@ -161,7 +212,7 @@ extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_
   a.v_codes = v_codes;
   a.v_scales = v_scales;
   a.v_ts = v_ts;
-  a.bf16_out = bf16_out;
+  a.bf16_out = nullptr;
   a.s = Scalars{scalars8[0], scalars8[1], scalars8[2], scalars8[3], scalars8[4], scalars8[5], scalars8[6], scalars8[7]};
   a.weight_decay = weight_decay;
   a.maximize = maximize;
@@ -169,7 +220,60 @@ extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_
   a.m_stochastic = m_stochastic;
   a.seed = seed;
   a.stream0 = stream0;
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
-  fused_step_kernel<<<(unsigned)chunks, kBlocksPerChunk, 0, static_cast<cudaStream_t>(stream)>>>(a);
-  return (int)cudaGetLastError();
+  return a;
+}
+
+}  // namespace fp4adam_cuda
+
+// C entry points for the bindings: each returns the cudaError_t of its launches.
+extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes,
+                                       uint8_t* m_scales, float* m_ts, uint8_t* v_codes, uint8_t* v_scales,
+                                       float* v_ts, const float* scalars8, int weight_decay, int maximize,
+                                       int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0,
+                                       uint16_t* bf16_out, void* stream) {
+  using namespace fp4adam_cuda;
+  if (n <= 0) return 0;
+  Args a = make_args(grad, grad_is_bf16, n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, scalars8, weight_decay,
+                     maximize, v_nvfp4, m_stochastic, seed, stream0);
+  a.param = param;
+  a.bf16_out = bf16_out;
+  return launch_step<kFp32>(a, static_cast<cudaStream_t>(stream));
+}
+
+// The step of a bf16 parameter `hi` with a compact master: mode 1 (split: residual `lo`, the k sorted odd
+// positions `odd_pos`) or 2 (bf16, stochastic rounding with key sr_key(seed, stream0 + segment, 1)).
+// `words` (mode 1): scratch of (n + 31) / 32 + 1 uint32; on return words[0 .. (n + 31) / 32) hold the new odd
+// mask (read it as one uint16 per block of 16) and words[(n + 31) / 32] is nonzero when odd_pos was not
+// increasing inside [0, n), in which case nothing else was changed.
+extern "C" int fp4adam_fused_step_master_cuda(uint16_t* hi, int16_t* lo, const int64_t* odd_pos, int64_t k,
+                                              uint32_t* words, int mode, const void* grad, int grad_is_bf16,
+                                              int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
+                                              uint8_t* v_codes, uint8_t* v_scales, float* v_ts,
+                                              const float* scalars8, int weight_decay, int maximize, int v_nvfp4,
+                                              int m_stochastic, uint32_t seed, uint32_t stream0, void* stream) {
+  using namespace fp4adam_cuda;
+  if (mode != kSplit && mode != kBf16) return (int)cudaErrorInvalidValue;
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t nwords = (n + 31) / 32;
+  if (mode == kSplit) {
+    int err = (int)cudaMemsetAsync(words, 0, (size_t)(nwords + 1) * sizeof(uint32_t), st);
+    if (err) return err;
+    if (k > 0) {
+      const int64_t blocks = (k + 255) / 256;
+      odd_mask_kernel<<<(unsigned)(blocks < 1024 ? blocks : 1024), 256, 0, st>>>(odd_pos, k, n, words, nwords);
+      err = (int)cudaGetLastError();
+      if (err) return err;
+    }
+  }
+  if (n <= 0) return 0;
+  Args a = make_args(grad, grad_is_bf16, n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, scalars8, weight_decay,
+                     maximize, v_nvfp4, m_stochastic, seed, stream0);
+  a.hi = hi;
+  if (mode == kSplit) {
+    a.lo = lo;
+    a.odd = reinterpret_cast<uint16_t*>(words);
+    a.bad = reinterpret_cast<const int*>(words + nwords);
+    return launch_step<kSplit>(a, st);
+  }
+  return launch_step<kBf16>(a, st);
 }

@@ -68,6 +68,7 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
 inline uint16_t __bfloat16_as_ushort(__nv_bfloat16 b) { return b.b; }
 template <class T> inline T __ldg(const T* p) { return *p; }
 inline unsigned atomicMax(unsigned* a, unsigned v) { unsigned o = *a; *a = std::max(o, v); return o; }
+inline unsigned atomicOr(unsigned* a, unsigned v) { unsigned o = *a; *a = o | v; return o; }
 inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) { auto o = *a; *a += v; return o; }
 
 namespace emu {
