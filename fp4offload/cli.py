@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
+
+from .errors import ConfigError, FP4OffloadError
 
 
 def _doctor(args) -> int:
@@ -16,11 +20,21 @@ def _doctor(args) -> int:
 
 
 def _inspect(args) -> int:
-    from .formats.container import read_container
+    from .formats.container import verify_container
+    from .jsonfile import file_kind
 
-    meta, tensors = read_container(args.path)
-    out = {"meta": meta, "tensors": {k: {"dtype": str(v.dtype).replace("torch.", ""), "shape": list(v.shape)}
-                                     for k, v in tensors.items()}}
+    path = args.path
+    if not path or "\0" in path:
+        raise ConfigError("inspect FILE", path, "a path to a file fp4offload wrote")
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise ConfigError("inspect FILE", path, "a file fp4offload wrote", e.strerror or str(e)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError("inspect FILE", path, "a regular file fp4offload wrote",
+                          f"it is {file_kind(st.st_mode)}; it is not read")
+    meta, tensors = verify_container(path)  # checks every checksum, reading the file in bounded chunks
+    out = {"meta": meta, "tensors": {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in tensors.items()}}
     print(json.dumps(out, indent=2))
     return 0
 
@@ -49,16 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    No traceback reaches the user for anything a user can cause: errors of fp4offload (ConfigError,
+    CorruptionError, CapacityError, ...) and OSErrors print one line, ``fp4offload: error: ...``, and return 2;
+    Ctrl-C returns 130. Usage errors are argparse's (exit 2, naming the flag)."""
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except Exception as e:  # errors of ours carry their own advice
-        from .errors import FP4OffloadError
-
-        if isinstance(e, FP4OffloadError):
-            print(f"fp4offload: error: {e}", file=sys.stderr)
-            return 2
-        raise
+    except FP4OffloadError as e:  # errors of ours carry their own advice
+        print(f"fp4offload: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the filesystem said no (full, read-only, gone): name the file and the reason
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"fp4offload: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fp4offload: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

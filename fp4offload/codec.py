@@ -8,6 +8,8 @@ its ``dequantize`` as the decoder behind ``PackedTensor.dequantize`` (``packed.s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import NONFINITE_MODES, ROUNDINGS, SCALE_MODES
@@ -110,7 +112,31 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
         ts = None
     if count and not propagate:
         raise NonFiniteError(name or "x", count, x.numel())
+    if ts is None and not propagate:
+        _check_mx_overflow(kern, data, scales, x, fmt, name)
     return PackedTensor(data, scales, ts, x.shape, x.dtype, fmt, block, scale_scope or 0)
+
+
+_MX_MAX_ELEMENT = {"mxfp4": 6.0, "mxfp8": 448.0}
+
+
+def _check_mx_overflow(kern, data, scales, x: torch.Tensor, fmt: str, name: str | None) -> None:
+    """MX only: finite inputs whose code, rounded up to the top of its block's E8M0 scale, decodes past the
+    largest value of x's dtype (an fp32 block near 3.4e38, an fp16 one near 65504) come back as Inf. Such blocks
+    need a scale of at least 2**floor(log2(dtype max / largest element)); only when one has it is the tensor
+    decoded (in x's dtype, as dequantize does) and its non-finite outputs counted: NonFiniteError under
+    ``nonfinite="raise"``. The encoded bytes are the same on every backend; this only reads them."""
+    if not scales.numel():
+        return
+    e_min = math.floor(math.log2(torch.finfo(x.dtype).max / _MX_MAX_ELEMENT[fmt]))
+    if int(scales.max()) < 127 + e_min:  # E8M0: the byte is the exponent + 127
+        return
+    out = kern.mx_decode(data, scales, x.numel(), fmt == "mxfp8", x.dtype)
+    bad = int((~torch.isfinite(out)).sum())
+    if bad:
+        raise NonFiniteError(f"{name or 'x'} (finite values near the {x.dtype} maximum that {fmt} rounds up to "
+                             "Inf on decode; scale the tensor down, or use fmt='nvfp4', whose tensor scale avoids "
+                             "this)", bad, x.numel())
 
 
 def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:

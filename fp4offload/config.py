@@ -22,13 +22,27 @@ FSDP2 policy YAML: the same sub-blocks plus ``cpu_offload``, ``reshard_after_for
 
 Entry points: :func:`parse_block`, :func:`validate_deepspeed_config`, :func:`parse_fsdp_policy`,
 :func:`load_fsdp_policy_yaml`. Nothing here imports deepspeed at import time.
+
+Checked where they enter, in two steps. The document (the dataclasses, machine-independent): every number
+finite, in range (counts up to int64), of its type (bools are not numbers, "4096" is not an integer); paths a
+non-blank string without a NUL byte, within PATH_MAX/NAME_MAX, not in /proc, /sys or /dev (/dev/shm is fine);
+settings that would be ignored are refused (``nvme_path`` without ``device: nvme``, ``format: fp32`` with
+``device: nvme``). This machine (:func:`check_directory`, run by ``Prepared.checked_paths`` and
+``fp4offload.fsdp.Policy.checked_paths`` before anything is built): each folder expanded (``~``, ``$VARS``),
+resolved, created one level deep under an existing parent only, and refused when it is not a writable directory.
+Adam's numbers (the DeepSpeed ``optimizer`` section, FP4AdamW) go through :func:`check_adam_hyperparameters`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
+import math
+import numbers
+import os
 import re
+import stat
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -39,13 +53,15 @@ from fp4offload.errors import ConfigError
 __all__ = [
     "OptimizerStatesConfig", "ActivationsConfig", "WeightsConfig", "MonitorConfig", "HostConfig", "Fp4OffloadConfig",
     "FsdpPolicyConfig", "parse_block", "validate_deepspeed_config", "parse_fsdp_policy",
-    "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values",
+    "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values", "check_fsdp_states",
     "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "V_FORMATS", "STEP_BACKENDS", "WORKING_COPIES",
     "MASTER_FORMS",
     "NVME_IO_ENGINES", "ACTIVATION_FORMATS", "ACTIVATION_MODULE_FORMATS", "ACTIVATION_NORM_CHOICES",
     "ACTIVATION_DEVICES", "WEIGHT_FORMATS", "WEIGHT_DEVICES", "NONFINITE_MODES", "SCALE_MODES",
     "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16", "MMAP_THRESHOLD",
     "ALLOCATOR_CACHE", "OFF_VALUES", "PREFLIGHT_MODES",
+    "check_number", "check_adam_hyperparameters", "check_directory", "check_path_syntax", "with_checked_paths",
+    "MMAP_THRESHOLD_MAX",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +116,20 @@ ALLOCATOR_CACHE = 0.125
 OFF_VALUES = ("off", "0", "none", "false", "no")
 #: what initialize does when the host-memory estimate does not fit (``host.preflight``)
 PREFLIGHT_MODES = ("error", "warn", "off")
+#: the largest mmap threshold glibc documents on a 64-bit machine (mallopt(3): 4 MiB x sizeof(long)); some of its
+#: versions refuse more, and the setting would then be dropped
+MMAP_THRESHOLD_MAX = 32 * 2**20
+
+#: bounds of the numbers the checks below accept: counts are int64 where they reach the kernels, and the
+#: optimizer's step computes in fp32 (its largest finite value, and its smallest normal one for eps)
+INT64_MAX = 2**63 - 1
+F32_MAX = 3.4028234663852886e38
+F32_TINY = 1.1754943508222875e-38
+#: path limits of Linux (PATH_MAX with its NUL, NAME_MAX) and the kernel file systems no state file belongs in
+PATH_MAX = 4096
+NAME_MAX = 255
+_KERNEL_FS = ("/proc", "/sys", "/dev")
+_KERNEL_FS_OK = ("/dev/shm",)  # a tmpfs: a folder there is a folder in RAM
 
 _KEEP_RULE = re.compile(r"^(first|last):(\d+)$")
 
@@ -131,11 +161,118 @@ def _check_choice(key: str, value: Any, allowed: tuple[str, ...], hint: str | No
         raise _error(key, value, "one of " + ", ".join(repr(a) for a in allowed), hint)
 
 
-def _check_int(key: str, value: Any, minimum: int = 0) -> None:
+def _check_int(key: str, value: Any, minimum: int = 0, maximum: int = INT64_MAX) -> None:
+    allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum != INT64_MAX else "")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _error(key, value, f"an integer >= {minimum}")
+        raise _error(key, value, allowed, _not_a_number_hint(value, "integer"))
     if value < minimum:
-        raise _error(key, value, f"an integer >= {minimum}")
+        raise _error(key, value, allowed)
+    if value > maximum:
+        raise _error(key, value, allowed, "a count past int64 reaches no real tensor" if maximum == INT64_MAX
+                     else None)
+
+
+def _not_a_number_hint(value: Any, what: str = "number") -> str | None:
+    """Why a value that is not a number was refused, when the reason is a common slip."""
+    if isinstance(value, bool):
+        return f"true/false is not a{'n' if what[0] in 'aeiou' else ''} {what}"
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return None
+        return f"write it as a {what}, without quotes"
+    if isinstance(value, float) and what == "integer":
+        return "write it without a fraction or exponent, e.g. 4096"
+    if isinstance(value, (list, tuple, dict)):
+        return f"one {what}, not a {'mapping' if isinstance(value, dict) else 'list'}"
+    return None
+
+
+def check_number(key: str, value: Any, *, minimum: float | None = None, above: float | None = None,
+                 below: float | None = None, allowed: str | None = None, hint: str | None = None) -> float:
+    """``value`` as a float when it is a finite real number (not a bool, not a string) within fp32's range and
+    the bounds (``minimum`` <= value, ``above`` < value, value < ``below``); ConfigError naming ``key`` otherwise.
+
+    Key paths of the document being parsed get its prefix, as every error of this module does.
+    """
+    parts = ["a finite number"]
+    if minimum is not None:
+        parts.append(f">= {minimum:g}")
+    if above is not None:
+        parts.append(f"> {above:g}")
+    if below is not None:
+        parts.append(f"< {below:g}")
+    allowed = allowed or " ".join(parts)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _error(key, value, allowed, _not_a_number_hint(value) or hint)
+    try:
+        x = float(value)
+    except (OverflowError, ValueError):
+        raise _error(key, value, allowed, "it is past fp32's range (3.4e38), where the step computes") from None
+    if not math.isfinite(x):
+        raise _error(key, value, allowed, "NaN and Infinity are not values a step can compute with (JSON's NaN and "
+                     "Infinity, YAML's .nan and .inf): write a finite number")
+    if abs(x) > F32_MAX:
+        raise _error(key, value, allowed, "it is past fp32's range (3.4e38), where the step computes")
+    too_low = (minimum is not None and x < minimum) or (above is not None and x <= above)
+    if too_low or (below is not None and x >= below):
+        raise _error(key, value, allowed, hint)
+    return x
+
+
+_UNSET: Any = object()
+
+
+def check_adam_hyperparameters(prefix: str = "", *, lr: Any = _UNSET, betas: Any = _UNSET, eps: Any = _UNSET,
+                               weight_decay: Any = _UNSET, defaults: Mapping[str, Any] | None = None
+                               ) -> dict[str, Any]:
+    """Adam's hyperparameters checked where they enter (the DeepSpeed ``optimizer`` section, FP4AdamW, its param
+    groups): lr >= 0, betas a pair in [0, 1), eps >= 1.2e-38 (the smallest normal fp32: it is added in fp32),
+    weight_decay >= 0, every one a finite number in fp32's range, and lr x weight_decay <= 1 (the decoupled decay
+    multiplies each weight by 1 - lr x weight_decay, which must not turn negative). Arguments not given are not
+    checked (None is checked, and refused); ``defaults`` supplies the other half of the lr x weight_decay check.
+    Returns the given ones as floats (betas as a tuple). Errors name ``prefix + key`` (``optimizer.params.lr``,
+    ``betas[1]``, ``param_groups[2].eps``).
+    """
+    out: dict[str, Any] = {}
+    if lr is not _UNSET:
+        out["lr"] = check_number(prefix + "lr", lr, minimum=0.0, allowed="a finite learning rate >= 0")
+    if betas is not _UNSET:
+        if isinstance(betas, (str, bytes, Mapping)) or not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            n = len(betas) if isinstance(betas, (list, tuple)) else None
+            raise _error(prefix + "betas", betas, "a pair [beta1, beta2], each in [0, 1)",
+                         f"it has {n} value(s); e.g. [0.9, 0.999]" if n is not None else "e.g. [0.9, 0.999]")
+        out["betas"] = tuple(check_number(f"{prefix}betas[{i}]", b, minimum=0.0, below=1.0,
+                                          allowed="a value in [0, 1)",
+                                          hint="a beta of 1 or more never forgets: the moments grow without bound")
+                             for i, b in enumerate(betas))
+    if eps is not _UNSET:
+        out["eps"] = check_number(prefix + "eps", eps, minimum=F32_TINY, allowed="eps > 0 (at least 1.2e-38)",
+                                  hint="eps is added to sqrt(v) in fp32: 0, or less than fp32's smallest normal "
+                                  "number, divides by zero where v is 0")
+    if weight_decay is not _UNSET:
+        out["weight_decay"] = check_number(prefix + "weight_decay", weight_decay, minimum=0.0,
+                                           allowed="a finite weight decay >= 0")
+    lr_v = out.get("lr", _plain_float((defaults or {}).get("lr")))
+    wd_v = out.get("weight_decay", _plain_float((defaults or {}).get("weight_decay")))
+    if lr_v is not None and wd_v is not None and lr_v * wd_v > 1.0:
+        key = "weight_decay" if "weight_decay" in out else "lr"
+        raise _error(prefix + key, out[key], "lr x weight_decay <= 1",
+                     f"decoupled weight decay multiplies every weight by 1 - lr x weight_decay = "
+                     f"{1.0 - lr_v * wd_v:g} ({prefix}lr={lr_v:g}, {prefix}weight_decay={wd_v:g}); past 1 the "
+                     "weights flip sign and grow each step: lower one of them")
+    return out
+
+
+def _plain_float(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    try:
+        x = float(v)
+    except (OverflowError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
 
 
 def _check_bool(key: str, value: Any) -> None:
@@ -144,8 +281,146 @@ def _check_bool(key: str, value: Any) -> None:
 
 
 def _check_path(key: str, value: Any) -> None:
-    if value is not None and (not isinstance(value, str) or not value.strip()):
+    """What can be said of a folder path without looking at this machine (a config may be written for another):
+    a non-blank string without a NUL byte, within Linux's length limits, not in a kernel file system."""
+    if value is None:
+        return
+    if not isinstance(value, str) or not value.strip():
         raise _error(key, value, "a directory path (string) or null")
+    _check_path_text(key, value, value)
+
+
+def check_path_syntax(key: str, value: Any) -> None:
+    """A folder path as far as it can be checked without this machine (a non-blank string, no NUL byte, within
+    PATH_MAX and NAME_MAX, not in /proc, /sys or /dev): ConfigError naming ``key`` otherwise. The machine's side
+    is :func:`check_directory`'s."""
+    if value is None:
+        raise _error(key, value, "a directory path (string)")
+    _check_path(key, value)
+
+
+def _check_path_text(key: str, value: Any, text: str) -> None:
+    if "\0" in text:
+        raise _error(key, value, "a directory path without a NUL byte", "a path cannot hold one; it is cut there")
+    if len(os.fsencode(text)) >= PATH_MAX:
+        raise _error(key, _short(value), f"a directory path under {PATH_MAX} bytes",
+                     f"it is {len(os.fsencode(text))} bytes; Linux's PATH_MAX is {PATH_MAX}")
+    long = [c for c in text.split("/") if len(os.fsencode(c)) > NAME_MAX]
+    if long:
+        raise _error(key, _short(value), f"path components of at most {NAME_MAX} bytes",
+                     f"one is {len(os.fsencode(long[0]))} bytes (NAME_MAX is {NAME_MAX})")
+    if text.startswith("/"):
+        _check_not_kernel_fs(key, value, Path(os.path.normpath(text)))
+
+
+def _check_not_kernel_fs(key: str, value: Any, p: Path) -> None:
+    for top in _KERNEL_FS:
+        if (p == Path(top) or Path(top) in p.parents) and not any(
+                p == Path(ok) or Path(ok) in p.parents for ok in _KERNEL_FS_OK):
+            raise _error(key, value, "a folder on a disk (or in /dev/shm)",
+                         f"{p} is in {top}, a kernel file system: state files cannot live there")
+
+
+def _short(value: Any) -> Any:
+    """A long string value cut for an error message (its length said)."""
+    return f"{value[:60]}...({len(value)} characters)" if isinstance(value, str) and len(value) > 120 else value
+
+
+_ENV_VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
+
+
+def check_directory(key: str, value: Any, *, create: bool = True) -> Path:
+    """The folder ``value`` names, checked where it enters, before anything is built: the one check of every
+    nvme_path (``optimizer_states.nvme_path`` and ``activations.nvme_path`` of the block and the FSDP policy,
+    DeepSpeed's ``offload_optimizer.nvme_path`` that the block reads, FP4AdamW's ``nvme_path``).
+
+    ``~`` and ``$VARS`` / ``${VARS}`` are expanded (an unset variable or an unknown ``~user`` is an error, not a
+    literal folder), the path made absolute and resolved (symlinks followed). Refused: a NUL byte, a path over
+    PATH_MAX or a component over NAME_MAX, anything in /proc, /sys or /dev (but /dev/shm), something that exists
+    and is not a directory (a regular file, a device, a FIFO), a folder this process cannot write to (a read-only
+    mount, permissions), and a missing folder whose parent does not exist (a mistyped mount point is not created
+    with its parents; a dangling symlink counts as its missing target). Relative paths are taken from the working
+    directory. A missing folder under an existing, writable
+    parent is created (one level, mode 0700) when ``create``. Returns the resolved path; raises ConfigError
+    naming ``key``, the value and the fix.
+    """
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or not value.strip():
+        raise _error(key, value, "a directory path (string)")
+    if "\0" in value:
+        _check_path_text(key, value, value)
+    text = os.path.expanduser(value)
+    if text.startswith("~"):
+        user = text[1:].split("/", 1)[0]
+        raise _error(key, value, "a directory path", f"~{user} is not a user on this machine: write the folder out")
+    unset = [m.group(1) or m.group(2) for m in _ENV_VAR.finditer(text) if (m.group(1) or m.group(2)) not in os.environ]
+    if unset:
+        raise _error(key, value, "a directory path", f"environment variable {unset[0]} is not set: set it, or write "
+                     "the folder out")
+    text = os.path.expandvars(text)
+    _check_path_text(key, value, text)
+    try:
+        p = Path(os.path.abspath(text)).resolve()
+    except (OSError, RuntimeError) as exc:  # a symlink loop
+        raise _error(key, value, "a directory path", str(exc)) from None
+    _check_path_text(key, value, str(p))
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        st = None
+    except OSError as exc:
+        raise _error(key, value, "a folder this process can reach", str(exc)) from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise _error(key, value, "a directory", f"{p} is {_kind(st.st_mode)}: name a folder (it may not exist "
+                         "yet, under one that does)")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise _error(key, value, "a folder this process can write to",
+                         f"{p} is not writable (a read-only mount, or its permissions): pick another, or fix them")
+        return p
+    parent = p.parent
+    if not parent.is_dir():
+        raise _error(key, value, "an existing folder, or a new one inside an existing folder",
+                     f"{parent} does not exist: a mistyped mount point? Nothing is created above the folder "
+                     "itself; create it first if it is meant")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise _error(key, value, "a folder this process can create",
+                     f"{p} does not exist and {parent} is not writable (a read-only mount, or its permissions)")
+    if create:
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            if not p.is_dir():
+                raise _error(key, value, "a directory", f"{p} appeared as something else") from None
+        except OSError as exc:
+            raise _error(key, value, "a folder this process can create", f"{p}: {exc.strerror}") from None
+    return p
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a directory"
+
+
+def with_checked_paths(cfg: Any, prefix: str = "") -> Any:
+    """``cfg`` (an Fp4OffloadConfig or FsdpPolicyConfig) with each nvme_path of ``optimizer_states`` and
+    ``activations`` checked by :func:`check_directory` (created under an existing parent) and replaced by the
+    resolved folder. Called where a run starts on this machine (``Prepared.checked_paths``, which
+    ``fp4offload.deepspeed.initialize`` calls first), not by ``parse_block``: a config may be written on one
+    machine for another."""
+    changes = {}
+    for name in ("optimizer_states", "activations"):
+        sub = getattr(cfg, name, None)
+        path = getattr(sub, "nvme_path", None)
+        if path is not None:
+            resolved = str(check_directory(f"{prefix}{name}.nvme_path", path))
+            if resolved != path:
+                changes[name] = dataclasses.replace(sub, nvme_path=resolved)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def _as_tuple(obj: Any, name: str) -> None:
@@ -212,6 +487,18 @@ class OptimizerStatesConfig:
                               "a compact master is FP4AdamW's; set format 'nvfp4' or master 'fp32'")
         _check_int("optimizer_states.min_numel", self.min_numel)
         _check_nvme("optimizer_states", self.device, self.nvme_path)
+        if self.format == "fp32" and self.device == "nvme":
+            raise _error("optimizer_states.device", "nvme", "'same' or 'cpu' with format 'fp32'",
+                         "format 'fp32' is torch AdamW, which keeps its states in memory beside the parameters and "
+                         "never on NVMe: set format 'nvfp4' for NVMe states, or drop device 'nvme'")
+        if self.nvme_path is not None and self.format == "fp32":
+            raise _error("optimizer_states.nvme_path", self.nvme_path, "null with format 'fp32'",
+                         "torch AdamW's fp32 states never go to NVMe, so the folder would be ignored: remove it, "
+                         "or set format 'nvfp4' and device 'nvme'")
+        if self.nvme_path is not None and self.device == "cpu":
+            raise _error("optimizer_states.nvme_path", self.nvme_path, "null unless device is 'nvme'",
+                         "device 'cpu' keeps the states in host RAM, so the folder would be ignored: remove it, or "
+                         "set device 'nvme'")
 
 
 @dataclass(frozen=True)
@@ -247,6 +534,11 @@ class ActivationsConfig:
         _check_names("activations.modules", self.modules)
         _check_names("activations.exclude", self.exclude)
         _check_nvme("activations", self.device, self.nvme_path)
+        if self.nvme_path is not None and self.device != "nvme":
+            raise _error("activations.nvme_path", self.nvme_path, "null unless device is 'nvme'",
+                         f"device {self.device!r} keeps activations "
+                         f"{'in host RAM' if self.device == 'cpu' else 'where they are'}, so the folder would be "
+                         "ignored: remove it, or set device 'nvme'")
         if self.format == "none" and self.device == "same":
             raise _error("activations.device", "same", "'cpu' or 'nvme' when format is 'none'",
                          "format 'none' with device 'same' does nothing: pick a 4-bit format or move them")
@@ -340,16 +632,18 @@ class HostConfig:
 def _size_or_off(key: str, value: Any) -> int | str:
     if isinstance(value, str) and value.strip().lower() in OFF_VALUES:
         return "off"
-    if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
-        raise _error(key, value, "a size in bytes >= 4096, or \"off\"",
-                     f"the default is {MMAP_THRESHOLD} (glibc's own starting threshold, kept fixed)")
+    if isinstance(value, bool) or not isinstance(value, int) or not 4096 <= value <= MMAP_THRESHOLD_MAX:
+        raise _error(key, value, f"a size in bytes >= 4096 and <= {MMAP_THRESHOLD_MAX} (32 MiB), or \"off\"",
+                     f"the default is {MMAP_THRESHOLD} (glibc's own starting threshold, kept fixed); 32 MiB is "
+                     "glibc's upper limit on 64-bit machines (mallopt(3)), past which it may refuse it")
     return value
 
 
 def _fraction_or_off(key: str, value: Any) -> float | str:
     if isinstance(value, str) and value.strip().lower() in OFF_VALUES:
         return "off"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < float(value) <= 1.0:
+    x = _plain_float(value) if isinstance(value, (int, float)) else None
+    if x is None or not 0.0 < x <= 1.0:
         raise _error(key, value, "a fraction in (0, 1] of the bytes in use, or \"off\"",
                      f"it bounds the freed memory the host cache keeps resident; the default is {ALLOCATOR_CACHE}")
     return float(value)
@@ -632,6 +926,7 @@ class FsdpPolicyConfig:
         if self.weights is not None and self.weights.device != "cpu":
             raise _error("weights.device", self.weights.device, "'cpu' under FSDP2",
                          "FSDP2 offloads to host RAM only; NVMe weights need DeepSpeed ZeRO-3 offload_param")
+        check_fsdp_states(self.optimizer_states, self.cpu_offload)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML form (absent sub-blocks left out), as ``parse_fsdp_policy`` reads it back."""
@@ -642,6 +937,22 @@ class FsdpPolicyConfig:
 
 
 _FSDP_SCALARS = ("cpu_offload", "reshard_after_forward", "block_classes")
+
+
+def check_fsdp_states(states: OptimizerStatesConfig | None, cpu_offload: Any = False) -> None:
+    """What the FSDP2 optimizer would ignore in ``optimizer_states``: an nvme_path with device 'same' (DeepSpeed
+    reads that pair for its NVMe offload; FSDP2 has none, so the states stay beside the shards), and device 'cpu'
+    with format 'fp32' without cpu_offload (torch AdamW keeps its states beside the shards, on the GPU)."""
+    if states is None:
+        return
+    if states.nvme_path is not None and states.device != "nvme":
+        raise _error("optimizer_states.nvme_path", states.nvme_path, "null unless device is 'nvme'",
+                     f"under FSDP2 device {states.device!r} keeps the states beside the shards, so the folder would "
+                     "be ignored: remove it, or set device 'nvme'")
+    if states.format == "fp32" and states.device == "cpu" and cpu_offload is not True:
+        raise _error("optimizer_states.device", "cpu", "'same' with format 'fp32' (or cpu_offload: true)",
+                     "format 'fp32' is torch AdamW, whose states stay beside the shards (on the GPU without "
+                     "cpu_offload): set cpu_offload true to keep shards and states in host RAM, or format 'nvfp4'")
 
 
 def parse_fsdp_policy(doc: Mapping[str, Any] | None) -> FsdpPolicyConfig:
@@ -663,20 +974,83 @@ def parse_fsdp_policy(doc: Mapping[str, Any] | None) -> FsdpPolicyConfig:
     return FsdpPolicyConfig(**kwargs)
 
 
+#: the largest policy file read (a policy is a few hundred bytes; anything this large is the wrong file)
+POLICY_MAX_BYTES = 1 << 20
+
+
 def load_fsdp_policy_yaml(path: str | Path) -> FsdpPolicyConfig:
-    """Read and validate an FSDP2 policy YAML file."""
+    """Read and validate an FSDP2 policy YAML file.
+
+    The file must be a regular file (a FIFO or a device is not opened: it could block or never end) of at most
+    1 MiB, UTF-8, valid YAML, one mapping with no key written twice (YAML would keep the last one without a
+    word; the error names the key path and both lines), and not empty: an empty document, or one of comments
+    only, is a ConfigError (a truncated or wrong file; write ``{}`` for a policy with every feature off).
+    """
     import yaml
 
     p = Path(path)
     try:
-        text = p.read_text()
+        st = os.stat(p)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(str(p), f"<{_kind(st.st_mode)}>", "a regular YAML file",
+                              "it is not read: it could block or never end")
+        if st.st_size > POLICY_MAX_BYTES:
+            raise ConfigError(str(p), f"<{st.st_size} bytes>", f"a policy file of at most {POLICY_MAX_BYTES} bytes",
+                              "a policy is a few hundred bytes: is this the right file?")
+        with open(p, "rb") as f:
+            data = f.read(POLICY_MAX_BYTES + 1)
     except OSError as exc:
         raise ConfigError(str(p), "<unreadable>", "a readable YAML file", str(exc)) from None
     try:
-        doc = yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(str(p), "<not UTF-8>", "a UTF-8 YAML file",
+                          f"byte {exc.start} ({data[exc.start:exc.start + 1]!r}) is not UTF-8: {exc.reason}") from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)  # libyaml when PyYAML has it: the same documents
+    try:
+        node = loader.get_single_node()  # composed first, so duplicate keys are seen before they are merged
+        if node is not None:
+            _refuse_duplicate_keys(node, p)
+        doc = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise ConfigError(str(p), "<invalid YAML>", "a YAML mapping", str(exc).splitlines()[0]) from None
+    except RecursionError:
+        raise ConfigError(str(p), "<invalid YAML>", "a YAML mapping", "it nests too deeply") from None
+    finally:
+        loader.dispose()
+    if node is None or doc is None:
+        raise ConfigError(str(p), "<empty document>", "a YAML mapping of the policy's keys",
+                          "the file holds no policy (empty, comments only, or null): write {} for one with every "
+                          "feature off, or check that this is the right file")
+    if not isinstance(doc, Mapping):
+        raise ConfigError(str(p), doc, "a YAML mapping with optional keys " + ", ".join([*_FSDP_SUBBLOCKS,
+                                                                                          *_FSDP_SCALARS]))
     return parse_fsdp_policy(doc)
+
+
+def _refuse_duplicate_keys(node: Any, p: Path, path: str = "", seen: set | None = None) -> None:
+    """ConfigError for a mapping key written twice anywhere in the composed YAML document (key path, lines)."""
+    import yaml
+
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias to a node already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[Any, int] = {}
+        for k, v in node.value:
+            name = k.value if isinstance(k, yaml.ScalarNode) else None
+            key = f"{path}.{name}" if path else str(name)
+            if name is not None:
+                if name in first and name != "<<":
+                    raise ConfigError(key, "<written twice>", "each key once in its mapping",
+                                      f"{p} sets it on line {first[name]} and again on line {k.start_mark.line + 1}; "
+                                      "YAML would keep the last one without a word: delete one")
+                first[name] = k.start_mark.line + 1
+            _refuse_duplicate_keys(v, p, key, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            _refuse_duplicate_keys(v, p, f"{path}[{i}]", seen)
 
 
 def dump_fsdp_policy_yaml(policy: FsdpPolicyConfig, path: str | Path | None = None, *, header: str = "") -> str:

@@ -84,9 +84,24 @@ def deepspeed_report() -> dict:
     return out
 
 
-def host_settings(config: str | None = None) -> dict:
+def read_doctor_config(config: str | None):
+    """``doctor --config FILE`` read and checked (a regular UTF-8 JSON file, each key once), or None: a
+    ConfigError naming ``--config``. Done before anything slow runs."""
+    if config is None:
+        return None
+    from pathlib import Path
+
+    from .jsonfile import read_json
+
+    return read_json(Path(config), "--config", config, readable="a readable DeepSpeed JSON file",
+                     valid="valid JSON", detail="line {exc.lineno} column {exc.colno}: {exc.msg}",
+                     top="a JSON object at the top level")
+
+
+def host_settings(config=None) -> dict:
     """The DeepSpeed block's effective host settings and where each came from: the ``host`` sub-block of
-    ``config`` (a DeepSpeed JSON), the FP4OFFLOAD_* environment overrides, or the defaults."""
+    ``config`` (a DeepSpeed JSON, as a path or a parsed dict), the FP4OFFLOAD_* environment overrides, or the
+    defaults."""
     from .config import parse_block
     from .integrations import ds_host
     from .integrations.deepspeed import BLOCK_KEY, read_config
@@ -97,7 +112,7 @@ def host_settings(config: str | None = None) -> dict:
     return ds_host.resolve(host).as_dict()
 
 
-def host_report(config: str | None = None) -> dict:
+def host_report(config=None) -> dict:
     """What the DeepSpeed block's host settings will find: glibc, transparent huge pages, the allocator cache,
     and the settings themselves (:func:`host_settings`)."""
     thp = None
@@ -124,8 +139,13 @@ def host_report(config: str | None = None) -> dict:
 
 
 def report(config: str | None = None) -> dict:
-    """Everything ``fp4offload doctor`` prints; ``config``: a DeepSpeed JSON whose host settings to resolve."""
+    """Everything ``fp4offload doctor`` prints; ``config``: a DeepSpeed JSON whose host settings to resolve
+    (read and checked first, so a bad file fails at once)."""
     from . import __version__
+
+    if isinstance(config, str):
+        config = read_doctor_config(config)
+        host_settings(config)  # the block's host settings checked before the slow probes
 
     forced = os.environ.get("FP4OFFLOAD_BACKEND") or None
     backends = {"cpu": _try_backend("cpu"), "cuda": _try_backend("cuda"),

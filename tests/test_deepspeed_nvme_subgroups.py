@@ -121,10 +121,12 @@ def _worker(spec_path: str) -> None:
             return orig_step(self, *a, **k)
 
         FP4AdamW.step = step
+        orig_close = FP4AdamW.close  # engine.destroy() closes FP4AdamW; its files are looked at below first
+        FP4AdamW.close = lambda self: None
         try:
             out = W._run_case(case, spec, train)
         finally:
-            FP4AdamW.step = orig_step
+            FP4AdamW.step, FP4AdamW.close = orig_step, orig_close
         opt = made[-1] if made else None
         if isinstance(opt, FP4AdamW) and opt._nvme is not None:
             files = sorted(opt._nvme.dir.glob("*.fp4s"))

@@ -34,11 +34,12 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp4offload.config import Fp4OffloadConfig, parse_block, validate_deepspeed_config
+from fp4offload.config import (Fp4OffloadConfig, check_directory, check_path_syntax, parse_block,
+                               validate_deepspeed_config, with_checked_paths)
 from fp4offload.errors import ConfigError
 from fp4offload.jsonfile import read_json
 
@@ -70,6 +71,23 @@ class Prepared:
     states: ds_optim.StatePlacement | None
     rewrites: tuple[str, ...] = field(default=())
     host: ds_host.HostSettings = field(default_factory=lambda: ds_host.resolve(None))
+
+    def checked_paths(self) -> "Prepared":
+        """These settings with their NVMe folders checked on this machine and resolved (fp4offload.config.
+        check_directory: ``~`` and ``$VARS`` expanded, made absolute, created one level deep under an existing
+        parent, refused when a file, a device, in /proc or /sys, unwritable or under a missing parent), for
+        ``optimizer_states``, ``activations`` and DeepSpeed's ``offload_optimizer.nvme_path`` when the block takes
+        it. :func:`initialize` calls it before anything is built; ``prepare_config`` does not look at the disk
+        (a config may be prepared on one machine for another)."""
+        block = with_checked_paths(self.block, f"{BLOCK_KEY}.")
+        states = self.states
+        if states is not None and states.device == "nvme":
+            st = self.block.optimizer_states
+            key = (f"{BLOCK_KEY}.optimizer_states.nvme_path" if st is not None and st.nvme_path is not None
+                   else "zero_optimization.offload_optimizer.nvme_path")
+            folder = check_directory(key, str(Path(states.nvme_path).parent))
+            states = replace(states, nvme_path=str(folder / "optimizer_states"))
+        return replace(self, block=block, states=states)
 
 
 def read_config(config: str | os.PathLike | Mapping[str, Any]) -> dict:
@@ -105,19 +123,29 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
         off = zero.get("offload_optimizer")
         if isinstance(off, dict) and off.get("device") == "nvme":
             ds_path = off.get("nvme_path")
+            if device == "same" and st.format == "fp32":  # torch AdamW's states would stay in RAM, not on NVMe
+                raise ConfigError(f"{BLOCK_KEY}.optimizer_states.format", "fp32",
+                                  "'nvfp4' when zero_optimization.offload_optimizer.device is 'nvme'",
+                                  "format 'fp32' is torch AdamW, which keeps its states in host RAM: set format "
+                                  "'nvfp4' for packed states on NVMe, or drop optimizer_states for DeepSpeed's swapper")
             if device == "same":
                 device, nvme_path = "nvme", nvme_path or ds_path
             if device == "nvme" and not nvme_path:
                 raise ConfigError("zero_optimization.offload_optimizer.nvme_path", ds_path,
                                   "a directory on an NVMe drive when the optimizer is offloaded to 'nvme'",
                                   "set it, or fp4offload.optimizer_states.nvme_path")
+            if device == "nvme" and nvme_path is ds_path:  # the block takes DeepSpeed's folder: checked like its own
+                check_path_syntax("zero_optimization.offload_optimizer.nvme_path", ds_path)
             new_off = {k: v for k, v in off.items() if k in ("pin_memory", "ratio")}
             new_off["device"] = "cpu"
             zero["offload_optimizer"] = new_off
             notes.append(f"zero_optimization.offload_optimizer.device: 'nvme' -> 'cpu' (fp32 master in host RAM); "
                          f"packed states on {device!r}" + (f" under {nvme_path}" if device == "nvme" else ""))
-        if device == "nvme" and nvme_path:
-            nvme_path = str(Path(nvme_path) / "optimizer_states")
+        if nvme_path is not None and device != "nvme":  # device 'same' without DeepSpeed's NVMe offload
+            raise ConfigError(f"{BLOCK_KEY}.optimizer_states.nvme_path", nvme_path, "null unless the states go to NVMe",
+                              f"device {device!r} keeps the states in memory, so the folder would be ignored (device "
+                              "'same' uses it only with zero_optimization.offload_optimizer.device 'nvme'): remove "
+                              "it, or set device 'nvme'")
         if ds.get("optimizer") is not None:
             ds_optim.settings_from_ds_section(ds["optimizer"])  # Adam/AdamW only; raises before anything is built
         if st.master != "fp32":
@@ -126,6 +154,8 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
                                   "the NVFP4 weight shards are encoded by the step from an fp32 master; drop "
                                   "fp4offload.weights or use master 'fp32'")
             notes += _compact_master(ds, st.master)
+        if device == "nvme" and nvme_path:
+            nvme_path = str(Path(nvme_path) / "optimizer_states")
         states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
                                          min_numel=st.min_numel, master=st.master)
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
@@ -226,7 +256,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if not _has_block(source):
         return _original_initialize()(config=config, config_params=config_params, **kwargs)
 
-    prepared = prepare_config(source)
+    prepared = prepare_config(source).checked_paths()  # its folders too, before anything is built
     for note in prepared.rewrites:
         log.info("fp4offload: %s", note)
     ds_internals.check(features(prepared))  # DeepSpeed's private names: fail before anything is built
@@ -262,6 +292,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
     if states:
         _norm_source(engine)
+        _close_on_destroy(engine)
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_host.release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
@@ -277,6 +308,27 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         attached.monitor = ds_monitor.attach(engine, block.monitor, attached)
     engine.fp4offload = attached
     return result
+
+
+def _close_on_destroy(engine: Any) -> bool:
+    """``engine.destroy()`` also closes FP4AdamW: its NVMe state folder goes (or stays, kept with its manifest,
+    under ``FP4OFFLOAD_NVME_KEEP=1``). Normal interpreter exit removes it as well (the tier's atexit)."""
+    from fp4offload.optim import FP4AdamW
+
+    zo = getattr(engine, "optimizer", None)
+    opt = zo if isinstance(zo, FP4AdamW) else ds_internals.read(zo, "optimizer")
+    destroy = getattr(engine, "destroy", None)
+    if not isinstance(opt, FP4AdamW) or not callable(destroy):
+        return False
+
+    def destroy_and_close(*args, **kwargs):
+        try:
+            return destroy(*args, **kwargs)
+        finally:
+            opt.close()
+
+    engine.destroy = destroy_and_close
+    return True
 
 
 def _norm_source(engine: Any) -> bool:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fp4offload.config import check_adam_hyperparameters
 from fp4offload.errors import ConfigError
 
 from . import ds_internals as dsi
@@ -159,16 +160,21 @@ def settings_from_ds_section(section: Mapping[str, Any] | None) -> AdamSettings:
         raise ConfigError("optimizer.type", typ, "'Adam' or 'AdamW' when fp4offload.optimizer_states is set",
                           "FP4AdamW stores Adam's m and v in 4 bits; other optimizers keep their own states, so "
                           "remove fp4offload.optimizer_states or switch to AdamW")
+    if section.get("params") is not None and not isinstance(section.get("params"), Mapping):
+        raise ConfigError("optimizer.params", section.get("params"), "a JSON object of Adam's hyperparameters",
+                          "e.g. {\"lr\": 1e-4, \"betas\": [0.9, 0.999], \"eps\": 1e-8, \"weight_decay\": 0.01}")
     params = dict(section.get("params") or {})
+    # every number checked here, before anything is built: finite, in range, a pair of betas (ConfigError)
+    checked = check_adam_hyperparameters("optimizer.params.", **{k: params[k] for k in _HYPER if k in params})
     # DeepSpeed's Adam is AdamW unless adam_w_mode is false (decoupled weight decay by default).
     adam_w = params.pop("adam_w_mode", True)
-    if typ.lower() == "adam" and adam_w is False and float(params.get("weight_decay", 0.0)) != 0.0:
+    if typ.lower() == "adam" and adam_w is False and checked.get("weight_decay", 0.0) != 0.0:
         raise ConfigError("optimizer.params.adam_w_mode", False, "true (decoupled weight decay)",
                           "FP4AdamW implements AdamW; L2-style weight decay would change the training run")
     out: dict[str, Any] = {}
     for k, v in params.items():
         if k in _HYPER:
-            out[k] = tuple(float(b) for b in v) if k == "betas" else float(v)
+            out[k] = checked[k]
         elif k in ("torch_adam", "fp32_optimizer_states", "bias_correction", "amsgrad", "foreach", "fused"):
             if k == "amsgrad" and v:
                 raise ConfigError("optimizer.params.amsgrad", v, "false", "FP4AdamW has no AMSGrad variant")

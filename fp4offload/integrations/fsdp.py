@@ -343,6 +343,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
         policy = Policy.from_config(policy)
     elif not isinstance(policy, Policy):
         raise ConfigError("policy", type(policy).__name__, "an fp4offload.fsdp.Policy or FsdpPolicyConfig")
+    policy = policy.checked_paths()  # the NVMe folders: expanded, resolved, created under an existing parent
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
     blocks = _blocks(model, policy.block_classes)

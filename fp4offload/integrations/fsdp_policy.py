@@ -8,6 +8,7 @@ exist only on :class:`Policy`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -15,7 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import (ActivationsConfig, FsdpPolicyConfig, MonitorConfig, OptimizerStatesConfig, WeightsConfig,
-                      load_fsdp_policy_yaml)
+                      check_directory, check_fsdp_states, load_fsdp_policy_yaml)
 from ..errors import ConfigError
 
 __all__ = ["Policy", "policy_from_yaml"]
@@ -114,6 +115,7 @@ class Policy:
         for key in ("cpu_offload", "reshard_after_forward"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, getattr(self, key), "True or False")
+        check_fsdp_states(self.optimizer_states, self.cpu_offload)
         bc = self.block_classes
         if isinstance(bc, (str, type)):
             bc = (bc,)
@@ -135,6 +137,23 @@ class Policy:
             if self.param_dtype != torch.bfloat16:
                 raise ConfigError("param_dtype", self.param_dtype, f"torch.bfloat16 with optimizer_states.master="
                                   f"{master!r}", "the bf16 shards are the master's upper half")
+
+    def checked_paths(self) -> "Policy":
+        """This policy with its NVMe folders (``optimizer_states.nvme_path``, ``activations.nvme_path``) checked on
+        this machine and resolved: ``~`` and ``$VARS`` expanded, made absolute, created (one level, under an
+        existing parent) when missing, refused with ConfigError when they are a file, a device, in /proc or /sys,
+        unwritable, or under a missing parent (fp4offload.config.check_directory). :func:`fp4offload.fsdp.apply`
+        calls it before anything is sharded; building a Policy (or reading its YAML) does not look at the disk,
+        since a policy may be written on one machine for another."""
+        changes = {}
+        for key in ("optimizer_states", "activations"):
+            sub = getattr(self, key)
+            path = getattr(sub, "nvme_path", None)
+            if path is not None and getattr(sub, "device", None) == "nvme":
+                resolved = str(check_directory(f"{key}.nvme_path", path))
+                if resolved != path:
+                    changes[key] = dataclasses.replace(sub, nvme_path=resolved)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @property
     def compact_master(self) -> str | None:

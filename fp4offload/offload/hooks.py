@@ -15,6 +15,14 @@ taken as is) and stored:
 - ``device="nvme"``: in a checksummed file written by an IO thread (staged through the pool on CUDA).
 - ``device="same"``: compressed where it is.
 
+Non-finite values: a 4-bit or MX block holding Inf or NaN decodes to NaN, so one -inf would silently spoil
+its neighbours (and a clamp-like backward would zero their gradients). On the CPU, where the codec's count is
+free, such a tensor is handed back untouched instead (counted as passed through for ``"nonfinite"``): exact,
+at its full size. On CUDA the count is not read during forward (that would wait for the device at every
+saved tensor); it comes down with the packed bytes, and unpacking a tensor that held any raises
+NonFiniteError naming its shape and the count, so backward fails loudly rather than computing on NaN
+blocks. Keep such tensors out with ``fmt="none"``/``"bf16"`` or an excluded module.
+
 Autograd keeps a small ``_Saved`` handle instead. ``unpack`` runs when backward needs the tensor: it
 first starts bringing back the next ``prefetch`` tensors in reverse order of saving (host-to-device
 copies on the side stream, file reads on the IO threads), then decodes this one. A tensor that
@@ -35,9 +43,10 @@ from collections import deque
 
 import torch
 
+from ..errors import NonFiniteError
 from .errors import SavedTensorReleasedError
 from .nvme_store import ActivationFileStore
-from .packing import FLOAT_DTYPES, Layout, decode, encode, is_dense, read_parts, write_parts
+from .packing import FLOAT_DTYPES, Layout, decode, encode_counted, is_dense, read_parts, write_parts
 from .pinned_pool import HostSlabPool, shared_pool
 from .policy import ActivationPolicy
 from .stats import ActivationStats
@@ -89,11 +98,16 @@ def _in_backward() -> bool:
     return f is not None and f() != -1
 
 
+class _KeepAsIs(Exception):
+    """Raised inside packing when a CPU tensor held Inf/NaN: the pack hook hands it back untouched."""
+
+
 class _Entry:
     """One stored tensor (shared by every handle that saved it)."""
 
     __slots__ = ("id", "layout", "where", "device", "parts", "ready", "block", "future", "fetched", "cache",
-                 "waiting", "handles", "pos", "released", "why", "key", "base_ref", "version", "nbytes_in")
+                 "waiting", "handles", "pos", "released", "why", "key", "base_ref", "version", "nbytes_in",
+                 "nonfinite")
 
     def __init__(self, eid: int, device: torch.device, nbytes_in: int):
         self.id, self.device, self.nbytes_in = eid, device, nbytes_in
@@ -104,6 +118,7 @@ class _Entry:
         self.handles: set[int] = set()
         self.pos, self.released, self.why, self.key = -1, False, "", None
         self.base_ref, self.version = None, -1
+        self.nonfinite = None  # CUDA: (the codec's non-finite count, the event after which it can be read)
 
 
 class _Saved:
@@ -280,7 +295,14 @@ class ActivationOffloader:
             return _alias(t)
         t0 = time.perf_counter()
         with self._lock:
-            h = self._pack_locked(t, fmt or self.policy.format)
+            try:
+                h = self._pack_locked(t, fmt or self.policy.format)
+            except _KeepAsIs:  # Inf/NaN on the CPU: kept exact (see the module docstring)
+                h = None
+        if h is None:
+            self.stats.skip("nonfinite", t.numel() * t.element_size())
+            self._drain()
+            return _alias(t)
         self._drain()
         self.stats.add(pack_seconds=time.perf_counter() - t0, tensors_packed=1)
         return h
@@ -308,7 +330,7 @@ class ActivationOffloader:
         self._next_id += 1
         with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
             if self.policy.device == "same":
-                parts, e.layout = self._encode(t, fmt)
+                parts, e.layout = self._encode(t, fmt, e)
                 e.parts = parts
                 self._kept_on_device(e, overflow=False)
             elif t.device.type == "cuda":
@@ -325,9 +347,23 @@ class ActivationOffloader:
         self._entries[e.id] = e
         return self._handle(e, t.shape)
 
-    def _encode(self, t: torch.Tensor, fmt: str):
+    def _encode(self, t: torch.Tensor, fmt: str, e: _Entry | None = None):
+        """Compress `t`. A non-finite count known now (CPU) raises _KeepAsIs; one on the device goes to `e`
+        (copied to the host behind the encode, on the current stream; _materialize reads it)."""
         salt = self._salt if self.policy.seed is None else self.policy.seed
-        parts, layout = encode(t, fmt, self.policy.stochastic(fmt), seed=salt * 1_000_003 + self._next_id)
+        parts, layout, count = encode_counted(t, fmt, self.policy.stochastic(fmt),
+                                              seed=salt * 1_000_003 + self._next_id)
+        if torch.is_tensor(count) and count.device.type == "cpu":
+            count = int(count)
+        if torch.is_tensor(count):  # CUDA: down to pinned memory behind the encode, read at unpack (no wait now)
+            if e is not None:
+                cnt = torch.empty((), dtype=torch.int64, pin_memory=True)
+                cnt.copy_(count, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(count.device))
+                e.nonfinite = (cnt, ev)
+        elif count:
+            raise _KeepAsIs()
         every = self.policy.error_sample_every
         if fmt != "none" and every:
             self._sample += 1
@@ -378,7 +414,7 @@ class ActivationOffloader:
         side = self._side_stream(t.device)
         side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
-            parts, e.layout = self._encode(t, fmt)
+            parts, e.layout = self._encode(t, fmt, e)
             lay = e.layout
             blk = self.pool.alloc(lay.buffer_bytes)
             if blk is not None:
@@ -473,6 +509,15 @@ class ActivationOffloader:
 
     def _materialize(self, e: _Entry) -> torch.Tensor:
         lay = e.layout
+        if e.nonfinite is not None:  # CUDA: how many Inf/NaN the codec met, known only now
+            cnt, ev = e.nonfinite
+            ev.synchronize()  # recorded right after the encode in forward: long done
+            n = int(cnt)
+            if n:
+                raise NonFiniteError(f"saved activation of shape {tuple(lay.shape)} (its {lay.fmt} blocks holding "
+                                     "them decode to NaN; keep it with fmt='none' or 'bf16', or exclude its module)",
+                                     n, lay.shape.numel())
+            e.nonfinite = None
         if e.where == "device":
             if e.ready is not None:  # made on the side stream
                 cur = torch.cuda.current_stream(e.device)
@@ -540,7 +585,7 @@ class ActivationOffloader:
             self.stats.gauge("nvme_bytes", -lay.nbytes)
         elif e.where == "device":
             self.stats.gauge("device_bytes", -lay.nbytes)
-        e.parts = e.cache = e.fetched = e.ready = e.block = None
+        e.parts = e.cache = e.fetched = e.ready = e.block = e.nonfinite = None
         if e.key is not None and self._dedup.get(e.key) is e:
             del self._dedup[e.key]
         if 0 <= e.pos < len(self._order) and self._order[e.pos] is e:

@@ -1,4 +1,10 @@
-"""Turning one saved activation into a few flat byte tensors and back (format + memory layout)."""
+"""Turning one saved activation into a few flat byte tensors and back (format + memory layout).
+
+Non-finite values: the 4-bit and MX codecs run with ``nonfinite="propagate"`` (a block holding Inf/NaN decodes
+to NaN), and :func:`encode_counted` hands back how many the tensor held, so the offloader (hooks.py) can keep
+such a tensor exactly instead: one -inf would otherwise turn its 15 or 31 neighbours into NaN, and a clamp-like
+backward would then zero their gradients without a sign.
+"""
 
 from __future__ import annotations
 
@@ -55,13 +61,20 @@ _fast_ok = True
 
 
 def quantize_async(src: torch.Tensor, fmt: str, stochastic: bool = False, seed: int = 0) -> PackedTensor:
-    """``quantize(src, fmt, nonfinite="propagate")`` without reading the non-finite count back.
+    """``quantize(src, fmt, nonfinite="propagate")`` without reading the non-finite count back."""
+    return quantize_counted(src, fmt, stochastic, seed)[0]
+
+
+def quantize_counted(src: torch.Tensor, fmt: str, stochastic: bool = False,
+                     seed: int = 0) -> tuple[PackedTensor, int | torch.Tensor]:
+    """``quantize(src, fmt, nonfinite="propagate")`` and the count of non-finite values of `src`, not read back.
 
     ``quantize`` turns the kernels' count into a Python int, which on CUDA waits for the device: once
     per saved tensor, that would stall the host behind the GPU. With ``propagate`` the count is not
     needed (non-finite blocks decode to NaN), so this calls the backend's extension directly with the
     arguments ``quantize`` passes (fmt nvfp4 1x16 whole-tensor scale, or MX 1x32 rceil), and falls back
-    to ``quantize`` where that is not possible.
+    to ``quantize`` where that is not possible. The count is the kernel's int64 tensor, on the source's device
+    (an int on the fallback path): reading it on CUDA waits for the device, so the caller decides when.
     """
     global _fast_ok
     if _fast_ok and src.device.type in ("cpu", "cuda"):
@@ -75,18 +88,20 @@ def quantize_async(src: torch.Tensor, fmt: str, stochastic: bool = False, seed: 
             try:
                 if fmt == "nvfp4":
                     rows, cols = rows_cols(x.shape)
-                    data, scales, ts, _ = ext().nvfp4_encode(x, rows, cols, 1, 0, False, stochastic,
-                                                             seed & 0xFFFFFFFF, 0, True, None)
-                    return PackedTensor(data, scales, ts, x.shape, x.dtype, "nvfp4", "1x16", 0)
-                data, scales, _ = ext().mx_encode(x, fmt == "mxfp8", False, stochastic, seed & 0xFFFFFFFF, 0, True)
-                return PackedTensor(data, scales, None, x.shape, x.dtype, fmt, "1x32", 0)
+                    data, scales, ts, count = ext().nvfp4_encode(x, rows, cols, 1, 0, False, stochastic,
+                                                                 seed & 0xFFFFFFFF, 0, True, None)
+                    return PackedTensor(data, scales, ts, x.shape, x.dtype, "nvfp4", "1x16", 0), count
+                data, scales, count = ext().mx_encode(x, fmt == "mxfp8", False, stochastic, seed & 0xFFFFFFFF, 0,
+                                                      True)
+                return PackedTensor(data, scales, None, x.shape, x.dtype, fmt, "1x32", 0), count
             except (TypeError, RuntimeError) as e:  # the extension's signature moved: use the public path
                 import warnings
 
                 _fast_ok = False
                 warnings.warn(f"fp4offload: activation packing falls back to quantize() ({e})", RuntimeWarning,
                               stacklevel=2)
-    return quantize(src, fmt, nonfinite="propagate", rounding="stochastic" if stochastic else "nearest", seed=seed)
+    packed = quantize(src, fmt, nonfinite="propagate", rounding="stochastic" if stochastic else "nearest", seed=seed)
+    return packed, int((~torch.isfinite(src)).sum())
 
 
 def encode(t: torch.Tensor, fmt: str, stochastic: bool = False,
@@ -95,20 +110,28 @@ def encode(t: torch.Tensor, fmt: str, stochastic: bool = False,
 
     Returns the parts and their layout.
     """
+    return encode_counted(t, fmt, stochastic, seed)[:2]
+
+
+def encode_counted(t: torch.Tensor, fmt: str, stochastic: bool = False,
+                   seed: int = 0) -> tuple[dict[str, torch.Tensor], Layout, int | torch.Tensor]:
+    """:func:`encode`, and the count of non-finite values the codec met (quantize_counted's: an int, or an int64
+    tensor on the source's device; 0 for ``"none"`` and ``"bf16"``, which keep Inf and NaN as they are)."""
     src = t.detach()
+    count: int | torch.Tensor = 0
     if fmt == "none" or (fmt == "bf16" and src.dtype != torch.float32):
         parts, header = {"raw": src.contiguous()}, None
     elif fmt == "bf16":
         parts, header = {"raw": src.to(torch.bfloat16).contiguous()}, None
     else:
-        packed = quantize_async(src, fmt, stochastic, seed)
+        packed, count = quantize_counted(src, fmt, stochastic, seed)
         parts, header = packed.tensors(), packed.header()
     spans, off = [], 0
     for name, p in parts.items():
         n = p.numel() * p.element_size()
         spans.append((name, p.dtype, tuple(p.shape), off, n))
         off += -(-n // ALIGN) * ALIGN
-    return parts, Layout(src.shape, tuple(src.stride()), src.dtype, fmt, header, spans)
+    return parts, Layout(src.shape, tuple(src.stride()), src.dtype, fmt, header, spans), count
 
 
 def as_bytes(p: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,10 @@ torch AdamW conversion convert.py's, the argument checks checks.py's.
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
+from collections import defaultdict
 from typing import Callable, Iterable
 
 import torch
@@ -22,13 +24,15 @@ from ..ops import backend_for
 from . import convert, fused
 from . import master as MW
 from . import reference_step as R
-from .checks import check_arguments
+from .checks import UNSUPPORTED, check_arguments, check_param_group, check_unsupported
 from .state import PACKED_KEYS, decode_state, step_of
 from .tiers import make_tier
 from .working_copy import WeightRegion, WorkingCopies, copy_amax, region_kernel_args
 
 _NO_ODD = torch.zeros(0, dtype=torch.int64)
 KEYED_STREAM0 = 1 << 15  # stochastic-rounding stream ids of tensors named by tensor_key start here
+#: a gradient element this large or larger skips the step like Inf/NaN: its square overflows fp32 in the v update
+GRAD_LIMIT = 2.0 ** 64
 
 
 class FP4AdamW(Optimizer):
@@ -51,6 +55,11 @@ class FP4AdamW(Optimizer):
         nvme_io: I/O engine of the NVMe tier: ``"auto"`` (default: DeepSpeed's async_io handle when it loads and
             works in `nvme_path`, else the thread pool, with one warning), ``"aio"`` (require it) or ``"threads"``.
             :attr:`nvme_io` tells which one runs (see fp4offload/optim/nvme.py).
+        nvme_keep: keep the NVMe tier's folder when the optimizer closes or the process exits (default None:
+            the environment variable ``FP4OFFLOAD_NVME_KEEP``, unset meaning False: the folder is removed). A
+            kept folder is marked ``KEEP`` (never swept) and gets a ``manifest.json``; read it back with
+            ``fp4offload.optim.nvme.read_kept(folder)`` and ``load_param_states``. At start the tier removes this
+            user's folders under `nvme_path` whose process is gone, with a warning in the log.
         tensor_key: ``f(tensor) -> str | None``, a name for a tensor that does not depend on where it sits in
             ``param_groups``. It names the tensor's NVMe files (without it, or when it returns None: ``t<n>``,
             numbered in order of first step) and picks its stochastic-rounding stream (numbered by name in order
@@ -76,10 +85,20 @@ class FP4AdamW(Optimizer):
             (the parameter is the bf16 copy). A parameter changed from outside between steps keeps its new
             value under "bf16"; under "split" its residual is kept (the master moves to within half a bf16
             step of the new value).
-        skip_nonfinite: skip the whole step when any gradient holds Inf/NaN (default True); states and
-            weights stay untouched and ``optim.skipped_steps`` counts it.
+        skip_nonfinite: skip the whole step when any gradient holds Inf/NaN, or a value of magnitude
+            ``GRAD_LIMIT`` (2**64) or more, whose square overflows fp32 (default True); states and weights stay
+            untouched and ``optim.skipped_steps`` counts it. With a gradient norm given (``grad_norm``,
+            set_grad_norm_source), a norm that is not finite, negative or at least GRAD_LIMIT skips the step.
         metrics_every: every this many steps, sample the relative quantization error of m and v on the
             first chunk of the first packed parameter (0: never; default 100).
+        amsgrad, foreach, fused, capturable, differentiable: torch.optim.AdamW's options, accepted only when off
+            (ConfigError naming the option and why otherwise; checks.UNSUPPORTED). ``backend`` picks the step.
+
+    A torch optimizer in full: step, state-dict and load-state-dict hooks, LR schedulers, ``lr`` as a 0-dim
+    tensor, a state dict that a fresh optimizer loads to continue bit for bit, and ``copy.deepcopy`` / pickle
+    that give a working optimizer (with its own tier; hooks, working copies, registered weight regions and the
+    gradient-norm source are not copied; a ``tensor_key`` that cannot be pickled, e.g. a lambda, makes pickle
+    fail with Python's error, deepcopy keeps the same function).
 
     Per-group options: lr, betas, eps, weight_decay, maximize, m_rounding, v_format, min_numel.
 
@@ -91,23 +110,34 @@ class FP4AdamW(Optimizer):
     State tiers (tiers.py): where m and v live between steps; the optimizer asks its tier for a tensor's
     states and steps them in place, in one pass or segment by segment (host tier with GPU parameters, NVMe).
 
-    NVMe tier and damaged files: a segment is checked when it is read, just before it is used; a damaged file
-    raises CorruptionError naming the file and the segment and is left as it is. Segments (and parameters)
-    stepped before it in the same step keep their new values, so restore the optimizer from a checkpoint.
+    NVMe tier, a failed step is all or nothing: the disk space of the whole step is checked and reserved
+    before anything changes; the new states go to a new generation of files, switched in when the whole step
+    has landed; what the step changes in place (weights, masters) is saved first (in host RAM up to
+    ``tiers.UNDO_RAM_BYTES``, 256 MiB, beyond it on the state disk) and put back after any error. So after a
+    CapacityError, CorruptionError or any other error out of ``step()`` the parameters, step counts and m and
+    v are those before the step, and once the cause is gone training continues as if that step had been
+    skipped. A segment is checked when it is read (checksums, identity, step, generation, run id): a damaged
+    or stale file raises CorruptionError naming the file and the segment and is left as it is.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
                  m_rounding: str = "stochastic", v_format: str = "ufp4", min_numel: int = STATE_MIN_NUMEL,
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
-                 nvme_io: str = "auto", tensor_key: Callable[[torch.Tensor], str | None] | None = None,
+                 nvme_io: str = "auto", nvme_keep: bool | None = None,
+                 tensor_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
                  skip_nonfinite: bool = True, metrics_every: int = 100, master: str = "fp32",
-                 _defer_master_check: bool = False):
-        check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
-                        v_format=v_format, min_numel=min_numel, state_device=state_device, nvme_path=nvme_path,
-                        nvme_io=nvme_io, tensor_key=tensor_key, backend=backend, working_copy=working_copy,
-                        master=master)
+                 amsgrad: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False, _defer_master_check: bool = False):
+        check_unsupported(dict(amsgrad=amsgrad, foreach=foreach, fused=fused, capturable=capturable,
+                               differentiable=differentiable))
+        nvme_path = check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
+                                    v_format=v_format, min_numel=min_numel, state_device=state_device,
+                                    nvme_path=nvme_path, nvme_io=nvme_io, tensor_key=tensor_key, backend=backend,
+                                    working_copy=working_copy, master=master, maximize=maximize,
+                                    nvme_threads=nvme_threads, nvme_reserve_bytes=nvme_reserve_bytes, seed=seed,
+                                    skip_nonfinite=skip_nonfinite, metrics_every=metrics_every)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
                         m_rounding=m_rounding, v_format=v_format, min_numel=int(min_numel), seed=int(seed))
         super().__init__(params, defaults)
@@ -123,8 +153,10 @@ class FP4AdamW(Optimizer):
         self._tensor_key_fn = tensor_key
         self._stream_numbers: dict[str, int] = {}  # tensor_key name -> its stochastic-rounding stream number
         me = weakref.ref(self)  # the tier must not keep the optimizer alive (its __del__ closes the tier)
-        self._tier = make_tier(state_device, nvme_path=nvme_path, nvme_threads=nvme_threads,
-                               nvme_reserve_bytes=nvme_reserve_bytes, nvme_io=nvme_io, tensor_key=tensor_key,
+        # what a copy (copy.deepcopy, pickle) needs to build its own tier: see __setstate__
+        self._tier_args = dict(nvme_path=nvme_path, nvme_threads=nvme_threads, nvme_reserve_bytes=nvme_reserve_bytes,
+                               nvme_io=nvme_io, nvme_keep=nvme_keep)
+        self._tier = make_tier(state_device, **self._tier_args, tensor_key=tensor_key,
                                has_states=lambda t: "step" in me().state.get(t, {}))
         self.nvme_io = None if self._tier.store is None else self._tier.store.io
         # an engine that re-points the groups at its own partitions (DeepSpeed's ZeRO) checks at the first step
@@ -150,6 +182,9 @@ class FP4AdamW(Optimizer):
                               + f" (got {why[0]} of shape {tuple(p.shape)})")
 
     def add_param_group(self, param_group: dict) -> None:
+        if isinstance(param_group, dict):  # torch AdamW's per-group options FP4AdamW lacks (ConfigError when on)
+            check_unsupported({k: v for k, v in param_group.items() if k != "params"})
+        check_param_group(param_group, len(getattr(self, "param_groups", ())), getattr(self, "defaults", None))
         super().add_param_group(param_group)
         if getattr(self, "_tier", None) is not None:  # the constructor checks its groups once the tier exists
             for p in self.param_groups[-1]["params"]:
@@ -225,15 +260,15 @@ class FP4AdamW(Optimizer):
     # ---- the step ---------------------------------------------------------------------------------------
 
     def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
-        ext = fused.cpu_extension() if any(not g.is_cuda for g in grads) else None
-        flags = []
+        """Whether every gradient is finite and below GRAD_LIMIT in magnitude (one min/max pass per gradient,
+        one host read per device). A larger one would overflow g*g in fp32 (docs/numerics.md)."""
+        flags: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
-            if not g.is_cuda and ext is not None:
-                if not ext.all_finite(g):
-                    return False
-            else:
-                flags.append(torch.isfinite(g).all())
-        return bool(torch.stack([f.cpu() for f in flags]).all()) if flags else True
+            if g.numel() == 0:
+                continue
+            lo, hi = torch.aminmax(g.detach())
+            flags.setdefault(g.device, []).append(((hi < GRAD_LIMIT) & (lo > -GRAD_LIMIT)).reshape(1))
+        return all(bool(torch.cat(f).all()) for f in flags.values())
 
     def set_grad_norm_source(self, fn: Callable[[], float | None] | None) -> None:
         """Where this step's global gradient norm can be read (an engine that computes it anyway, as DeepSpeed
@@ -251,7 +286,7 @@ class FP4AdamW(Optimizer):
         if grad_norm is None:
             return None
         v = float(grad_norm.item() if torch.is_tensor(grad_norm) else grad_norm)
-        return math.isfinite(v) and v >= 0
+        return math.isfinite(v) and 0 <= v < GRAD_LIMIT  # no element is larger than the norm
 
     @torch.no_grad()
     def step(self, closure: Callable | None = None, *, grad_norm=None):
@@ -279,13 +314,74 @@ class FP4AdamW(Optimizer):
                 return loss
             self._steps_taken += 1
             sample = self.metrics_every > 0 and self._steps_taken % self.metrics_every == 0
-            for group, p, pid in todo:
-                sample = self._step_param(group, p, pid, sample) and sample
-            self._tier.end_step()
+            if self._tier.transactional:
+                self._step_all_or_nothing(todo, sample)
+            else:
+                for group, p, pid in todo:
+                    sample = self._step_param(group, p, pid, sample) and sample
+                self._tier.end_step()
             metrics.counter("optim.steps").add(1)
         if self.metrics_every > 0 and self._steps_taken % self.metrics_every == 0:
             self.state_bytes()  # refreshes the optim.state_bytes.* gauges
         return loss
+
+    def _step_all_or_nothing(self, todo, sample: bool) -> None:
+        """The step on a transactional tier (NVMe): all of it lands, or none of it.
+
+        The disk space of the whole step (every packed parameter's new files, and the undo log's share) is
+        checked and reserved first: CapacityError there changes nothing. The new states go to a new generation
+        of files, switched in once every write landed; what the step changes in place (weights, masters,
+        residuals, small fp32 states) is saved in the tier's undo log just before it changes. After any error
+        the step is undone (weights and in-place states restored, the step counts, fresh states, stream numbers
+        and counters as they were, the new files deleted) and the error re-raised: the optimizer is as before
+        the step and usable once the cause is gone."""
+        tier = self._tier
+        counters = (self._steps_taken - 1, dict(self._stream_numbers))
+        try:
+            tier.begin_step(*self._step_bytes(todo))
+        except BaseException:
+            self._steps_taken = counters[0]
+            raise
+        saved = []
+        for _, p, _ in todo:
+            st = self.state.get(p)
+            saved.append((p, st, None if st is None else dict(st)))
+        try:
+            for group, p, pid in todo:
+                sample = self._step_param(group, p, pid, sample) and sample
+            tier.finish_step()
+        except BaseException:
+            try:
+                tier.abort_step()
+            finally:
+                for p, st, contents in saved:
+                    if st is None:
+                        self.state.pop(p, None)
+                    else:
+                        st.clear()
+                        st.update(contents)
+                        self.state[p] = st
+                    self._copies.clear_results(p)
+                self._steps_taken, self._stream_numbers = counters
+            raise
+        tier.commit_step()
+
+    def _step_bytes(self, todo) -> tuple[int, int]:
+        """(state-file bytes, undo bytes): at most what a transactional step over `todo` writes to disk, and
+        what its undo log saves."""
+        from .nvme import tensor_disk_bytes
+        from .tiers import undo_bytes
+
+        write = undo = 0
+        for group, p, _ in todo:
+            st = self.state.get(p, {})
+            packed = self._packed(group, p)
+            if packed:
+                converts = "v_format" in st and st["v_format"] != group["v_format"]
+                write += tensor_disk_bytes(p.numel()) * (2 if converts else 1)
+            # the parameter, and the states it holds that change in place (new states are dropped, not saved)
+            undo += undo_bytes(p, *(st[k] for k in ("master", "master_lo", "exp_avg", "exp_avg_sq") if k in st))
+        return write, undo
 
     def _scalars(self, group, step: int) -> R.StepScalars:
         b1, b2 = group["betas"]
@@ -295,7 +391,8 @@ class FP4AdamW(Optimizer):
     def _step_param(self, group, p, pid, sample: bool) -> bool:
         """Steps one parameter; returns True while the quantization-error sample is still to be taken."""
         st = self.state[p]
-        if "step" not in st:
+        fresh = "step" not in st  # its states are new: dropped, not saved, if the step is undone
+        if fresh:
             st = self._init_state(group, p)
         elif "v_format" in st and st["v_format"] != group["v_format"]:  # the group's v_format changed: convert once
             convert.change_v_format(self, group, p)
@@ -303,11 +400,15 @@ class FP4AdamW(Optimizer):
         t = step_of(st["step"]) + 1
         st["step"] = torch.tensor(float(t))
         sc = self._scalars(group, t)
+        undo = self._tier.undo  # a transactional tier's log of what changes in place (None on the RAM tiers)
         if self.master != "fp32":
-            self._step_compact(group, p, pid, st, sc, t)
+            self._step_compact(group, p, pid, st, sc, t, undo, fresh)
             return sample
         master = st.get("master")
         w = master if master is not None else p.data.view(-1)
+        if undo is not None and (not self._tier.segmented(p) or not self._packed(group, p)):  # whole, up front
+            for kept in (p.data, *(() if fresh else (st[k] for k in ("master", "exp_avg", "exp_avg_sq") if k in st))):
+                undo.save(kept)
         if not self._packed(group, p):
             g = p.grad.reshape(-1).to(w.device)
             bf = torch.empty(w.numel(), dtype=torch.bfloat16, device=w.device) if "bf16" in self._copies.wanted \
@@ -334,8 +435,17 @@ class FP4AdamW(Optimizer):
             self._copies.finish(p, w, bf, *self._copies.region_results(p, w, regions, res, own))
             return sample
 
+        p_seg = master is not None and p.data.is_contiguous()  # p changes segment by segment (or in one copy)
+        if undo is not None and master is not None and not p_seg:
+            undo.save(p.data)
+
         def segment(s0, s1, g, m, v):
             nonlocal sample
+            if undo is not None:  # what this segment changes in place, just before it changes
+                if master is None or not fresh:
+                    undo.save(w, s0, s1)
+                if p_seg:
+                    undo.save(p.data, s0, s1)
             check = self._sampler(w[s0:s1], g, m, v, args) if (sample and s0 == 0) else None
             with metrics.timer("optim.time.compute"):
                 self._compute(w[s0:s1], g, m, v, args, R.sr_stream(stream, s0 // R.SEGMENT),
@@ -366,36 +476,46 @@ class FP4AdamW(Optimizer):
         st["master_lo"].copy_(lo.reshape(-1))
         st["master_odd"] = (odd if odd is not None else torch.zeros(0, dtype=torch.int64)).to(st["master_lo"].device)
 
-    def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int) -> None:
-        """The step of a bf16 parameter with a compact master (``master="split"`` or ``"bf16"``)."""
+    def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int, undo=None, fresh: bool = False) -> None:
+        """The step of a bf16 parameter with a compact master (``master="split"`` or ``"bf16"``); `undo`: the
+        transactional tier's log, given what changes in place (the parameter, the residual unless `fresh`)."""
         h = p.data.view(-1)
         g_all = p.grad.reshape(-1)
         split = self.master == "split"
         stream = self._stream_id(p, pid)
         seed = R.sr_seed(group["seed"], t)
+        lo = st["master_lo"] if split and not fresh and undo is not None else None
         if not self._packed(group, p):  # fp32 states: the torch step on the rebuilt master
+            if undo is not None:
+                for kept in (h, *(() if fresh else (st[k] for k in ("master_lo", "exp_avg", "exp_avg_sq") if k in st))):
+                    undo.save(kept)
             x = MW.join(h, st["master_lo"], st["master_odd"]) if split else h.float()
             R.fp32_step(x, g_all, st["exp_avg"], st["exp_avg_sq"], sc, maximize=group["maximize"])
             self._store_compact(st, h, x, 0, seed, R.sr_stream(stream, 0))
             return
         args = dict(sc=sc, maximize=group["maximize"], v_format=st["v_format"],
                     stochastic=group["m_rounding"] == "stochastic", seed=seed)
-        ext = self._cpu_ext() if h.device.type == "cpu" else None
+        # the fused step (C++ on the CPU, the CUDA kernel on the GPU: same signature, same bits) or the reference
+        ext = self._cpu_ext() if h.device.type == "cpu" else self._cuda_ext() if h.is_cuda else None
         odd_parts: list[torch.Tensor] = []
 
         def segment(s0, s1, g, m, v):
             s = s0 // R.SEGMENT
+            if undo is not None:
+                undo.save(h, s0, s1)
+                if lo is not None:
+                    undo.save(lo, s0, s1)
             odd = MW.odd_in(st["master_odd"], s0, s1) if split else _NO_ODD
             with metrics.timer("optim.time.compute"):
                 if ext is not None:
                     if g.dtype not in (torch.float32, torch.bfloat16):
                         g = g.float()
                     new = ext.fused_step_master(
-                        h[s0:s1], st["master_lo"][s0:s1] if split else None, odd.cpu(), g.contiguous(), *m, *v,
+                        h[s0:s1], st["master_lo"][s0:s1] if split else None, odd.to(h.device), g.contiguous(), *m, *v,
                         sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, sc.weight_decay,
                         args["maximize"], args["v_format"] == "nvfp4", args["stochastic"], seed,
                         R.sr_stream(stream, s), 1 if split else 2)
-                else:  # the reference (or CUDA) step on the rebuilt fp32 master of this segment
+                else:  # the reference step (torch ops) on the rebuilt fp32 master of this segment
                     x = MW.join(h[s0:s1], st["master_lo"][s0:s1], odd) if split else h[s0:s1].float()
                     self._compute(x, g, m, v, args, R.sr_stream(stream, s), h[s0:s1] if split else None)
                     new = self._store_compact(st, h[s0:s1], x, s0, seed, R.sr_stream(stream, s))
@@ -406,7 +526,9 @@ class FP4AdamW(Optimizer):
             self._tier.step_segments(st, p, segment, None)
         else:
             m, v = self._tier.states(st, p)
-            for s0, s1 in R.segment_ranges(p.numel()):
+            # the CUDA kernel takes every segment in one launch (its streams are stream0 + segment), one sync
+            whole = ext is not None and h.is_cuda
+            for s0, s1 in [(0, p.numel())] if whole else R.segment_ranges(p.numel()):
                 segment(s0, s1, g_all[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
         if split:
             st["master_odd"] = torch.cat(odd_parts) if odd_parts else st["master_odd"][:0]
@@ -521,8 +643,17 @@ class FP4AdamW(Optimizer):
         return out
 
     def close(self) -> None:
-        """Release the NVMe tier's files and threads (also done when the optimizer is collected)."""
-        self._tier.close()
+        """Release the NVMe tier's files and threads (also done when the optimizer is collected, and the
+        store's folder at interpreter exit): the folder is removed, or with ``nvme_keep`` kept with a manifest
+        of each tensor's step (fp4offload.optim.nvme.read_kept reads it back)."""
+        keys = getattr(self._tier, "keys", None)
+        steps = {}
+        if keys is not None and self._tier.store is not None and self._tier.store.keep:
+            for t, key in list(keys.items()):
+                st = self.state.get(t)
+                if st and "step" in st:
+                    steps[key] = step_of(st["step"])
+        self._tier.close(steps=steps)
 
     def __del__(self):
         try:
@@ -533,37 +664,178 @@ class FP4AdamW(Optimizer):
     # ---- state dict -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """A tier-independent state dict: packed states as uint8 CPU tensors, fp32 ones as fp32 (see state.py)."""
-        groups = super().state_dict()["param_groups"]
+        """A tier-independent state dict: packed states as uint8 CPU tensors, fp32 ones as fp32 (see state.py).
+
+        As torch's: the state-dict pre-hooks run first and the post-hooks last (one may return a new dict);
+        ``param_groups`` hold parameter ids numbered as torch numbers them, ``state`` maps an id to its entry,
+        and keys of ``optimizer.state`` that are not tensors are carried over as they are. Each entry is sealed
+        with a fingerprint and a CRC-32 (convert.seal_entry) that load_state_dict verifies.
+        """
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        ids: dict[int, int] = {}
+        start, groups = 0, []
+        for g in self.param_groups:
+            packed = {k: v for k, v in g.items() if k != "params"}
+            ids.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in ids})
+            packed["params"] = [ids[id(p)] for p in g["params"]]
+            start += len(packed["params"])
+            groups.append(packed)
         self._tier.sync()
-        state = {}
-        for _, p, pid in self._params():
-            e = convert.saved_entry(self, p)
-            if e is not None:
-                state[pid] = e
-        return {"state": state, "param_groups": groups}
+        state, seen = {}, set()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                e = convert.saved_entry(self, p)
+                if e is not None:
+                    state[ids[id(p)]] = convert.seal_entry(e, ids[id(p)], p)
+        state.update({k: v for k, v in self.state.items() if not torch.is_tensor(k)})
+        sd = {"state": state, "param_groups": groups}
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            if out is not None:
+                sd = out
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FP4AdamW (any tier) or of torch.optim.AdamW (quantized once).
 
-        Survives a caller that cast the state tensors to a floating dtype (packed states are whole bytes).
-        To take over the states of a live torch AdamW without a state dict: convert.load_param_states.
+        As torch's: the load pre-hooks run first (on a shallow copy; one may return a new dict), the post-hooks
+        last, group sizes must match, parameters are matched through the saved groups' ids, and keys that are not
+        parameter ids (strings that are not integers) are kept in ``optimizer.state`` as they are. Every entry is
+        checked before anything changes: a key that is no saved parameter id (``-1``, an id past the end) or an
+        entry whose fingerprint names another parameter or shape is a ConfigError naming the key, a checksum
+        mismatch a CorruptionError (convert.check_entry). Survives a caller that cast the state tensors to a
+        floating dtype (packed states are whole bytes). torch AdamW groups with ``amsgrad=True`` are refused
+        (their max_exp_avg_sq would be lost); its implementation flags (foreach, fused, capturable,
+        differentiable) are dropped. To take over the states of a live torch AdamW without a state dict:
+        convert.load_param_states.
         """
-        saved_state = state_dict.get("state", {})
-        groups = state_dict["param_groups"]
-        super().load_state_dict({"state": {}, "param_groups": groups})
-        for g in self.param_groups:  # a torch AdamW state dict lacks our per-group options
-            for k, val in self.defaults.items():
-                g.setdefault(k, val)
-            g["betas"] = tuple(g["betas"])
-        params = list(self._params())
-        for key, entry in saved_state.items():
-            idx = int(key)
-            if idx >= len(params):
-                raise ConfigError("state_dict['state']", f"an entry for parameter {idx}",
-                                  f"indices below {len(params)}", "the state dict belongs to another model")
-            group, p, _ = params[idx]
-            convert.load_entry(self, group, p, entry)
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            out = hook(self, state_dict)
+            if out is not None:
+                state_dict = out
+        if "param_groups" not in state_dict:
+            raise ConfigError("state_dict", f"a dict with keys {sorted(map(str, state_dict))}",
+                              "an optimizer state dict ('state' and 'param_groups')")
+        saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
+        if len(saved_groups) != len(self.param_groups):
+            raise ConfigError("state_dict['param_groups']", f"{len(saved_groups)} groups",
+                              f"{len(self.param_groups)}, as this optimizer has", "the state dict belongs to another "
+                              "model (loaded state dict has a different number of parameter groups)")
+        for i, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
+            if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+                raise ConfigError(f"state_dict['param_groups'][{i}]", type(sg).__name__ if not isinstance(sg, dict)
+                                  else f"a group with keys {sorted(map(str, sg))}", "a dict with a 'params' list")
+            if len(sg["params"]) != len(g["params"]):
+                raise ConfigError(f"state_dict['param_groups'][{i}]['params']", f"{len(sg['params'])} parameters",
+                                  f"{len(g['params'])}, as this optimizer's group has", "the state dict belongs to "
+                                  "another model (a parameter group doesn't match the size of optimizer's group)")
+            if sg.get("amsgrad"):
+                raise ConfigError(f"state_dict['param_groups'][{i}]['amsgrad']", sg["amsgrad"], "False",
+                                  UNSUPPORTED["amsgrad"] + "; its saved max_exp_avg_sq would be lost")
+        id_map = {}
+        for sg, g in zip(saved_groups, self.param_groups):
+            id_map.update(zip(sg["params"], g["params"]))
+        plan, extra, seen = [], {}, set()
+        for key, entry in state_dict.get("state", {}).items():
+            pid = _param_id(key)
+            if pid is None:
+                extra[key] = entry
+                continue
+            if pid not in id_map or pid in seen:
+                ids = sorted(k for k in id_map if isinstance(k, int))
+                raise ConfigError(f"state_dict['state'][{key!r}]", "an entry for " + (
+                    "a parameter already loaded under another key" if pid in seen else
+                    "no parameter id of the saved param_groups"),
+                    f"one entry per id in {ids[0]}..{ids[-1]}" if ids else "no entries (no parameters)",
+                    "the state dict belongs to another model, or its keys were changed")
+            seen.add(pid)
+            convert.check_entry(entry, pid, id_map[pid])
+            plan.append((id_map[pid], entry))
+        groups = []
+        for g, sg in zip(self.param_groups, saved_groups):
+            sg["params"] = g["params"]
+            if "param_names" in g and "param_names" not in sg:
+                sg["param_names"] = g["param_names"]
+            for k in UNSUPPORTED:
+                sg.pop(k, None)
+            sg.pop("decoupled_weight_decay", None)
+            for k, val in self.defaults.items():  # a torch AdamW state dict lacks our per-group options
+                sg.setdefault(k, val)
+            sg["betas"] = tuple(sg["betas"])
+            groups.append(sg)
+        self.param_groups = groups
+        self.state = defaultdict(dict)
+        group_of: dict[int, dict] = {}
+        for g in groups:
+            for p in g["params"]:
+                group_of.setdefault(id(p), g)
+        for p, entry in plan:
+            convert.load_entry(self, group_of[id(p)], p, entry)
+        self.state.update(extra)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    # ---- copy.deepcopy and pickle -----------------------------------------------------------------------
+
+    def __getstate__(self) -> dict:
+        """What copy.deepcopy and pickle carry: every attribute but the tier (the copy builds its own), the
+        working copies and registered weight regions, the gradient-norm source and the hooks (torch's optimizers
+        drop hooks too). On the NVMe tier the packed states are read back from the files and travel along; the
+        copy writes them into a folder of its own under the same ``nvme_path``."""
+        self._tier.sync()
+        cls = type(self)  # an instance attribute shadowing a method (an engine's wrapper) belongs to the original
+        out = {k: v for k, v in self.__dict__.items()
+               if k not in _NOT_COPIED and not (callable(v) and callable(getattr(cls, k, None)))}
+        if self.state_device == "nvme":
+            if self._tier.store is None:
+                raise ConfigError("state_device", "nvme", "an optimizer that is not closed, to copy or pickle it",
+                                  "close() removed its state files")
+            out["_nvme_states"] = {p: self._tier.states(st, p) for p, st in self.state.items()
+                                   if torch.is_tensor(p) and "v_format" in st}
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        nvme_states = state.pop("_nvme_states", None)
+        had_differentiable = "differentiable" in state.get("defaults", {})
+        super().__setstate__(state)  # the hook dicts, the hooked step
+        if not had_differentiable:  # torch's __setstate__ adds it; FP4AdamW has no such option
+            self.defaults.pop("differentiable", None)
+        self._copies = WorkingCopies(self.working_copy_format)
+        me = weakref.ref(self)
+        self._tier = make_tier(self.state_device, **self._tier_args, tensor_key=self._tensor_key_fn,
+                               has_states=lambda t: "step" in me().state.get(t, {}))
+        self.nvme_io = None if self._tier.store is None else self._tier.store.io
+        for p, st in list(self.state.items()):
+            if torch.is_tensor(p) and "v_format" in st:
+                if nvme_states is not None:
+                    self._tier.put(st, p, *nvme_states[p])
+                elif self._tier.pinned(p):  # page-locked again (a copied tensor is not)
+                    self._tier.put(st, p, *self._tier.states(st, p))
+
+
+_NOT_COPIED = ("_tier", "_copies", "_grad_norm_fn", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def _param_id(key) -> int | None:
+    """The parameter id a state-dict key stands for (an int, or a string of one); None for other keys."""
+    if isinstance(key, bool):
+        raise ConfigError("state_dict['state']", f"the key {key!r}", "integer parameter ids")
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None
 
 
 __all__ = ["FP4AdamW", "WeightRegion"]

@@ -8,14 +8,19 @@ exactly what the constructor accepts.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import torch
 
-from ..config import (MASTER_FORMS, NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS, STEP_BACKENDS, V_FORMATS,
-                      WORKING_COPIES)
+from ..config import (INT64_MAX, MASTER_FORMS, NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS, STEP_BACKENDS, V_FORMATS,
+                      WORKING_COPIES, check_adam_hyperparameters, check_directory)
 from ..errors import ConfigError
 from . import fused
+
+
+#: more I/O threads than this only queue on the disk (and each holds a staging buffer)
+NVME_THREADS_MAX = 256
 
 
 def one_of(allowed: tuple) -> str:
@@ -24,28 +29,83 @@ def one_of(allowed: tuple) -> str:
 
 
 def check_choice(key: str, value: Any, allowed: tuple, hint: str | None = None) -> None:
-    if value not in allowed:
+    if not isinstance(value, (str, type(None))) or value not in allowed:
         raise ConfigError(key, value, one_of(allowed), hint)
 
 
+def _scalar(key: str, value: Any) -> Any:
+    """A one-element tensor's number (torch optimizers take a tensor lr); other values as they are."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise ConfigError(key, f"tensor(shape={tuple(value.shape)}, dtype={value.dtype})",
+                              "a number, or a real tensor of one element", "one value for the whole group")
+        return value.item()
+    return value
+
+
+def check_int(key: str, value: Any, minimum: int = 0, maximum: int = INT64_MAX) -> int:
+    """An integer (not a bool, not a float or a string) in [minimum, maximum]; ConfigError naming ``key``."""
+    allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum != INT64_MAX else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ConfigError(key, value, allowed, "true/false is not a number" if isinstance(value, bool) else None)
+    if not minimum <= int(value) <= maximum:
+        raise ConfigError(key, value, allowed)
+    return int(value)
+
+
+def check_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "True or False")
+
+
+def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: Any) -> None:
+    """The per-group options (GROUP_OPTIONS) present in ``hp``: Adam's numbers by
+    fp4offload.config.check_adam_hyperparameters (finite, in range, betas a pair; lr may be a one-element tensor),
+    maximize a bool, m_rounding and v_format choices, min_numel an integer >= 1, seed an integer >= 0.
+    Errors name ``prefix + key`` (``lr``, ``param_groups[1].betas[0]``)."""
+    adam = {k: _scalar(prefix + k, hp[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in hp}
+    check_adam_hyperparameters(prefix, **adam, defaults=defaults)
+    if "maximize" in hp:
+        check_bool(prefix + "maximize", hp["maximize"])
+    if "m_rounding" in hp:
+        check_choice(prefix + "m_rounding", hp["m_rounding"], ROUNDINGS)
+    if "v_format" in hp:
+        check_choice(prefix + "v_format", hp["v_format"], V_FORMATS, "ufp4 stores sqrt(v) and is the default")
+    if "min_numel" in hp:
+        check_int(prefix + "min_numel", hp["min_numel"], minimum=1)
+    if "seed" in hp:
+        check_int(prefix + "seed", hp["seed"], minimum=0)
+
+
+#: the options a param group may set (FP4AdamW's docstring, "Per-group options"; seed is a default too)
+GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "maximize", "m_rounding", "v_format", "min_numel", "seed")
+
+
+def check_param_group(group: Any, index: int, defaults: dict | None = None) -> None:
+    """A param group's own options (those it sets, before torch fills in the defaults), checked before the group
+    is added: ConfigError naming ``param_groups[index].key``, and the optimizer keeps its groups as they were."""
+    if isinstance(group, dict):
+        check_hyperparameters(f"param_groups[{index}].", defaults,
+                              **{k: group[k] for k in GROUP_OPTIONS if k in group})
+
+
 def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_numel, state_device, nvme_path,
-                    nvme_io, tensor_key, backend, working_copy, master="fp32") -> None:
-    """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one."""
-    if not 0.0 <= lr:
-        raise ConfigError("lr", lr, "a learning rate >= 0")
-    if not 0.0 < eps:
-        raise ConfigError("eps", eps, "eps > 0")
-    for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
-            raise ConfigError(f"betas[{i}]", b, "a value in [0, 1)")
-    if weight_decay < 0:
-        raise ConfigError("weight_decay", weight_decay, "a value >= 0")
-    check_choice("m_rounding", m_rounding, ROUNDINGS)
-    check_choice("v_format", v_format, V_FORMATS, "ufp4 stores sqrt(v) and is the default")
+                    nvme_io, tensor_key, backend, working_copy, master="fp32", maximize=False, nvme_threads=4,
+                    nvme_reserve_bytes=0, seed=0, skip_nonfinite=True, metrics_every=100):
+    """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one.
+
+    Every number is checked where it enters: finite, in range, of the right type (bools are not numbers) and
+    arity (betas a pair). The NVMe folder is checked last, by fp4offload.config.check_directory (expanded,
+    resolved, created only under an existing parent). Returns ``nvme_path``: the resolved folder for
+    ``state_device="nvme"``, else as given (unused)."""
+    check_hyperparameters("", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                          m_rounding=m_rounding, v_format=v_format, min_numel=min_numel, seed=seed)
     check_choice("state_device", state_device, OPTIMIZER_DEVICES)
     if state_device == "nvme" and nvme_path is None:
         raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
     check_choice("nvme_io", nvme_io, NVME_IO_ENGINES)
+    check_int("nvme_threads", nvme_threads, minimum=1, maximum=NVME_THREADS_MAX)
+    check_int("nvme_reserve_bytes", nvme_reserve_bytes, minimum=0)
     if tensor_key is not None and not callable(tensor_key):
         raise ConfigError("tensor_key", tensor_key, "None or a function tensor -> str | None")
     check_choice("backend", backend, STEP_BACKENDS)
@@ -55,8 +115,30 @@ def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_n
     if master != "fp32" and working_copy is not None:
         raise ConfigError("working_copy", working_copy, f"None with master={master!r}",
                           "the bf16 parameter is the working copy; use master='fp32' for an NVFP4 copy")
-    if int(min_numel) < 1:
-        raise ConfigError("min_numel", min_numel, "an integer >= 1")
+    check_bool("skip_nonfinite", skip_nonfinite)
+    check_int("metrics_every", metrics_every, minimum=0)
     if backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():
         raise ConfigError("backend", backend, "'auto' or 'reference' on this machine",
                           f"the fused CPU step does not build: {fused.failures().get('cpu')}")
+    if state_device == "nvme":
+        return check_directory("nvme_path", nvme_path)
+    return nvme_path
+
+
+#: torch.optim.AdamW options FP4AdamW does not have, and why (the value each may take: off)
+UNSUPPORTED = {
+    "amsgrad": "AMSGrad keeps max(v) as an extra full-size fp32 state, which FP4AdamW does not store",
+    "foreach": "FP4AdamW has one implementation per device (backend= picks the fused or the reference step)",
+    "fused": "FP4AdamW's own fused C++/CUDA step is chosen with backend='fused' (or 'auto', the default)",
+    "capturable": "the step reads its scalars on the host and cannot be captured in a CUDA graph",
+    "differentiable": "the 4-bit states are not differentiable through the step",
+}
+
+
+def check_unsupported(flags: dict) -> None:
+    """torch AdamW's options FP4AdamW lacks (UNSUPPORTED): accepted when off (False, or None for foreach and
+    fused), ConfigError naming the option and the reason when on. Used for constructor arguments, param groups
+    and loaded state dicts' groups."""
+    for key, value in flags.items():
+        if key in UNSUPPORTED and value not in (False, None, 0):
+            raise ConfigError(key, value, "False (FP4AdamW has no such option)", UNSUPPORTED[key])

@@ -6,16 +6,25 @@ an entry (:func:`load_entry`: FP4AdamW's from any tier and v format, or torch Ad
 :func:`load_param_states`, which takes the per-parameter states of a live torch AdamW (or any Adam keeping
 ``step``, ``exp_avg``, ``exp_avg_sq``: DeepSpeedCPUAdam, FusedAdam) into an FP4AdamW over the same tensors,
 one parameter at a time, without building a state dict of either optimizer.
+
+Saved entries are sealed (:func:`seal_entry`): each carries a ``fingerprint`` (the parameter's position in the
+state dict, its shape, numel and master form) and a ``checksum`` (CRC-32 over every value, in a form that a cast
+of the byte tensors to a floating dtype does not change). :func:`check_entry` verifies both before anything is
+loaded: a changed byte is a CorruptionError, an entry under another parameter's key (swapped, re-keyed) or of
+another shape a ConfigError. Entries without them (torch AdamW's, or saved before they existed) load unverified.
 """
 
 from __future__ import annotations
 
+import json
+import zlib
 from typing import TYPE_CHECKING, Mapping
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptionError
 from . import master as MW
+from . import reference_step as R
 from .state import PACKED_KEYS, as_u8, decode_state, encode_state, packed_from_entry, step_of
 
 if TYPE_CHECKING:
@@ -43,6 +52,94 @@ def saved_entry(opt: FP4AdamW, p) -> dict | None:
         for k, t in zip(PACKED_KEYS, (*m, *v)):
             e[k] = t.detach().cpu().clone()
     return e
+
+
+CHECKSUM, FINGERPRINT = "checksum", "fingerprint"
+_BYTE_KEYS = (*PACKED_KEYS, "master_lo", "master_odd")  # whole bytes (a cast to a float dtype keeps them)
+
+
+def _master_form(entry: Mapping) -> str:
+    return "fp32" if "master" in entry else "split" if "master_lo" in entry else "none"
+
+
+def entry_checksum(entry: Mapping) -> int:
+    """CRC-32 of a state-dict entry: every key but ``checksum`` in sorted order with its value (byte tensors as
+    uint8, other tensors as fp32, ``step`` as its integer, the fingerprint as sorted JSON)."""
+    crc = 0
+    for k in sorted((k for k in entry if k != CHECKSUM), key=str):
+        v = entry[k]
+        crc = zlib.crc32(str(k).encode(), crc)
+        if torch.is_tensor(v) and k in _BYTE_KEYS:
+            data = as_u8(v, str(k), v.numel()).numpy()
+        elif k == "step":
+            data = str(step_of(v)).encode()
+        elif torch.is_tensor(v):
+            data = v.detach().reshape(-1).cpu().to(torch.float32).contiguous().view(torch.uint8).numpy()
+        elif isinstance(v, (dict, list, tuple)):
+            data = json.dumps(v, sort_keys=True, default=str).encode()
+        else:
+            data = repr(v).encode()
+        crc = zlib.crc32(data, crc)
+    return crc
+
+
+def seal_entry(entry: dict, index: int, p) -> dict:
+    """Add the fingerprint of `p` (saved as state-dict key `index`) and the checksum to a saved entry."""
+    entry[FINGERPRINT] = {"index": int(index), "shape": [int(d) for d in p.shape], "numel": int(p.numel()),
+                          "master": _master_form(entry)}
+    entry[CHECKSUM] = entry_checksum(entry)
+    return entry
+
+
+def _sizes_ok(entry: Mapping, p, where: str) -> None:
+    n = p.numel()
+    c, s, t = R.packed_sizes(n)
+    want = dict(zip(PACKED_KEYS, (c, s, t, c, s, t)), exp_avg=n, exp_avg_sq=n, master=n, master_lo=2 * n)
+    if "m_codes" not in entry and "exp_avg" not in entry:
+        raise ConfigError(where, f"an entry with keys {sorted(map(str, entry))}",
+                          "FP4AdamW's packed states (m_codes, ...) or Adam's step, exp_avg and exp_avg_sq")
+    for k, size in want.items():
+        v = entry.get(k)
+        if k in PACKED_KEYS and "m_codes" in entry and not torch.is_tensor(v):
+            raise ConfigError(f"{where}[{k!r}]", type(v).__name__, "a tensor", "the state dict is damaged")
+        if torch.is_tensor(v) and v.numel() != size:
+            raise ConfigError(f"{where}[{k!r}]", f"a tensor of {v.numel()} elements",
+                              f"{size} elements for a parameter of shape {tuple(p.shape)}",
+                              "the state dict belongs to another model or chunk size")
+
+
+def check_entry(entry, key, p) -> None:
+    """Verify a saved entry before it is loaded into `p` (the parameter its key `key` maps to): the checksum
+    (CorruptionError), the fingerprint (ConfigError naming the key) and the sizes. Changes nothing."""
+    where = f"state_dict['state'][{key!r}]"
+    if not isinstance(entry, Mapping):
+        raise ConfigError(where, type(entry).__name__, "a dict of the parameter's states")
+    if CHECKSUM in entry:
+        want = entry[CHECKSUM]
+        try:
+            got = entry_checksum(entry)
+        except (ConfigError, TypeError, ValueError, RuntimeError):
+            got = None
+        if not isinstance(want, int) or isinstance(want, bool) or got != want:
+            raise CorruptionError(where, "checksum mismatch of the saved optimizer state",
+                                  expected=f"{want:#010x}" if isinstance(want, int) else repr(want),
+                                  found="unreadable values" if got is None else f"{got:#010x}")
+    fp = entry.get(FINGERPRINT)
+    if fp is not None:
+        if not isinstance(fp, Mapping) or not {"index", "shape", "numel"} <= set(fp):
+            raise ConfigError(f"{where}['fingerprint']", fp, "a dict with index, shape, numel and master",
+                              "the state dict is damaged")
+        if fp["index"] != int(key):
+            raise ConfigError(where, f"the entry saved for parameter {fp['index']} (shape {tuple(fp['shape'])})",
+                              f"the entry of parameter {int(key)} (shape {tuple(p.shape)})",
+                              "entries were swapped or re-keyed: load the state dict as it was saved")
+        if list(fp["shape"]) != list(p.shape) or fp["numel"] != p.numel():
+            raise ConfigError(where, f"an entry for a parameter of shape {tuple(fp['shape'])}",
+                              f"one for shape {tuple(p.shape)}", "the state dict belongs to another model")
+        if fp.get("master", _master_form(entry)) != _master_form(entry):
+            raise ConfigError(where, f"an entry holding master form {_master_form(entry)!r}",
+                              f"the form its fingerprint records ({fp.get('master')!r})", "the state dict is damaged")
+    _sizes_ok(entry, p, where)
 
 
 def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:

@@ -11,7 +11,8 @@ still reads it. A read takes the whole file into a page-locked buffer in one req
 (the same checks as read_container, plus: the gaps must be zero); the six tensors are views of that buffer,
 which the step updates in place and the write sends back as it is (no copy). A write preallocates the
 temporary file (posix_fallocate: a full disk fails there, before any byte is written), lets aio fill it,
-checks its size, then (fsync and) renames it in Python. A file whose size is not a whole number of blocks (a
+checks its size, then (fsync and) renames it in Python. The temporary is created exclusively (O_EXCL,
+O_NOFOLLOW: a name planted in the folder is never written through). A file whose size is not a whole number of blocks (a
 thread-engine file, or a damaged one) is left to read_container. DeepSpeed's handle does not report failed
 requests of a transfer; a silently failed write shows up as a CorruptionError when the segment is next read,
 never as wrong states.
@@ -252,7 +253,7 @@ def write_file(handle, pool: LockedPool, path: Path, tmp: Path, meta: dict, tens
                 buf[s0:s0 + sizes[k]].copy_(tensors[k])
             pos = s0 + sizes[k]
         a[pos:total] = 0
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             try:
                 os.posix_fallocate(fd, 0, total)  # a full disk fails here, before any byte is written

@@ -6,7 +6,8 @@
   CPU runs the step. For a GPU parameter it goes segment by segment through the copy pipeline: the gradient
   of segment s+1 comes down and the new weights of s go up on a side stream while s is updated.
 - :class:`NvmeTier` (``"nvme"``): files of optim/nvme.py's store, one per (tensor key, segment), read ahead
-  and written behind through the same segment pipeline; it also gives each tensor the key of its files.
+  and written behind through the same segment pipeline; it also gives each tensor the key of its files. Its
+  steps are transactions: a failed step is undone whole (see ``begin_step`` below and optim/nvme.py).
 
 What the optimizer asks of a tier (``st`` is ``optimizer.state[p]``, whose ``"v_format"`` is set):
 
@@ -18,11 +19,19 @@ What the optimizer asks of a tier (``st`` is ``optimizer.state[p]``, whose ``"v_
 - ``step_segments(st, p, compute, new_values)``: ``compute(s0, s1, g, m, v)`` for each segment, m and v
   updated in place and handed back to the tier; for a GPU parameter each segment of ``new_values`` (flat,
   on the host) is copied into p once computed;
-- ``end_step()``, ``sync()`` (pending writes done), ``disk_bytes()``, ``close()``.
+- ``end_step()``, ``sync()`` (pending writes done), ``disk_bytes()``, ``close()``;
+- the step as one transaction (``transactional`` tiers, the NVMe one): ``begin_step(write_bytes, undo_bytes)``
+  before anything changes (checks and reserves the disk space, CapacityError with nothing changed),
+  ``undo`` (an :class:`UndoLog` while a step runs: the optimizer saves in it what it is about to change in
+  place), ``finish_step()`` (every write landed; a failure here is still undone), then ``commit_step()``,
+  or ``abort_step()`` after any error: the weights saved in ``undo`` are restored and the step's files
+  deleted, so the states are those before the step. The RAM tiers do nothing there (their states change
+  in place).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import weakref
 import zlib
@@ -34,9 +43,65 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import metrics
 from ..errors import ConfigError
 from . import reference_step as R
-from .state import PACKED_KEYS
+from .state import PACKED_KEYS, step_of
 
 SegmentFn = Callable[[int, int, torch.Tensor, R.Packed, R.Packed], None]
+
+
+UNDO_RAM_BYTES = 256 << 20  # host RAM an NVMe step's undo log may use before it writes to the state disk
+
+
+class UndoLog:
+    """The values a step is about to change in place (weights, masters, residuals, small fp32 states), kept
+    until the step commits so that a failed step can be undone.
+
+    Each saved range is copied to host RAM while the log holds less than `ram_bytes`; beyond that it is
+    appended to the transaction's undo file on the state disk (NvmeStore.undo_append, space reserved when the
+    step began). :meth:`restore` writes every range back, newest first."""
+
+    def __init__(self, store, ram_bytes: int):
+        self.store, self.ram_left = store, int(ram_bytes)
+        self.entries: list = []
+        self.ram_bytes = self.disk_bytes = 0
+
+    def save(self, t: torch.Tensor, s0: int = 0, s1: int | None = None) -> None:
+        """Keep elements [s0, s1) of `t` (flat order; a non-contiguous `t` only whole)."""
+        if t.is_contiguous():
+            target = t.view(-1)
+            part = target[s0:s1].detach()
+        elif s0 == 0 and s1 is None:
+            target, s0, part = t, None, t.detach()
+        else:
+            raise ValueError("a range of a non-contiguous tensor cannot be saved")
+        nbytes = part.numel() * part.element_size()
+        if nbytes <= self.ram_left:
+            self.ram_left -= nbytes
+            self.ram_bytes += nbytes
+            self.entries.append((target, s0, s1, part.to("cpu", copy=True)))
+            return
+        host = part.cpu().contiguous().reshape(-1)
+        off = self.store.undo_append(memoryview(host.view(torch.uint8).numpy()))
+        self.disk_bytes += nbytes
+        self.entries.append((target, s0, s1, (off, part.dtype, part.shape)))
+
+    def restore(self) -> None:
+        for target, s0, s1, saved in reversed(self.entries):
+            if isinstance(saved, tuple):
+                off, dtype, shape = saved
+                buf = torch.empty(shape, dtype=dtype)
+                self.store.undo_read(off, memoryview(buf.view(-1).view(torch.uint8).numpy()))
+                saved = buf
+            if s0 is None:
+                target.copy_(saved)
+            else:
+                target[s0:s1].copy_(saved)
+        self.entries = []
+
+
+def undo_bytes(*tensors: torch.Tensor) -> int:
+    """Bytes an undo log may write to disk for saving `tensors` whole (rounded to the disk's blocks)."""
+    return sum(-(-(t.numel() * t.element_size()) // 4096) * 4096 + 4096 * (2 + t.numel() // R.SEGMENT)
+               for t in tensors)
 
 
 class DeviceTier:
@@ -44,6 +109,8 @@ class DeviceTier:
 
     name = "same"
     store = None  # the NVMe tier's file store
+    transactional = False  # a failed step is undone (the NVMe tier)
+    undo: UndoLog | None = None
 
     def compute_device(self, p) -> torch.device:
         return p.device
@@ -71,13 +138,25 @@ class DeviceTier:
     def end_step(self) -> None:
         pass
 
+    def begin_step(self, write_bytes: int, undo_bytes: int) -> None:
+        pass
+
+    def finish_step(self) -> None:
+        self.end_step()
+
+    def commit_step(self) -> None:
+        pass
+
+    def abort_step(self) -> None:
+        pass
+
     def sync(self) -> None:
         pass
 
     def disk_bytes(self) -> int:
         return 0
 
-    def close(self) -> None:
+    def close(self, steps: dict[str, int] | None = None) -> None:
         pass
 
 
@@ -91,6 +170,9 @@ class _RamSegments:
         return R.segment_view(self.m, s0, s1), R.segment_view(self.v, s0, s1)
 
     def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
 
@@ -157,25 +239,32 @@ class HostTier(DeviceTier):
             cs = self._copy_stream
             grads = _GradDownload(g_all, cs, ranges)
         states = self._segments(st, p)
-        for s, (s0, s1) in enumerate(ranges):
-            g = grads.get(s) if gpu else g_all[s0:s1]
-            m, v = states.get(s0, s1)
-            compute(s0, s1, g, m, v)
-            states.put(s0, s1, m, v)
+        try:
+            for s, (s0, s1) in enumerate(ranges):
+                g = grads.get(s) if gpu else g_all[s0:s1]
+                m, v = states.get(s0, s1)
+                compute(s0, s1, g, m, v)
+                states.put(s0, s1, m, v)
+                if gpu:
+                    src = new_values[s0:s1]
+                    with torch.cuda.stream(cs):
+                        p.data.view(-1)[s0:s1].copy_(src, non_blocking=True)
+                    metrics.counter("optim.bytes_h2d").add(src.numel() * src.element_size())
+        except BaseException:
+            states.abandon()
+            raise
+        finally:
             if gpu:
-                src = new_values[s0:s1]
-                with torch.cuda.stream(cs):
-                    p.data.view(-1)[s0:s1].copy_(src, non_blocking=True)
-                metrics.counter("optim.bytes_h2d").add(src.numel() * src.element_size())
-        if gpu:
-            torch.cuda.current_stream(p.device).wait_stream(cs)
+                torch.cuda.current_stream(p.device).wait_stream(cs)
 
 
 class _FileSegments:
-    """Segments of states in the NVMe store: segment s+1 is read while s is updated, s written behind."""
+    """Segments of states in the NVMe store: segment s+1 is read while s is updated, s written behind (into the
+    step's generation, with the tensor's new step count)."""
 
-    def __init__(self, store, key: str, n: int, v_format: str):
-        self.store, self.key, self.n, self.v_format = store, key, n, v_format
+    def __init__(self, store, key: str, n: int, v_format: str, step: int):
+        self.store, self.key, self.n, self.v_format, self.step = store, key, n, v_format, step
+        self.held: R.Packed | None = None  # m of the segment being updated (its buffer goes back with the write)
         self.reading = self._read(0)
 
     def _read(self, s0: int):
@@ -184,15 +273,37 @@ class _FileSegments:
     def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed]:
         cur, self.reading = self.reading, (self._read(s1) if s1 < self.n else None)
         with metrics.timer("optim.time.nvme_read_wait"):
-            return cur.result()
+            m, v = cur.result()
+        self.held = m
+        return m, v
 
     def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed) -> None:
-        self.store.write_async(self.key, s0 // R.SEGMENT, s1 - s0, self.v_format, m, v)
+        self.held = None
+        self.store.write_async(self.key, s0 // R.SEGMENT, s1 - s0, self.v_format, self.step, m, v)
+
+    def abandon(self) -> None:
+        """After an error: wait for the read ahead and hand back the buffers of segments that will not be
+        written."""
+        fut, self.reading = self.reading, None
+        if fut is not None:
+            try:
+                m, _ = fut.result()
+                self.store.release(m)
+            except BaseException:
+                pass
+        if self.held is not None:
+            self.store.release(self.held)
+            self.held = None
 
 
 class NvmeTier(HostTier):
     """Packed states in files of an NvmeStore (optim/nvme.py), named by each tensor's key; only ``step`` and
     ``master`` stay in ``optimizer.state``.
+
+    A step is one store transaction: the space of all its files (and of the undo log beyond
+    ``undo_ram_bytes``, default UNDO_RAM_BYTES) is reserved first, its segments go to a new generation, and
+    ``abort_step`` puts back what the optimizer saved in ``undo`` and drops the generation. A fresh tensor's
+    states are zeros without a file until its first step writes one.
 
     Keys: ``tensor_key(t)`` when given and not None (made a safe file name), else ``t<n>`` in order of first
     use; given once and kept while the tensor lives. `has_states(t)`: whether t holds states in the optimizer
@@ -200,9 +311,11 @@ class NvmeTier(HostTier):
     """
 
     name = "nvme"
+    transactional = True
 
     def __init__(self, store, tensor_key: Callable | None, has_states: Callable[[torch.Tensor], bool]):
         super().__init__()
+        self.undo_ram_bytes = UNDO_RAM_BYTES
         self.store = store
         self._tensor_key = tensor_key
         self._has_states = has_states
@@ -243,17 +356,31 @@ class NvmeTier(HostTier):
         return key
 
     def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None) -> None:
-        from .nvme import segment_file_bytes
+        """p's states: zeros (a fresh tensor: no file until its first step writes one) or (m, v), written as a
+        transaction of their own (or inside the open step's)."""
+        from .nvme import Record, tensor_disk_bytes
 
-        key, v_format, ranges = self.key(p), st["v_format"], R.segment_ranges(p.numel())
-        self.store.check_space(sum(segment_file_bytes(s1 - s0) for s0, s1 in ranges), f"tensor {key}")
-        for s, (s0, s1) in enumerate(ranges):
-            if m is None:
-                ms, vs = R.empty_packed(s1 - s0, "cpu"), R.empty_packed(s1 - s0, "cpu")
-            else:
-                ms, vs = R.segment_view(m, s0, s1), R.segment_view(v, s0, s1)
-            self.store.write(key, s, s1 - s0, v_format, ms, vs)
-        self.store.remove(key, first_segment=len(ranges))  # a dead tensor's key reused for a smaller one
+        key, v_format, n = self.key(p), st["v_format"], p.numel()
+        step = step_of(st.get("step", 0))
+        store = self.store
+        if m is None:
+            if not store.in_transaction:
+                store.remove(key)  # a dead tensor's files under a key now reused
+            store.set_record(key, Record(0, step, n, v_format))
+            return
+        own = not store.in_transaction
+        if own:
+            store.begin(tensor_disk_bytes(n), f"tensor {key}")
+        try:
+            for s, (s0, s1) in enumerate(R.segment_ranges(n)):
+                store.write(key, s, s1 - s0, v_format, step, R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
+            store.set_record(key, Record(store.generation, step, n, v_format))
+            if own:
+                store.commit()
+        except BaseException:
+            if own:
+                store.abort()
+            raise
 
     def states(self, st: dict, p) -> tuple[R.Packed, R.Packed]:
         key, v_format = self.key(p), st["v_format"]
@@ -261,7 +388,47 @@ class NvmeTier(HostTier):
         return tuple(R.Packed(*(torch.cat([pt[j][i] for pt in parts]) for i in range(3))) for j in range(2))
 
     def _segments(self, st: dict, p):
-        return _FileSegments(self.store, self.key(p), p.numel(), st["v_format"])
+        return _FileSegments(self.store, self.key(p), p.numel(), st["v_format"], step_of(st["step"]))
+
+    def step_segments(self, st: dict, p, compute: SegmentFn, new_values: torch.Tensor | None) -> None:
+        """As the host tier's, reading p's committed states and writing the new ones into the step's
+        generation, which becomes p's record (switched in by commit_step)."""
+        from .nvme import Record
+
+        if not self.store.in_transaction:
+            raise RuntimeError("the NVMe tier steps inside a transaction (begin_step)")
+        super().step_segments(st, p, compute, new_values)
+        self.store.set_record(self.key(p), Record(self.store.generation, step_of(st["step"]), p.numel(),
+                                                  st["v_format"]))
+
+    # ---- the step as a transaction ----------------------------------------------------------------------
+
+    def begin_step(self, write_bytes: int, undo_bytes: int) -> None:
+        """Check and reserve the disk space of the whole step: `write_bytes` of state files, and what of
+        `undo_bytes` the undo log cannot keep in RAM (CapacityError, with nothing changed)."""
+        spill = max(0, int(undo_bytes) - self.undo_ram_bytes)
+        self.store.begin(int(write_bytes) + (spill + 4096 * 64 if spill else 0), "this step", undo_file=spill > 0)
+        self.undo = UndoLog(self.store, self.undo_ram_bytes)
+
+    def finish_step(self) -> None:
+        with metrics.timer("optim.time.nvme_write_wait"):
+            self.store.wait_writes()
+
+    def commit_step(self) -> None:
+        self.undo = None
+        self.store.commit()
+
+    def abort_step(self) -> None:
+        """Undo the open step: the weights saved in the undo log back, the step's files deleted, the records
+        restored."""
+        undo, self.undo = self.undo, None
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # copies of new values into GPU parameters are done before undoing them
+            if undo is not None:
+                undo.restore()
+        finally:
+            self.store.abort()
 
     def end_step(self) -> None:
         with metrics.timer("optim.time.nvme_write_wait"):
@@ -274,22 +441,38 @@ class NvmeTier(HostTier):
     def disk_bytes(self) -> int:
         return 0 if self.store is None else self.store.bytes_on_disk()
 
-    def close(self) -> None:
-        """Release the store's files and threads."""
+    def close(self, steps: dict[str, int] | None = None) -> None:
+        """Release the store's files and threads (a kept folder records `steps`: key -> step count)."""
         if self.store is not None:
-            self.store.close()
-            self.store = None
+            store, self.store = self.store, None
+            store.close(steps=steps)
+
+
+def _keep_from_env(nvme_keep):
+    if nvme_keep is not None:
+        if not isinstance(nvme_keep, bool):
+            raise ConfigError("nvme_keep", nvme_keep, "True, False or None (None: the FP4OFFLOAD_NVME_KEEP "
+                              "environment variable, default False)")
+        return nvme_keep
+    raw = os.environ.get("FP4OFFLOAD_NVME_KEEP", "").strip().lower()
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ConfigError("FP4OFFLOAD_NVME_KEEP", raw, "1/true/yes/on or 0/false/no/off (or unset)")
 
 
 def make_tier(state_device: str, *, nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
               nvme_io: str = "auto", tensor_key: Callable | None = None,
-              has_states: Callable[[torch.Tensor], bool] = lambda t: False) -> DeviceTier:
-    """The tier of ``state_device`` (arguments as FP4AdamW's)."""
+              has_states: Callable[[torch.Tensor], bool] = lambda t: False, nvme_keep: bool | None = None
+              ) -> DeviceTier:
+    """The tier of ``state_device`` (arguments as FP4AdamW's; `nvme_keep` None reads FP4OFFLOAD_NVME_KEEP)."""
     if state_device == "same":
         return DeviceTier()
     if state_device == "cpu":
         return HostTier()
     from .nvme import NvmeStore
 
-    store = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes, io=nvme_io)
+    store = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes, io=nvme_io,
+                      keep=_keep_from_env(nvme_keep))
     return NvmeTier(store, tensor_key, has_states)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from fp4offload.errors import ConfigError
@@ -107,13 +110,92 @@ def _readings(args: argparse.Namespace):
     if args.readings:
         if args.measure:
             raise ConfigError("--measure", True, "not with --readings", "the readings were taken elsewhere")
-        return Readings.load(args.readings)
-    return probe(args.nvme_path, measure=args.measure)
+        return Readings.load(args.readings, "--readings")
+    return probe(getattr(args, "nvme_dir", None) or args.nvme_path, measure=args.measure)
 
 
-def _positive(name: str, value: int | float | None) -> None:
-    if value is not None and value <= 0:
-        raise ConfigError(name, value, "a positive number")
+#: every number a flag takes: flag -> (int or float, lowest, highest, what it is). Floats must be finite and
+#: above the lowest (exclusive), integers at least the lowest; both at most the highest. The highest are past
+#: any real machine or run, so a typo is refused instead of planned for (and every product stays finite).
+LIMITS: dict[str, tuple[type, float, float, str]] = {
+    "--gpus": (int, 1, 1024, "GPUs per node"),
+    "--nodes": (int, 1, 100_000, "nodes"),
+    "--host-cores": (int, 1, 1 << 16, "CPU cores per node"),
+    "--micro-batch": (int, 1, 1 << 20, "sequences per GPU per micro-step"),
+    "--seq-len": (int, 1, 1 << 30, "tokens per sequence"),
+    "--grad-accum": (int, 1, 1 << 20, "micro-steps per optimizer step"),
+    "--host-ram-gb": (float, 0, 1e9, "GiB of host RAM per node"),
+    "--nvme-gb": (float, 0, 1e12, "GB of NVMe space per node"),
+    "--mfu": (float, 0.001, 1.0, "the fraction of the GPU's dense bf16 peak a step achieves"),
+    "--lr": (float, 0, 1.0, "the AdamW learning rate"),
+    "--seconds": (float, 0, 3600.0, "seconds per benchmark"),
+    "--numel": (int, 1024, 1 << 30, "parameters in the optimizer benchmark"),
+    "--nvme-mb": (int, 1, 1 << 20, "MiB of the NVMe benchmark's scratch file"),
+}
+
+
+def check_number(flag: str, value: int | float | None) -> None:
+    """ConfigError naming ``flag`` unless ``value`` is None or in :data:`LIMITS`."""
+    if value is None:
+        return
+    typ, low, high, what = LIMITS[flag]
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ConfigError(flag, value, f"an integer in {low:,}..{high:,} ({what})")
+    elif not isinstance(value, (int, float)) or not math.isfinite(value) or not low < value <= high:
+        raise ConfigError(flag, value, f"a finite number in ({low:g}, {high:g}] ({what})",
+                          "NaN and Infinity are not numbers to plan with" if isinstance(value, float)
+                          and not math.isfinite(value) else None)
+
+
+def check_directory(flag: str, path: str | None, *, here: bool = True) -> str | None:
+    """``path`` with ``~`` and environment variables expanded, once it is known to be usable as the NVMe
+    directory; else ConfigError naming ``flag``.
+
+    ``here``: the directory is on this machine (planning for it, or measuring): it must exist, be a directory
+    and be on a real filesystem (not /proc, /sys, /dev). Otherwise (``--readings`` from another node) it must be
+    an absolute path, and if it exists here, a directory on a real filesystem."""
+    if path is None:
+        return None
+    if not path or "\0" in path:
+        raise ConfigError(flag, path, "a directory path" + (" without NUL bytes" if path else ""))
+    p = os.path.expandvars(os.path.expanduser(path))
+    if not os.path.isabs(p) and not here:
+        raise ConfigError(flag, path, "an absolute path", "with --readings the path is the other node's")
+    exists = os.path.lexists(p)
+    if not exists and here:
+        raise ConfigError(flag, path, "an existing directory", "create it or point at the NVMe mount")
+    if exists:
+        if not os.path.isdir(p):
+            raise ConfigError(flag, path, "a directory", "it is a file or a device, not a directory")
+        real = os.path.realpath(p)
+        for d in ("/proc", "/sys", "/dev"):
+            if real == d or real.startswith(d + "/"):
+                raise ConfigError(flag, path, "a directory on a disk", f"{real} is in {d}, a filesystem of the "
+                                  "kernel's")
+    return p
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """Every flag of ``plan`` checked before anything is read or measured (ConfigError naming the flag)."""
+    from fp4offload.jsonfile import check_output
+
+    for flag in ("--gpus", "--nodes", "--host-cores", "--micro-batch", "--seq-len", "--grad-accum",
+                 "--host-ram-gb", "--nvme-gb", "--mfu", "--lr"):
+        check_number(flag, getattr(args, flag[2:].replace("-", "_"), None))
+    if args.emit:
+        kind, out = args.emit
+        if kind not in ("deepspeed", "fsdp"):
+            raise ConfigError("--emit", kind, "'deepspeed' or 'fsdp'")
+        check_output(out, "--emit")
+    if args.save_readings is not None:
+        check_output(args.save_readings, "--save-readings")
+    if args.readings is not None and args.save_readings is not None and \
+            os.path.abspath(args.readings) == os.path.abspath(args.save_readings):
+        raise ConfigError("--save-readings", args.save_readings, "another file than --readings")
+    if args.model is not None and not args.model.strip():
+        raise ConfigError("--model", args.model, "a preset, a config.json or dims")
+    args.nvme_dir = check_directory("--nvme-path", args.nvme_path, here=args.readings is None)
 
 
 def build_plan(args: argparse.Namespace):
@@ -124,14 +206,13 @@ def build_plan(args: argparse.Namespace):
     from fp4offload.planner.rank import make_plan
     from fp4offload.planner.strategies import load_catalogue, select
 
-    for name in ("micro_batch", "seq_len", "grad_accum", "nodes", "gpus", "nvme_gb", "host_ram_gb", "host_cores"):
-        _positive("--" + name.replace("_", "-"), getattr(args, name))
+    check_plan_args(args)
     model = resolve_model(args.model)
     readings = _readings(args)
-    if args.save_readings:
-        readings.save(args.save_readings)
+    if args.save_readings is not None:
+        readings.save(args.save_readings, "--save-readings")
     cluster = build_cluster(readings=readings, gpu=args.gpu, gpus=args.gpus, nodes=args.nodes,
-                            host_ram_gb=args.host_ram_gb, host_cores=args.host_cores, nvme_path=args.nvme_path,
+                            host_ram_gb=args.host_ram_gb, host_cores=args.host_cores, nvme_path=args.nvme_dir,
                             nvme_gb=args.nvme_gb, mfu=args.mfu)
     setup = TrainSetup(micro_batch=args.micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum)
     catalogue = load_catalogue(args.strategies)
@@ -220,8 +301,6 @@ def _emit(plan, args: argparse.Namespace) -> str:
     from fp4offload.planner.emit import OptimizerSettings, deepspeed_config, fsdp_policy, write_deepspeed, write_fsdp
 
     kind, out = args.emit
-    if kind not in ("deepspeed", "fsdp"):
-        raise ConfigError("--emit", kind, "'deepspeed' or 'fsdp'")
     engine = "deepspeed" if kind == "deepspeed" else "fsdp2"
     pick = next((x for x in plan.ranked if x.strategy.engine == engine), None)
     if pick is None:
@@ -247,14 +326,21 @@ def run_check(args: argparse.Namespace) -> int:
 
     try:
         for name in ("nodes", "gpus"):
-            _positive("--" + name, getattr(args, name))
+            check_number("--" + name, getattr(args, name))
+        if args.emit or args.save_readings is not None:
+            raise ConfigError("--emit" if args.emit else "--save-readings", args.emit or args.save_readings,
+                              "not with --check", "--check writes nothing; plan without --check to write a config")
         from fp4offload.integrations import ds_preflight
         from fp4offload.integrations.deepspeed import BLOCK_KEY, prepare_config, read_config
+        from fp4offload.jsonfile import read_json
 
         model = resolve_model(args.model)
         local = args.gpus or 1
         world = local * (args.nodes or 1)
-        raw = read_config(args.check)
+        raw = read_config(read_json(Path(args.check), "--check", args.check,
+                                    readable="a readable DeepSpeed JSON file", valid="valid JSON",
+                                    detail="line {exc.lineno} column {exc.colno}: {exc.msg}",
+                                    top="a JSON object at the top level"))
         prepared = prepare_config(raw, world_size=world) if BLOCK_KEY in raw else None
     except ConfigError as exc:
         print(f"fp4offload plan --check: {exc}", file=sys.stderr)
@@ -332,15 +418,22 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     from fp4offload.planner.bench import DEFAULT_BENCH_NUMEL, run_bench
     from fp4offload.planner.probe import probe
 
+    from fp4offload.jsonfile import check_output
+
     try:
-        if args.seconds <= 0:
-            raise ConfigError("--seconds", args.seconds, "a positive number of seconds")
-        if args.numel is not None and args.numel < 1024:
-            raise ConfigError("--numel", args.numel, "at least 1024")
-        base = probe(args.nvme_path, measure=False)
-        readings = run_bench(args.nvme_path, numel=args.numel or DEFAULT_BENCH_NUMEL, max_seconds=args.seconds,
+        for flag in ("--seconds", "--numel", "--nvme-mb"):
+            check_number(flag, getattr(args, flag[2:].replace("-", "_")))
+        if args.nvme_mb is not None and args.nvme_path is None:
+            raise ConfigError("--nvme-mb", args.nvme_mb, "with --nvme-path", "without it no NVMe test runs")
+        check_output(args.out, "--out")  # before the benchmarks run, not after
+        nvme = check_directory("--nvme-path", args.nvme_path)
+        if nvme is not None and not os.access(nvme, os.W_OK | os.X_OK):
+            raise ConfigError("--nvme-path", args.nvme_path, "a directory this user can write",
+                              "the NVMe test writes a scratch file there")
+        base = probe(nvme, measure=False)
+        readings = run_bench(nvme, numel=args.numel or DEFAULT_BENCH_NUMEL, max_seconds=args.seconds,
                              nvme_max_bytes=(args.nvme_mb << 20) if args.nvme_mb else None, base=base)
-        readings.save(args.out)
+        readings.save(args.out, "--out")
     except ConfigError as exc:
         print(f"fp4offload bench: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

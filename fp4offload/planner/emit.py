@@ -6,8 +6,7 @@ with ``fp4offload.config`` before it is written."""
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from fp4offload.config import (ActivationsConfig, Fp4OffloadConfig, FsdpPolicyConfig, MonitorConfig,
                                OptimizerStatesConfig, WeightsConfig, dump_fsdp_policy_yaml, validate_deepspeed_config)
 from fp4offload.errors import ConfigError
+from fp4offload.jsonfile import write_text
 from fp4offload.planner.hardware import Cluster
 from fp4offload.planner.memory import TrainSetup
 from fp4offload.planner.models import ModelSpec
@@ -91,10 +91,10 @@ def deepspeed_config(strategy: Strategy, model: ModelSpec, cluster: Cluster, set
     if stage in (1, 2):
         zero.update(allgather_bucket_size=int(t.allgather_bucket), reduce_scatter=True)
     if stage == 3:
+        unit = model.largest_units(1)[0]
         zero.update(stage3_prefetch_bucket_size=int(t.prefetch_bucket), stage3_param_persistence_threshold=int(
-            10 * model.hidden), stage3_max_live_parameters=int(max(model.units()) * 2), stage3_max_reuse_distance=int(
-            max(model.units()) * 2), sub_group_size=int(t.sub_group_size),
-            stage3_gather_16bit_weights_on_model_save=True)
+            10 * model.hidden), stage3_max_live_parameters=int(unit * 2), stage3_max_reuse_distance=int(unit * 2),
+            sub_group_size=int(t.sub_group_size), stage3_gather_16bit_weights_on_model_save=True)
     uses_ds_nvme = False
     if s.master.device != "gpu":
         dev = s.master.device
@@ -104,7 +104,7 @@ def deepspeed_config(strategy: Strategy, model: ModelSpec, cluster: Cluster, set
     if s.weights.device != "gpu":
         dev = s.weights.device
         zero["offload_param"] = _offload(dev, nvme_path, buffer_count=5,
-                                         buffer_size=int(max(model.units()) * 2), max_in_cpu=int(1e9))
+                                         buffer_size=int(model.largest_units(1)[0] * 2), max_in_cpu=int(1e9))
         uses_ds_nvme |= dev == "nvme"
 
     if s.master.format != "fp32":  # the block's compact master runs on DeepSpeed's bf16 master mode
@@ -155,25 +155,34 @@ def fsdp_policy(strategy: Strategy, model: ModelSpec, nvme_path: str | None = No
                             block_classes=(model.block_class,) if model.block_class else ())
 
 
-def _atomic_write(path: str | Path, text: str) -> None:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_deepspeed(path: str | Path, cfg: dict[str, Any]) -> None:
-    """Validate and write a DeepSpeed config as JSON."""
+def write_deepspeed(path: str | Path, cfg: dict[str, Any], key: str = "--emit") -> None:
+    """Validate and write a DeepSpeed config as JSON (strict JSON: a NaN or an Infinity anywhere is refused, as
+    ConfigError naming ``key``, since it is not JSON and DeepSpeed's reader would take it). Written atomically
+    through ``jsonfile.write_text`` (random temporary name, 0600, renamed into place)."""
     validate_deepspeed_config(cfg)
-    _atomic_write(path, json.dumps(cfg, indent=2) + "\n")
+    try:
+        text = json.dumps(cfg, indent=2, allow_nan=False) + "\n"
+    except ValueError as exc:
+        bad = next((k for k, v in _walk(cfg) if isinstance(v, float) and not math.isfinite(v)), "?")
+        raise ConfigError(bad, "non-finite", "a finite number", f"{key} {path}: {exc}; nothing was written") from None
+    write_text(path, text, key)
 
 
-def write_fsdp(path: str | Path, policy: FsdpPolicyConfig, header: str = "") -> None:
-    """Write an FSDP2 policy as YAML."""
-    _atomic_write(path, dump_fsdp_policy_yaml(policy, header=header))
+def write_fsdp(path: str | Path, policy: FsdpPolicyConfig, header: str = "", key: str = "--emit") -> None:
+    """Write an FSDP2 policy as YAML (atomically, as :func:`write_deepspeed`)."""
+    text = dump_fsdp_policy_yaml(policy, header=header)
+    if any(w in (".nan", ".inf", "-.inf") for w in text.replace(":", " ").split()):
+        raise ConfigError(key, str(path), "a policy of finite numbers", "nothing was written")
+    write_text(path, text, key)
+
+
+def _walk(x: Any, prefix: str = ""):
+    """(key path, value) of every leaf of a JSON-like document."""
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _walk(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _walk(v, f"{prefix}[{i}]")
+    else:
+        yield prefix, x

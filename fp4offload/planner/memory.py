@@ -15,6 +15,7 @@ chunk each) 1.1328125 per parameter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from fp4offload.errors import ConfigError
@@ -137,8 +138,7 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
     shard_g = N if stage >= 2 else 1
     shard_o = N if stage >= 1 else 1
     pure_fp32 = e == 4
-    units = m.units()
-    top2 = sum(sorted(units)[-2:])
+    top2 = sum(m.largest_units(2))
 
     static: dict[str, float] = {}
     host: dict[str, float] = {"runtime": t.host_runtime_bytes}
@@ -190,22 +190,28 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
 
     # Communication buffers.
     if fsdp:
-        buffers = (4 + e) * max(units)
+        buffers = (4 + e) * m.largest_units(1)[0]
     elif stage == 3:
         buffers = e * 2 * t.reduce_bucket
     else:
         buffers = 4.5 * e * max(t.reduce_bucket, t.allgather_bucket) if (t.reduce_bucket or t.allgather_bucket) else 0
 
-    # Activations.
+    # Activations. Blocks come in runs of one kind (model.layer_runs: one run for a dense model), so every
+    # per-block sum below is a sum over runs, and the work does not grow with the number of blocks.
     T = t.tokens
-    layer_saved = [T * m.layer_saved_bytes_per_token(i, e) for i in range(m.layers)]
+    runs = m.layer_runs
+    n_moe = m.moe_layer_count
+    count = {k: c for k, c in ((False, m.layers - n_moe), (True, n_moe)) if c}  # blocks of each kind
+    kinds = set(count)
+    layer_saved = {k: T * m.kind_saved_bytes_per_token(k, e) for k in kinds}
     final_saved = T * m._norm_saved(e)
     logits_peak = T * m.logits_peak_bytes_per_token(e)
     logits_held = T * e * m.vocab
     ratio = _act_ratio(s.activations.format, e)
-    stored = [T * e * m.hidden] * m.layers if checkpointing else layer_saved
+    stored = {k: T * e * m.hidden for k in kinds} if checkpointing else layer_saved
+    max_saved = max(layer_saved.values())
     offloaded = s.activations.device != "gpu"
-    saved_total = (sum(stored) + final_saved) * ratio
+    saved_total = (sum(c * stored[k] for k, c in count.items()) + final_saved) * ratio
     pcie_act = saved_total if offloaded else 0.0  # NVMe-bound activations pass through host RAM
     if offloaded:
         pool = saved_total * (1 + t.pinned_pool_overhead)
@@ -213,14 +219,14 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
             put("cpu", "activations", pool)
         else:
             put("nvme", "activations", saved_total)
-            put("cpu", "staging", 2 * t.act_window_layers * max(layer_saved) * ratio)
-        window = t.act_window_layers * max(layer_saved)
-        on_gpu = [0.0] * m.layers
+            put("cpu", "staging", 2 * t.act_window_layers * max_saved * ratio)
+        window = t.act_window_layers * max_saved
+        on_gpu = {k: 0.0 for k in kinds}
         gpu_act_all = window + final_saved * ratio
     else:
-        on_gpu = [x * ratio for x in stored]
+        on_gpu = {k: stored[k] * ratio for k in kinds}
         window = 0.0
-        gpu_act_all = sum(on_gpu) + final_saved * ratio
+        gpu_act_all = sum(c * on_gpu[k] for k, c in count.items()) + final_saved * ratio
 
     # Phases: the named terms at each phase's peak; the largest phase sets the GPU peak.
     g_accum = g_end if t.grad_accum > 1 else 0.0
@@ -228,17 +234,32 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
         "loss": {"activations": gpu_act_all, "logits": logits_peak, "grads": g_accum, "gathered_weights": live},
         "optimizer step": {"grads": g_end, "fp32_grads": fp32_grad_at_step},
     }
+    # Backward, block by block from the last: gradients of the blocks done so far grow, the saved activations
+    # of the blocks still to do shrink. Within a run of equal blocks the sum of the terms is convex in the block
+    # (a max of linear terms plus a linear one), so its largest value is at an end of the run or where the
+    # gradients overtake the accumulated ones: those blocks are the ones evaluated, in the order a walk over
+    # every block would meet them.
     grads_before = g_per_param * (m.head_params + m.hidden)
     worst: dict[str, float] = {"grads": max(g_end, g_accum), "logits": logits_held}
-    for i in reversed(range(m.layers)):
-        lp = m.layer_params(i)
-        terms = {"grads": max(grads_before, g_accum) + 0.5 * g_per_param * lp,
-                 "activations": (window if offloaded else sum(on_gpu[: i + 1]))
-                 + (layer_saved[i] if checkpointing else 0.0),
-                 "logits": logits_held, "gathered_weights": live}
-        if sum(terms.values()) > sum(worst.values()):
-            worst = terms
-        grads_before += g_per_param * lp
+    worst_sum = sum(worst.values())
+    below = sum(c * on_gpu[k] for k, c in count.items())  # on_gpu of every block up to the current one
+    step_of = {k: g_per_param * m.kind_params(k) for k in kinds}
+    extra_of = {k: layer_saved[k] if checkpointing else 0.0 for k in kinds}
+    for _, n, k in reversed(runs):
+        step, o, extra = step_of[k], on_gpu[k], extra_of[k]
+        js = (0, n - 1) if n > 1 else (0,)
+        if step > 0 and grads_before < g_accum:
+            jc = min(max(math.ceil((g_accum - grads_before) / step), 0), n - 1)
+            js = sorted({*js, max(jc - 1, 0), jc})
+        for j in js:
+            grads = max(grads_before + j * step, g_accum) + 0.5 * step
+            act = (window if offloaded else below - j * o) + extra
+            total = grads + act + logits_held + live  # the order sum(terms.values()) adds them in
+            if total > worst_sum:
+                worst = {"grads": grads, "activations": act, "logits": logits_held, "gathered_weights": live}
+                worst_sum = total
+        grads_before += n * step
+        below -= n * o
     phases["backward"] = worst
     phase = max(phases, key=lambda k: sum(phases[k].values()))
 

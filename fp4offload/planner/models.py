@@ -8,6 +8,7 @@ implementations, so they match the published totals (see ``PUBLISHED_TOTALS``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -16,7 +17,27 @@ from fp4offload.errors import ConfigError
 from fp4offload.jsonfile import read_json
 
 __all__ = ["ModelSpec", "PRESETS", "PUBLISHED_TOTALS", "PUBLISHED_ACTIVE", "from_hf_config", "parse_dims",
-           "resolve_model"]
+           "resolve_model", "MAX_LAYERS", "MAX_WIDTH", "MAX_EXPERTS", "MAX_PARAMS"]
+
+# Bounds past any real model, so that a typo (or a hostile file) is refused at once instead of planned for:
+# the deepest published transformers have about a thousand blocks (DeepNet; released LLMs at most ~130), the
+# widest about 5e4 (hidden, ffn) and 2.6e5 (vocabulary), the most experts a few hundred, and the largest models
+# about 2e12 parameters.
+#: decoder blocks
+MAX_LAYERS = 10_000
+#: hidden, ffn, expert_ffn, vocab, head_dim, positions, heads (each)
+MAX_WIDTH = 1 << 24
+#: experts per MoE block
+MAX_EXPERTS = 1 << 16
+#: total parameters (500x the largest model trained)
+MAX_PARAMS = 10 ** 15
+
+_INT_FIELDS = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "head_dim", "norms_per_layer", "positions",
+               "experts", "experts_per_token", "expert_ffn", "shared_expert_ffn", "extra_params")
+_BOOL_FIELDS = ("tied", "gated", "qkv_bias", "out_bias", "mlp_bias", "qk_norm", "shared_expert_gate")
+#: what the largest released models have, per field: the field most over it is named when the total is too large
+_LARGEST = {"hidden": 16384, "layers": 126, "ffn": 53248, "vocab": 262144, "experts": 256, "expert_ffn": 8192,
+            "head_dim": 256, "shared_expert_ffn": 8192, "positions": 131072, "extra_params": 10 ** 10}
 
 
 @dataclass(frozen=True)
@@ -70,10 +91,20 @@ class ModelSpec:
     family: str = ""
 
     def __post_init__(self) -> None:
-        for k in ("hidden", "layers", "heads", "kv_heads", "vocab"):
+        for k in _INT_FIELDS:
             v = getattr(self, k)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"model.{k}", v, "a positive integer")
+            if v is None and k == "head_dim":
+                continue
+            low = 1 if k in ("hidden", "layers", "heads", "kv_heads", "vocab", "head_dim") else 0
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"model.{k}", v, "a positive integer" if low else "a non-negative integer")
+            high = {"layers": MAX_LAYERS, "experts": MAX_EXPERTS, "extra_params": MAX_PARAMS,
+                    "norms_per_layer": 8}.get(k, MAX_WIDTH)
+            if v > high:
+                raise ConfigError(f"model.{k}", v, f"at most {high:,}", "no real model is that large: check the value")
+        for k in _BOOL_FIELDS:
+            if not isinstance(getattr(self, k), bool):
+                raise ConfigError(f"model.{k}", getattr(self, k), "true or false")
         if self.heads % self.kv_heads:
             raise ConfigError("model.kv_heads", self.kv_heads, f"a divisor of heads ({self.heads})")
         if self.head_dim is None and self.hidden % self.heads:
@@ -87,6 +118,15 @@ class ModelSpec:
                 raise ConfigError("model.expert_ffn", self.expert_ffn, "a positive integer for an MoE model")
         elif self.ffn < 1:
             raise ConfigError("model.ffn", self.ffn, "a positive integer")
+        if self.moe_layers is not None:
+            if not isinstance(self.moe_layers, tuple) or not all(
+                    isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.layers for i in self.moe_layers):
+                raise ConfigError("model.moe_layers", self.moe_layers, f"block indices in 0..{self.layers - 1}")
+        n = self.param_count()
+        if n > MAX_PARAMS:
+            worst = max(_LARGEST, key=lambda k: (getattr(self, k) or 0) / _LARGEST[k])
+            raise ConfigError(f"model.{worst}", getattr(self, worst), f"a model of at most {MAX_PARAMS:.0e} "
+                              f"parameters (this one has {n:.3g})", "no real model is that large: check the value")
 
     # -- shapes -----------------------------------------------------------------------------
 
@@ -107,10 +147,39 @@ class ModelSpec:
     def is_moe(self) -> bool:
         return self.experts > 0
 
+    @functools.cached_property
+    def _moe_set(self) -> frozenset[int]:
+        return frozenset(range(self.layers) if self.moe_layers is None else self.moe_layers) if self.experts \
+            else frozenset()
+
     def is_moe_layer(self, i: int) -> bool:
-        if not self.experts:
-            return False
-        return self.moe_layers is None or i in self.moe_layers
+        return i in self._moe_set
+
+    @property
+    def moe_layer_count(self) -> int:
+        """Blocks with an MoE FFN (the others have the dense one)."""
+        return len(self._moe_set)
+
+    @functools.cached_property
+    def layer_runs(self) -> tuple[tuple[int, int, bool], ...]:
+        """The blocks as runs of one kind: (first block, blocks, MoE?), in order. One run for a dense model or
+        an MoE model with MoE in every block; what the per-block sums of the planner iterate over."""
+        runs: list[list] = []
+        moe = self._moe_set
+        if not moe or len(moe) == self.layers:
+            return ((0, self.layers, bool(moe)),)
+        for i in range(self.layers):
+            kind = i in moe
+            if runs and runs[-1][2] == kind:
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1, kind])
+        return tuple((a, n, k) for a, n, k in runs)
+
+    def _per_kind(self, fn) -> int:
+        """sum(fn(moe) for every block), in closed form: fn of each kind times its block count."""
+        n_moe = self.moe_layer_count
+        return (self.layers - n_moe) * fn(False) + (n_moe * fn(True) if n_moe else 0)
 
     # -- parameter counts -------------------------------------------------------------------
 
@@ -130,8 +199,8 @@ class ModelSpec:
         n += 2 * self.hd if self.qk_norm else 0
         return n
 
-    def _ffn_block(self, i: int, active: bool) -> int:
-        if not self.is_moe_layer(i):
+    def _ffn_kind(self, moe: bool, active: bool) -> int:
+        if not moe:
             return self._mlp(self.ffn)
         k = self.experts_per_token if active else self.experts
         n = k * self._mlp(self.expert_ffn) + self.hidden * self.experts  # experts + router
@@ -139,9 +208,17 @@ class ModelSpec:
             n += self._mlp(self.shared_expert_ffn) + (self.hidden if self.shared_expert_gate else 0)
         return n
 
+    def kind_params(self, moe: bool, active: bool = False) -> int:
+        """Parameters of one block of the kind ``moe`` (only the routed experts a token uses when ``active``)."""
+        return self.attention_params() + self.norms_per_layer * self._norm() + self._ffn_kind(moe, active)
+
     def layer_params(self, i: int, active: bool = False) -> int:
         """Parameters of decoder block ``i`` (only the routed experts a token uses when ``active``)."""
-        return self.attention_params() + self.norms_per_layer * self._norm() + self._ffn_block(i, active)
+        return self.kind_params(self.is_moe_layer(i), active)
+
+    def blocks_params(self, active: bool = False) -> int:
+        """All decoder blocks' parameters (closed form: per kind of block, times its count)."""
+        return self._per_kind(lambda moe: self.kind_params(moe, active))
 
     @property
     def embed_params(self) -> int:
@@ -153,14 +230,12 @@ class ModelSpec:
 
     def param_count(self) -> int:
         """Total parameters, as a checkpoint holds them."""
-        return (self.embed_params + sum(self.layer_params(i) for i in range(self.layers)) + self._norm()
-                + self.head_params + self.extra_params)
+        return self.embed_params + self.blocks_params() + self._norm() + self.head_params + self.extra_params
 
     def active_param_count(self) -> int:
         """Parameters a text token passes through: routed experts counted experts_per_token times,
         the vision tower (``extra_params``) left out."""
-        return (self.embed_params + sum(self.layer_params(i, True) for i in range(self.layers)) + self._norm()
-                + self.head_params)
+        return self.embed_params + self.blocks_params(True) + self._norm() + self.head_params
 
     def units(self) -> list[int]:
         """Parameter counts of the pieces ZeRO-3/FSDP gather one at a time: embedding, blocks, head."""
@@ -169,16 +244,25 @@ class ModelSpec:
             out.append(self.head_params + self._norm())
         return out
 
+    def largest_units(self, k: int = 2) -> list[int]:
+        """The ``k`` largest of :meth:`units`, largest first (without listing every block)."""
+        n_moe = self.moe_layer_count
+        pool = [self.embed_params] + [self.kind_params(False)] * min(self.layers - n_moe, k)
+        pool += [self.kind_params(True)] * min(n_moe, k)
+        if self.head_params:
+            pool.append(self.head_params + self._norm())
+        return sorted(pool, reverse=True)[:k]
+
     # -- compute ----------------------------------------------------------------------------
 
     def matmul_params_per_token(self) -> int:
         """Weights that enter a matrix product per token (embedding lookups excluded, head included)."""
-        return sum(self.layer_params(i, True) for i in range(self.layers)) + self.vocab * self.hidden
+        return self.blocks_params(True) + self.vocab * self.hidden
 
     def train_flops_per_token(self, seq_len: int, recompute: bool = False) -> float:
         """Forward + backward FLOPs per token: 6 x matmul weights + 6 x layers x seq x q_dim
         (causal attention); a full recomputation of the blocks adds one forward of them."""
-        blocks = sum(self.layer_params(i, True) for i in range(self.layers))
+        blocks = self.blocks_params(True)
         attn = 6.0 * self.layers * seq_len * self.q_dim
         flops = 6.0 * self.matmul_params_per_token() + attn
         if recompute:
@@ -195,13 +279,13 @@ class ModelSpec:
     def _mlp_saved(self, ffn: int, e: int) -> int:
         return (4 if self.gated else 2) * e * ffn
 
-    def layer_saved_bytes_per_token(self, i: int, e: int = 2) -> int:
-        """Bytes autograd keeps per token for block ``i`` without checkpointing (``e`` = bytes per
-        element of the compute dtype): norms, q/k/v after rotary, attention output and the output
+    def kind_saved_bytes_per_token(self, moe: bool, e: int = 2) -> int:
+        """Bytes autograd keeps per token for one block of the kind ``moe`` without checkpointing (``e`` = bytes
+        per element of the compute dtype): norms, q/k/v after rotary, attention output and the output
         projection's input, the attention log-sum-exp, and the MLP's inner tensors."""
         n = self.norms_per_layer * self._norm_saved(e)
         n += e * (self.q_dim + 2 * self.kv_dim) + 2 * e * self.q_dim + 4 * self.heads
-        if self.is_moe_layer(i):
+        if moe:
             k = self.experts_per_token
             n += k * self._mlp_saved(self.expert_ffn, e) + 2 * e * self.hidden * k + 4 * self.experts
             if self.shared_expert_ffn:
@@ -210,9 +294,13 @@ class ModelSpec:
             n += self._mlp_saved(self.ffn, e)
         return n
 
+    def layer_saved_bytes_per_token(self, i: int, e: int = 2) -> int:
+        """:meth:`kind_saved_bytes_per_token` of block ``i``."""
+        return self.kind_saved_bytes_per_token(self.is_moe_layer(i), e)
+
     def saved_bytes_per_token(self, e: int = 2) -> int:
         """All blocks plus the final norm, per token, without checkpointing."""
-        return sum(self.layer_saved_bytes_per_token(i, e) for i in range(self.layers)) + self._norm_saved(e)
+        return self._per_kind(lambda moe: self.kind_saved_bytes_per_token(moe, e)) + self._norm_saved(e)
 
     def logits_peak_bytes_per_token(self, e: int = 2) -> int:
         """Peak bytes of the loss region per token: logits in the compute dtype (held by the
@@ -287,16 +375,56 @@ _KNOWN = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"
           "qwen3_moe", "llama4_text")
 
 
+def _cfg_int(cfg: Mapping[str, Any], key: str, *, low: int = 1, high: int = MAX_WIDTH, prefix: str = "",
+             default: Any = ..., why: str = "") -> Any:
+    """``cfg[key]`` checked to be an integer in [low, high]; when absent (or null) ``default``, or a ConfigError
+    naming the key (``prefix`` + key) when there is none."""
+    v = cfg.get(key)
+    if v is None:
+        if default is ...:
+            raise ConfigError(prefix + key, None, "present in config.json", why or None)
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ConfigError(prefix + key, v, f"an integer >= {low}")
+    if v > high:
+        raise ConfigError(prefix + key, v, f"at most {high:,}", "no real model is that large: check the value")
+    return v
+
+
+def _cfg_bool(cfg: Mapping[str, Any], key: str, default: bool, prefix: str = "") -> bool:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(prefix + key, v, "true or false")
+    return v
+
+
+def _cfg_indices(cfg: Mapping[str, Any], key: str, layers: int, prefix: str = "") -> list[int] | None:
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers
+                                          for i in v):
+        raise ConfigError(prefix + key, v, f"a list of block indices in 0..{layers - 1}")
+    return v
+
+
 def _llama4_vision_params(v: Mapping[str, Any], text_hidden: int) -> int:
     """The Llama 4 vision tower: a ViT with biases, a pixel-shuffle MLP adapter and a projector."""
-    h, inter, n = v["hidden_size"], v["intermediate_size"], v["num_hidden_layers"]
-    patch, img, ch = v["patch_size"], v["image_size"], v.get("num_channels", 3)
+    def need(k: str, default: Any = ...) -> int:
+        return _cfg_int(v, k, prefix="vision_config.", default=default, why="a complete Llama 4 vision_config "
+                        "needs it", high=MAX_LAYERS if k == "num_hidden_layers" else MAX_WIDTH)
+
+    h, inter, n = need("hidden_size"), need("intermediate_size"), need("num_hidden_layers")
+    patch, img, ch = need("patch_size"), need("image_size"), need("num_channels", 3)
     layer = 4 * (h * h + h) + (h * inter + inter) + (inter * h + h) + 2 * 2 * h
     patches = (img // patch) ** 2 + 1
     # The pixel-shuffle adapter maps inter (= hidden / ratio^2 in the released models) to the
     # projector input, then projector output to projector output (the two are equal there).
-    adapter = inter * v["projector_input_dim"] + v["projector_output_dim"] * v["projector_output_dim"]
-    projector = v.get("vision_output_dim", v["projector_output_dim"]) * text_hidden
+    out_dim = need("projector_output_dim")
+    adapter = inter * need("projector_input_dim") + out_dim * out_dim
+    projector = need("vision_output_dim", out_dim) * text_hidden
     return n * layer + h + patches * h + ch * patch * patch * h + 2 * 2 * h + adapter + projector
 
 
@@ -306,82 +434,128 @@ def _read_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     p = Path(source)
     if p.is_dir():
         p = p / "config.json"
+        if not p.exists():
+            raise ConfigError("--model", str(source), "a folder holding a Hugging Face config.json",
+                              f"{p} does not exist")
     return read_json(p, "--model", str(source), readable="a readable config.json", valid="a JSON file",
                      top="a JSON object (a Hugging Face config.json)")
 
 
+#: the config.json key each ModelSpec field comes from (for errors ModelSpec raises on a parsed config)
+_HF_KEYS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "heads": "num_attention_heads",
+            "kv_heads": "num_key_value_heads", "ffn": "intermediate_size", "vocab": "vocab_size",
+            "head_dim": "head_dim", "tied": "tie_word_embeddings", "experts_per_token": "num_experts_per_tok",
+            "positions": "max_position_embeddings", "shared_expert_ffn": "shared_expert_intermediate_size"}
+
+
 def from_hf_config(source: str | Path | Mapping[str, Any], name: str | None = None) -> ModelSpec:
-    """Build a spec from a Hugging Face ``config.json`` (path, directory or parsed dict)."""
+    """Build a spec from a Hugging Face ``config.json`` (path, directory or parsed dict).
+
+    Every value used is checked where it is read: integers must be integers (not floats, strings or booleans)
+    in range and below the bounds of :data:`MAX_LAYERS` / :data:`MAX_WIDTH` / :data:`MAX_EXPERTS`, flags must
+    be booleans, layer lists must hold block indices; a ConfigError names the config.json key (``text_config.``
+    or ``vision_config.`` in front for a multimodal config)."""
     cfg = _read_config(source)
     top_type = cfg.get("model_type", "")
+    if top_type is not None and not isinstance(top_type, str):
+        raise ConfigError("model_type", top_type, "a string (the Hugging Face model_type)")
+    top_type = top_type or ""
     extra = 0
+    prefix = ""
     if "text_config" in cfg and isinstance(cfg["text_config"], Mapping):
         text = dict(cfg["text_config"])
         text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", False))
         mt = text.get("model_type") or {"llama4": "llama4_text", "gemma3": "gemma3_text"}.get(top_type, top_type)
+        if not isinstance(mt, str):
+            raise ConfigError("text_config.model_type", mt, "a string (the Hugging Face model_type)")
         if mt == "llama4_text" and isinstance(cfg.get("vision_config"), Mapping):
-            try:
-                extra = _llama4_vision_params(cfg["vision_config"], text["hidden_size"])
-            except KeyError as exc:
-                raise ConfigError("vision_config", f"<missing {exc.args[0]}>",
-                                  "a complete Llama 4 vision_config") from None
-        cfg = text
+            extra = _llama4_vision_params(cfg["vision_config"], _cfg_int(text, "hidden_size", prefix="text_config."))
+        cfg, prefix = text, "text_config."
     else:
         mt = top_type
     if mt not in _KNOWN and not {"hidden_size", "num_hidden_layers", "num_attention_heads"} <= cfg.keys():
-        raise ConfigError("model_type", mt, ", ".join(_KNOWN),
+        raise ConfigError(prefix + "model_type", mt, ", ".join(_KNOWN),
                           "unsupported architecture; give the dimensions instead: --model hidden=...,layers=...")
+    why = f"model_type {mt!r} needs it"
+    used: dict[str, str] = {}
 
-    def need(*keys: str) -> Any:
+    def num(field_: str, *keys: str, low: int = 1, default: Any = ..., high: int = MAX_WIDTH) -> Any:
+        """The first of ``keys`` present (checked), recorded as where ``field_`` came from."""
         for k in keys:
             if cfg.get(k) is not None:
-                return cfg[k]
-        raise ConfigError(keys[0], None, "present in config.json", f"model_type {mt!r} needs it")
+                used[field_] = k
+                return _cfg_int(cfg, k, low=low, high=high, prefix=prefix)
+        if default is ...:
+            raise ConfigError(prefix + keys[0], None, "present in config.json", why)
+        return default
 
     label = name or cfg.get("_name_or_path") or (Path(source).stem if not isinstance(source, Mapping) else mt)
     if mt == "gpt2":
-        h = need("n_embd", "hidden_size")
-        return ModelSpec(str(label), h, need("n_layer", "num_hidden_layers"), need("n_head"), need("n_head"),
-                         cfg.get("n_inner") or 4 * h, need("vocab_size"), tied=cfg.get("tie_word_embeddings", True),
-                         gated=False, norm="layer", qkv_bias=True, out_bias=True, mlp_bias=True,
-                         positions=need("n_positions", "max_position_embeddings"), extra_params=extra,
-                         family="gpt2")
+        h = num("hidden", "n_embd", "hidden_size")
+        heads = num("heads", "n_head")
+        kw: dict[str, Any] = dict(
+            hidden=h, layers=num("layers", "n_layer", "num_hidden_layers", high=MAX_LAYERS), heads=heads,
+            kv_heads=heads, ffn=num("ffn", "n_inner", low=0, default=0) or 4 * h, vocab=num("vocab", "vocab_size"),
+            tied=_cfg_bool(cfg, "tie_word_embeddings", True, prefix), gated=False, norm="layer", qkv_bias=True,
+            out_bias=True, mlp_bias=True, positions=num("positions", "n_positions", "max_position_embeddings"),
+            extra_params=extra, family="gpt2")
+        return _spec(str(label), kw, used, prefix)
 
-    heads = need("num_attention_heads")
-    kw: dict[str, Any] = dict(
-        hidden=need("hidden_size"), layers=need("num_hidden_layers"), heads=heads,
-        kv_heads=cfg.get("num_key_value_heads") or heads, ffn=cfg.get("intermediate_size") or 0,
-        vocab=need("vocab_size"), head_dim=cfg.get("head_dim"),
-        tied=cfg.get("tie_word_embeddings", _TIED_DEFAULT.get(mt, False)),
+    heads = num("heads", "num_attention_heads")
+    n_layers = num("layers", "num_hidden_layers", high=MAX_LAYERS)
+    kw = dict(
+        hidden=num("hidden", "hidden_size"), layers=n_layers, heads=heads,
+        kv_heads=num("kv_heads", "num_key_value_heads", low=0, default=0) or heads,
+        ffn=num("ffn", "intermediate_size", low=0, default=0), vocab=num("vocab", "vocab_size"),
+        head_dim=num("head_dim", "head_dim", default=None),
+        tied=_cfg_bool(cfg, "tie_word_embeddings", _TIED_DEFAULT.get(mt, False), prefix),
         norms_per_layer=4 if mt in _FOUR_NORMS else 2, extra_params=extra, family=mt,
     )
-    bias = bool(cfg.get("attention_bias", False))
+    bias = _cfg_bool(cfg, "attention_bias", False, prefix)
     kw.update(qkv_bias=bias or mt in ("qwen2", "qwen2_moe"), out_bias=bias and mt not in ("qwen2", "qwen2_moe"),
-              mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"))
-    n_layers = kw["layers"]
+              mlp_bias=_cfg_bool(cfg, "mlp_bias", False, prefix), qk_norm=mt in ("qwen3", "qwen3_moe", "gemma3_text"))
     if mt in ("qwen2_moe", "qwen3_moe"):
-        step = cfg.get("decoder_sparse_step", 1) or 1
-        dense = set(cfg.get("mlp_only_layers") or [])
-        kw.update(experts=need("num_experts", "num_local_experts"), experts_per_token=need("num_experts_per_tok"),
-                  expert_ffn=need("moe_intermediate_size"),
-                  shared_expert_ffn=cfg.get("shared_expert_intermediate_size") or 0,
-                  shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size")),
+        step = num("moe_layers", "decoder_sparse_step", low=0, default=0, high=MAX_LAYERS) or 1
+        dense = set(_cfg_indices(cfg, "mlp_only_layers", n_layers, prefix) or [])
+        shared = num("shared_expert_ffn", "shared_expert_intermediate_size", low=0, default=0)
+        kw.update(experts=num("experts", "num_experts", "num_local_experts", high=MAX_EXPERTS),
+                  experts_per_token=num("experts_per_token", "num_experts_per_tok", high=MAX_EXPERTS),
+                  expert_ffn=num("expert_ffn", "moe_intermediate_size"), shared_expert_ffn=shared,
+                  shared_expert_gate=bool(shared),
                   moe_layers=tuple(i for i in range(n_layers) if i not in dense and (i + 1) % step == 0))
     elif mt == "llama4_text":
-        moe = cfg.get("moe_layers")
+        moe = _cfg_indices(cfg, "moe_layers", n_layers, prefix)
         if moe is None:
-            step = cfg.get("interleave_moe_layer_step", 1) or 1
+            step = num("moe_layers", "interleave_moe_layer_step", low=0, default=0, high=MAX_LAYERS) or 1
             moe = list(range(step - 1, n_layers, step))
-        kw.update(experts=need("num_local_experts"), experts_per_token=need("num_experts_per_tok"),
-                  expert_ffn=need("intermediate_size"), shared_expert_ffn=need("intermediate_size"),
-                  ffn=cfg.get("intermediate_size_mlp") or need("intermediate_size"), moe_layers=tuple(moe),
-                  qk_norm=False)
-    elif mt == "mixtral" or cfg.get("num_local_experts"):
-        kw.update(experts=need("num_local_experts"), experts_per_token=need("num_experts_per_tok"),
-                  expert_ffn=need("intermediate_size"))
+        else:
+            used["moe_layers"] = "moe_layers"
+        inter = num("expert_ffn", "intermediate_size")
+        kw.update(experts=num("experts", "num_local_experts", high=MAX_EXPERTS),
+                  experts_per_token=num("experts_per_token", "num_experts_per_tok", high=MAX_EXPERTS),
+                  expert_ffn=inter, shared_expert_ffn=inter,
+                  ffn=num("ffn", "intermediate_size_mlp", low=0, default=0) or inter,
+                  moe_layers=tuple(sorted(set(moe))), qk_norm=False)
+    elif mt == "mixtral" or cfg.get("num_local_experts") is not None:
+        kw.update(experts=num("experts", "num_local_experts", high=MAX_EXPERTS),
+                  experts_per_token=num("experts_per_token", "num_experts_per_tok", high=MAX_EXPERTS),
+                  expert_ffn=num("expert_ffn", "intermediate_size"))
     if kw.get("moe_layers") is not None and len(kw["moe_layers"]) == n_layers:
         kw["moe_layers"] = None
-    return ModelSpec(str(label), **kw)
+    return _spec(str(label), kw, used, prefix)
+
+
+def _spec(label: str, kw: dict[str, Any], used: dict[str, str], prefix: str) -> ModelSpec:
+    """ModelSpec(label, **kw), its errors naming the config.json key the field came from."""
+    try:
+        return ModelSpec(label, **kw)
+    except ConfigError as e:
+        field_ = e.key.removeprefix("model.")
+        key = used.get(field_) or _HF_KEYS.get(field_)
+        if key is None:
+            raise
+        hint = str(e).split(f"expected {e.allowed}", 1)[1].lstrip(". ") or None
+        raise ConfigError(prefix + key, e.value, e.allowed, hint) from None
 
 
 PRESETS["llama-4-scout-17b-16e"] = replace(
@@ -402,8 +576,15 @@ _DIM_KEYS = {
 }
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def parse_dims(text: str) -> ModelSpec:
-    """``hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256[,tied=1,experts=8,top_k=2,...]``."""
+    """``hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256[,tied=1,experts=8,top_k=2,...]``.
+
+    Each key once; integers at most :data:`MAX_LAYERS` (``layers``) or :data:`MAX_WIDTH` (widths), booleans one of
+    1/0, true/false, yes/no, on/off: errors name the key (``--model layers``); values too small or that do not fit
+    together are ModelSpec's errors (``model.layers``)."""
     vals: dict[str, Any] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         if "=" not in part:
@@ -411,12 +592,24 @@ def parse_dims(text: str) -> ModelSpec:
         k, v = (s.strip() for s in part.split("=", 1))
         if k not in _DIM_KEYS:
             raise ConfigError(f"--model {k}", v, "one of " + ", ".join(_DIM_KEYS))
+        if k in vals:
+            raise ConfigError(f"--model {k}", v, "each key once", f"{k} is also given as {vals[k]!r}")
         typ = _DIM_KEYS[k]
-        try:
-            vals[k] = (v.lower() in ("1", "true", "yes")) if typ is bool else typ(v)
-        except ValueError:
-            raise ConfigError(f"--model {k}", v,
-                              {int: "an integer", str: "a string"}.get(typ, "true or false")) from None
+        if typ is bool:
+            if v.lower() not in _TRUE + _FALSE:
+                raise ConfigError(f"--model {k}", v, "true or false (1/0, yes/no, on/off)")
+            vals[k] = v.lower() in _TRUE
+        elif typ is int:
+            try:
+                vals[k] = int(v)
+            except ValueError:
+                raise ConfigError(f"--model {k}", v, "an integer") from None
+            high = {"layers": MAX_LAYERS, "experts": MAX_EXPERTS, "top_k": MAX_EXPERTS}.get(k, MAX_WIDTH)
+            if vals[k] > high:  # too small: ModelSpec says so (model.<key>)
+                raise ConfigError(f"--model {k}", vals[k], f"at most {high:,}",
+                                  "no real model is that large: check the value")
+        else:
+            vals[k] = v
     for k in ("hidden", "layers", "heads", "vocab"):
         if k not in vals:
             raise ConfigError(f"--model {k}", None, "given", "explicit dims need hidden, layers, heads, vocab and ffn")

@@ -22,12 +22,14 @@ The files live in the top-level ``strategies/`` folder, which setuptools install
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from fp4offload.errors import ConfigError
+from fp4offload.jsonfile import read_text
 
 __all__ = ["Placement", "Strategy", "load_catalogue", "parse_strategy", "catalogue_files", "TENSOR_CLASSES"]
 
@@ -207,13 +209,16 @@ def catalogue_files(directory: str | Path | None = None) -> list[tuple[str, str]
     """(file name, text) of every ``*.yaml`` in the catalogue, sorted by name.
 
     From ``directory`` if given; else the installed package ``fp4offload._strategies``; else (a
-    source checkout) the ``strategies/`` folder next to the ``fp4offload`` package.
+    source checkout) the ``strategies/`` folder next to the ``fp4offload`` package. A file of a given
+    ``directory`` must be a regular UTF-8 file of at most ``jsonfile.MAX_INPUT_BYTES`` (a FIFO, a device, a
+    folder named ``*.yaml`` is refused unread, as ConfigError naming it).
     """
     if directory is not None:
         d = Path(directory)
         if not d.is_dir():
             raise ConfigError("--strategies", str(directory), "a directory of strategy YAML files")
-        return [(p.name, p.read_text()) for p in sorted(d.glob("*.yaml"))]
+        return [(p.name, read_text(p, p.name, str(p), readable="a readable strategy YAML file"))
+                for p in sorted(d.glob("*.yaml"))]
     try:
         root = importlib.resources.files("fp4offload._strategies")
         files = [(r.name, r.read_text()) for r in root.iterdir() if r.name.endswith(".yaml")]
@@ -228,17 +233,47 @@ def catalogue_files(directory: str | Path | None = None) -> list[tuple[str, str]
                       "reinstall the package: its strategies/*.yaml files are missing")
 
 
-def load_catalogue(directory: str | Path | None = None) -> dict[str, Strategy]:
-    """Every strategy of the catalogue by name (file order), validated."""
+@functools.lru_cache(maxsize=1)
+def _yaml_loader():
+    """A safe YAML loader (libyaml's when there is one) that refuses a mapping key given twice."""
     import yaml
 
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Unique(base):  # type: ignore[misc, valid-type]
+        def construct_mapping(self, node, deep=False):
+            seen: dict = {}
+            for k, _ in node.value:
+                key = self.construct_object(k, deep=True)
+                try:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} is given twice (lines {seen[key] + 1} and "
+                            f"{k.start_mark.line + 1})", k.start_mark)
+                    seen[key] = k.start_mark.line
+                except TypeError:  # an unhashable key: the base constructor says so
+                    pass
+            return super().construct_mapping(node, deep=deep)
+
+    return Unique
+
+
+def _parse(fname: str, text: str) -> Strategy:
+    import yaml
+
+    try:
+        doc = yaml.load(text, Loader=_yaml_loader())  # a safe loader
+    except yaml.YAMLError as exc:
+        raise ConfigError(fname, "<invalid YAML>", "a YAML mapping, each key once",
+                          " ".join(str(exc).split())[:300]) from None
+    except RecursionError:
+        raise ConfigError(fname, "<invalid YAML>", "a YAML mapping", "it nests too deeply") from None
+    return parse_strategy(doc, fname)
+
+
+def _check_names(parsed: list[tuple[str, Strategy]]) -> dict[str, Strategy]:
     out: dict[str, Strategy] = {}
-    for fname, text in catalogue_files(directory):
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ConfigError(fname, "<invalid YAML>", "a YAML mapping", str(exc).splitlines()[0]) from None
-        s = parse_strategy(doc, fname)
+    for fname, s in parsed:
         if s.name in out:
             raise ConfigError(f"{fname}: name", s.name, "a name no other strategy file uses")
         if Path(fname).stem != s.name:
@@ -247,6 +282,19 @@ def load_catalogue(directory: str | Path | None = None) -> dict[str, Strategy]:
     if not out:
         raise ConfigError("strategies", None, "at least one strategy file")
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def _installed() -> tuple[tuple[str, Strategy], ...]:
+    return tuple((fname, _parse(fname, text)) for fname, text in catalogue_files(None))
+
+
+def load_catalogue(directory: str | Path | None = None) -> dict[str, Strategy]:
+    """Every strategy of the catalogue by name (file order), validated. The installed catalogue is read once
+    per process; a ``directory`` is read every time."""
+    if directory is None:
+        return _check_names(list(_installed()))
+    return _check_names([(fname, _parse(fname, text)) for fname, text in catalogue_files(directory)])
 
 
 def select(catalogue: Mapping[str, Strategy], names: Iterable[str] | None = None,
