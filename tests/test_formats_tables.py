@@ -318,7 +318,7 @@ def test_e8m0_public_encode_every_exponent(backend):
     assert all(codes[32 * i] == 7 and codes[32 * i + 1] == 10 for i in range(len(es)))
     # just above 6 * 2^e moves to 2^(e+1); all-zero and fp32-subnormal blocks take the smallest scale
     y = torch.tensor([next_up(6.0), 0.0, 1e-45, 3.4e38]).repeat_interleave(32).view(4, 32)
-    assert fp4offload.quantize(y, "mxfp4").scales.tolist() == [128, 0, 0, 126 + 127]
+    assert fp4offload.quantize(y, "mxfp4", nonfinite="propagate").scales.tolist() == [128, 0, 0, 126 + 127]
 
 
 # ---- ufp4 --------------------------------------------------------------------------------------------

@@ -354,8 +354,8 @@ def test_a_given_gradient_norm_replaces_the_nonfinite_pass(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("master", ["split", "bf16"])
 def test_cuda_compact_master_equals_the_cpu_step(master):
-    """On the GPU the master is rebuilt and split in torch ops around the fused CUDA step: the same bits as the
-    CPU step, and split the same as the fp32 master there."""
+    """On the GPU the fused CUDA kernel rebuilds, steps and splits the master itself: the same bits as the CPU
+    step, and split the same as the fp32 master there."""
     res = {}
     for dev, form in (("cpu", master), ("cuda", master), ("cuda", "fp32")):
         g = torch.Generator().manual_seed(5)
