@@ -16,12 +16,13 @@
 #   build       JIT-build the CUDA extension (timed; whether the sm_100a E2M1 path is active) and the CPU one
 #   gpu         pytest -m gpu: bytes equal to the reference for every format, dtype, rounding and shape; the
 #               CUDA fused step (fp32 and compact masters) equal to the CPU fused step
-#   e2e:ARM     benchmarks/gpu_e2e.py, one process per arm: peak GPU memory, tokens/s, losses
 #   codec       benchmarks/codec.py on the GPU: encode/decode throughput against x.clone() (a D2D copy)
 #   optim       FP4AdamW's GPU step against AdamW(fused=True), per parameter
+#   doctor      `fp4offload doctor --json`
+#   e2e:ARM     benchmarks/gpu_e2e.py, one process per arm: peak GPU memory, tokens/s, losses (the cheap
+#               steps above run first so the arms cannot squeeze them out of the budget)
 #   planner     the planner's predicted GPU peak of each arm, from live NVML readings, against the measured
 #   plan        `fp4offload plan` for the end-to-end model on this machine
-#   doctor      `fp4offload doctor --json`
 #   compile     tests/test_cuda_compile.py (nvcc compile checks, sm_90 and sm_100a)
 #
 # Every JSON line the steps print also lands in results.jsonl. With OUT (or GPU_CHECK_OUT) set, that folder
@@ -127,6 +128,14 @@ else
 fi
 [ -f "$ROOT/.whl/wheels.json" ] && cp "$ROOT/.whl/wheels.json" "$OUTDIR/wheels.json"
 
+# DeepSpeed's cpu_adam (the plain ZeRO arms' optimizer) builds in the background from here on (the CUDA build and
+# the gpu tests leave most cores idle), ready for the ZeRO arms.
+PREBUILD_PID=""
+if [ -z "$DRY" ] && $PY -c "import deepspeed" >/dev/null 2>&1; then
+  ( $PY -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" \
+      > "$OUTDIR/.cpu_adam_build.log" 2>&1 ) &
+  PREBUILD_PID=$!
+fi
 if ! cuda_only build; then
 step build 240 '
 $PY - <<"EOF"
@@ -149,13 +158,15 @@ if ! cuda_only gpu; then
   step gpu 150 '$PY -m pytest -m gpu -q -rfE -p no:cacheprovider -o addopts="" --continue-on-collection-errors --maxfail=25 2>&1 | tee "$OUTDIR/pytest_gpu.txt"'
 fi
 
-# DeepSpeed's cpu_adam (the plain ZeRO arms' optimizer) builds in the background while the first arms run.
-PREBUILD_PID=""
-if [ -z "$DRY" ] && $PY -c "import deepspeed" >/dev/null 2>&1; then
-  ( $PY -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" \
-      > "$OUTDIR/.cpu_adam_build.log" 2>&1 ) &
-  PREBUILD_PID=$!
+# The cheap measurements first, so that slow end-to-end arms cannot squeeze them out of the budget.
+if [ -n "$DRY" ]; then
+  step codec 120 "$PY -m benchmarks.codec --device cpu --numel 65536 --repeats 1 --backends cpu --torchao none --json"
+else
+  step codec 90 "$PY -m benchmarks.codec --device cuda --numel 268435456 --repeats 5 --backends cuda --torchao none --json"
 fi
+step optim 90 "$PY -m benchmarks.gpu_e2e --micro-optim $DRYFLAG"
+step doctor 60 "$PY -m fp4offload.cli doctor --json > '$OUTDIR/doctor.json'; rc=\$?; head -c 2000 '$OUTDIR/doctor.json'; echo; exit \$rc"
+
 PORT=29517
 if [ -n "$DRY" ]; then  # one process runs every arm's Python in turn (the device runs one process per arm)
   step e2e 300 "$PY -m benchmarks.gpu_e2e --arm all --dry --warmup 1 --steps 1 --port $PORT"
@@ -166,18 +177,12 @@ else
       if ! $PY -c "import deepspeed" >/dev/null 2>&1; then skip "e2e:$arm" "deepspeed is not importable (carry .whl from gpu_wheels.sh)"; continue; fi
       [ -n "$PREBUILD_PID" ] && { wait "$PREBUILD_PID" 2>/dev/null; PREBUILD_PID=""; } ;;
     esac
-    step "e2e:$arm" 75 "$PY -m benchmarks.gpu_e2e --arm $arm --port $PORT"
+    step "e2e:$arm" "$(case "$arm" in ds_*) echo 100 ;; *) echo 60 ;; esac)" "$PY -m benchmarks.gpu_e2e --arm $arm --port $PORT"
   done
 fi
 [ -n "$PREBUILD_PID" ] && wait "$PREBUILD_PID" 2>/dev/null
 rm -f "$OUTDIR/.cpu_adam_build.log"
 
-if [ -n "$DRY" ]; then
-  step codec 120 "$PY -m benchmarks.codec --device cpu --numel 65536 --repeats 1 --backends cpu --torchao none --json"
-else
-  step codec 90 "$PY -m benchmarks.codec --device cuda --numel 268435456 --repeats 5 --backends cuda --torchao none --json"
-fi
-step optim 90 "$PY -m benchmarks.gpu_e2e --micro-optim $DRYFLAG"
 # the planner's predictions for the arms measured above (it reads them from results.jsonl)
 step planner 60 "$PY -m benchmarks.gpu_e2e --planner --results '$RESULTS' $DRYFLAG"
 step plan 60 "$PY - > '$OUTDIR/plan.txt' <<EOF
@@ -190,7 +195,6 @@ sys.exit(subprocess.call([sys.executable, '-m', 'fp4offload.cli', 'plan', '--mod
                           '--seq-len', str(d['seq']), '--micro-batch', str(d['batch'])]))
 EOF
 rc=\$?; cat '$OUTDIR/plan.txt'; exit \$rc"
-step doctor 60 "$PY -m fp4offload.cli doctor --json > '$OUTDIR/doctor.json'; rc=\$?; head -c 2000 '$OUTDIR/doctor.json'; echo; exit \$rc"
 if ! cuda_only compile; then
   step compile 120 '$PY -m pytest tests/test_cuda_compile.py -q -p no:cacheprovider -m "not slow" -o addopts=""'
 fi
