@@ -76,9 +76,13 @@ def test_zero2_split_is_the_fp32_master_run_bit_for_bit_over_200_steps(tmp_path)
     f32, split, bf16 = res["z2_fp32"], res["z2_split"], res["z2_bf16"]
     assert split["losses"] == f32["losses"] and len(f32["losses"]) == 200
     assert split["master"]["weights_sha"] == f32["master"]["weights_sha"]
+    assert split["master"]["master_sha"] == f32["master"]["master_sha"]  # the rebuilt fp32 masters, bit for bit
     n = f32["master"]["numel"]
     assert f32["master"]["dtypes"] == ["torch.float32"] and split["master"]["dtypes"] == ["torch.bfloat16"]
     assert split["master"]["staging_is_master"] == [True] and bf16["master"]["staging_is_master"] == [True]
+    # on the CPU accelerator the bf16 master is the model's own bf16 partition: no second bf16 copy
+    assert split["master"]["master_is_partition"] == [True] and bf16["master"]["master_is_partition"] == [True]
+    assert f32["master"]["master_is_partition"] == [False]
     assert split["inner"] == "FP4AdamW" and split["master"]["form"] == "split"
     held = split["master"]["held"]["host"]
     assert 2 * n <= held < 2 * n + 8 * n // 1000  # the residual, and a few odd positions
@@ -97,6 +101,8 @@ def test_two_ranks_split_is_the_fp32_run(tmp_path):
     res = _launch(_cases(2, 8, ("fp32", "split")), 2, tmp_path)["cases"]
     assert res["z2_split"]["losses"] == res["z2_fp32"]["losses"]
     assert res["z2_split"]["master"]["weights_sha"] == res["z2_fp32"]["master"]["weights_sha"]
+    assert res["z2_split"]["master"]["master_sha"] == res["z2_fp32"]["master"]["master_sha"]
+    assert res["z2_split"]["master"]["master_is_partition"] == [True]
     assert res["z2_split"]["master"]["dtypes"] == ["torch.bfloat16"]
 
 
@@ -112,6 +118,7 @@ def test_zero1_split_is_the_fp32_run(one_rank_runs):
     res = one_rank_runs
     assert res["z1_split"]["losses"] == res["z1_fp32"]["losses"]
     assert res["z1_split"]["master"]["weights_sha"] == res["z1_fp32"]["master"]["weights_sha"]
+    assert res["z1_split"]["master"]["master_sha"] == res["z1_fp32"]["master"]["master_sha"]
     assert res["z1_split"]["master"]["dtypes"] == ["torch.bfloat16"]
 
 
@@ -127,12 +134,13 @@ def test_zero2_split_survives_save_kill_and_resume(tmp_path):
                    tmp_path / "c")["cases"]
     assert rest["rest"]["losses"] == full["full"]["losses"][6:]
     assert rest["rest"]["master"]["weights_sha"] == full["full"]["master"]["weights_sha"]
+    assert rest["rest"]["master"]["master_sha"] == full["full"]["master"]["master_sha"]
 
 
-def test_zero3_compact_master_trains_with_bf16_master_partitions(one_rank_runs):
-    """ZeRO-3: DeepSpeed's bf16 master mode also keeps the gradient partition in bf16 (the fp32-master block
-    keeps ZeRO-3's gradients in fp32), so split holds the master exactly but steps with bf16 gradients: close
-    to the fp32 run, not identical."""
+def test_zero3_split_is_the_fp32_run_with_bf16_master_partitions(one_rank_runs):
+    """ZeRO-3: DeepSpeed's bf16 master mode keeps the gradient partition in bf16 as well (2 B/param), and its
+    clipping would round each clipped gradient to bf16. The block hands the clipping factor to FP4AdamW, which
+    applies it in fp32 (ds_host.fp32_clip): split is the fp32-master run bit for bit; bf16 trains close to it."""
     res = one_rank_runs
     f32 = res["z3_fp32"]
     for form in ("split", "bf16"):
@@ -140,6 +148,12 @@ def test_zero3_compact_master_trains_with_bf16_master_partitions(one_rank_runs):
         assert r["master"]["form"] == form
         assert r["mem"]["master"] == 2 * r["mem"]["numel"] and r["mem"]["grad"] == 2 * r["mem"]["numel"]
         assert max(abs(a - b) for a, b in zip(r["losses"], f32["losses"])) < 0.05
+    assert res["z3_split"]["losses"] == f32["losses"]
+    assert res["z3_split"]["master"]["weights_sha"] == f32["master"]["weights_sha"]  # each parameter's partition
+    assert res["z3_split"]["master"]["master_sha"] == f32["master"]["master_sha"]
+    assert res["z3_split"]["master"]["master_is_partition"] == [True]
+    assert f32["master"]["master_is_partition"] == [False]
+    assert res["z3_bf16"]["losses"] != f32["losses"]
     assert f32["mem"]["master"] == 4 * f32["mem"]["numel"]
 
 
@@ -155,3 +169,4 @@ def test_nonfinite_step_is_skipped_from_deepspeeds_norm(one_rank_runs):
         assert losses[2] != losses[2] and all(x == x for i, x in enumerate(losses) if i != 2)  # NaN only there
     assert res["split_nan"]["losses"][3:] == res["fp32_nan"]["losses"][3:]
     assert res["split_nan"]["master"]["weights_sha"] == res["fp32_nan"]["master"]["weights_sha"]
+    assert res["split_nan"]["master"]["master_sha"] == res["fp32_nan"]["master"]["master_sha"]

@@ -186,26 +186,48 @@ def _run_case(case: dict, spec: dict, train) -> dict:
                         "at_init": att.bf16_grads_at_init if att is not None else False,
                         "numel": sum(m.numel() for m in zo.single_partition_of_fp32_groups)}
     if case.get("probe") == "master":  # the master partitions, what the optimizer holds for them, the weights
-        import hashlib
-
-        zo, inner = engine.optimizer, engine.basic_optimizer
-        masters = getattr(zo, "single_partition_of_fp32_groups", [])
-        bufs = getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", [])
-        h = hashlib.sha256()
-        for prm in engine.module.parameters():
-            h.update(prm.detach().float().numpy().tobytes())
-        out["master"] = {"dtypes": [str(m.dtype) for m in masters], "numel": sum(m.numel() for m in masters),
-                         "form": getattr(inner, "master", None),
-                         "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
-                         "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],
-                         "weights_sha": h.hexdigest(), "rewrites": list(att.prepared.rewrites) if att else [],
-                         "skipped": getattr(inner, "skipped_steps", None),
-                         "norm_source": getattr(inner, "_grad_norm_fn", None) is not None}
+        out["master"] = _probe_master(engine, att)
     if case.get("probe") == "weights" and att is not None and att.weights is not None:
         out["weight_probe"] = _probe_weights(engine, att.weights)
     engine.destroy() if hasattr(engine, "destroy") else None
     del engine, opt, model
     return out
+
+
+def _probe_master(engine, att) -> dict:
+    """The master partitions (ZeRO-1/2's or ZeRO-3's), what the optimizer holds for them, hashes of the rebuilt
+    fp32 masters and of the weights the model computes with (ZeRO-3: each parameter's partition)."""
+    import hashlib
+
+    import torch
+
+    from fp4offload.optim import master as MW
+
+    zo, inner = engine.optimizer, engine.basic_optimizer
+    z3 = not getattr(zo, "single_partition_of_fp32_groups", None)
+    masters = getattr(zo, "fp32_partitioned_groups_flat" if z3 else "single_partition_of_fp32_groups", [])
+    if z3:
+        device = list(zo.fp16_partitioned_groups_flat)
+    else:
+        rank = torch.distributed.get_rank()
+        device = [g[rank] for g in zo.parallel_partitioned_bit16_groups]
+    bufs = getattr(zo, "param_buffer_of_bit16_for_cpu_offload_groups", [])
+    hm, hw = hashlib.sha256(), hashlib.sha256()
+    for m in masters:
+        st = inner.state.get(m, {})
+        x = MW.join(m.view(-1), st["master_lo"], st["master_odd"]) if "master_lo" in st else m.float()
+        hm.update(x.detach().contiguous().numpy().tobytes())
+    for prm in engine.module.parameters():
+        hw.update((prm.ds_tensor if z3 else prm).detach().float().contiguous().numpy().tobytes())
+    return {"dtypes": [str(m.dtype) for m in masters], "numel": sum(m.numel() for m in masters),
+            "form": getattr(inner, "master", None),
+            "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
+            "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],
+            "master_is_partition": [d is not None and d.data_ptr() == m.data_ptr() for d, m in zip(device, masters)],
+            "master_sha": hm.hexdigest(), "weights_sha": hw.hexdigest(),
+            "rewrites": list(att.prepared.rewrites) if att else [],
+            "skipped": getattr(inner, "skipped_steps", None),
+            "norm_source": getattr(inner, "_grad_norm_fn", None) is not None}
 
 
 def _probe_weights(engine, pw) -> dict:

@@ -285,8 +285,11 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         for name, v in saved.items():
             setattr(args, name, v)
     engine = result[0]
+    master_shared = 0
     if compact:
         shared = ds_host.staging_is_master(engine)
+        master_shared = ds_host.master_is_device_partition(engine)
+        ds_host.fp32_clip(engine)
     else:
         shared = ds_host.share_bf16_staging(engine, host) if states else 0
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
@@ -296,6 +299,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_host.release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
+                        master_shared_bytes=master_shared,
                         bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0,
                         preflight=preflight)
     if block.weights is not None and block.weights.format == "nvfp4":
@@ -382,6 +386,7 @@ class Attached:
     monitor: Any = None
     allocator: dict | None = None
     staging_shared_bytes: int = 0  # share_bf16_staging
+    master_shared_bytes: int = 0  # a compact master that is the model's own bf16 partition (CPU accelerator)
     bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
     bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (ds_host.bf16_grads_at_init)
     preflight: Any = None  # the host-memory estimate (planner.host_model.HostEstimate); None when off

@@ -397,3 +397,77 @@ def staging_is_master(engine: Any) -> int:
     if freed:
         log.info("fp4offload: %d bytes of bf16 staging buffers are the bf16 master partitions", freed)
     return freed
+
+
+def fp32_clip(engine: Any) -> bool:
+    """ZeRO-3 with a compact master: the clipping and loss-scale factor goes to FP4AdamW
+    (``set_grad_scale``), which applies it in fp32 as it reads each gradient segment, instead of DeepSpeed's
+    multiply in place. DeepSpeed's bf16 master mode keeps ZeRO-3's gradient partition in bf16, so its own
+    multiply would round every clipped gradient to bf16; the fp32-master run multiplies an fp32 partition
+    holding the same bf16 values by the same factor. With the factor applied in fp32 the two runs step with
+    the same gradients, and split is the fp32-master run bit for bit. The factor is DeepSpeed's
+    (``unscale_and_clip_grads`` in stage3.py): ``clip = max(1, (norm / loss_scale + 1e-6) / clip_grad)`` when
+    ``clip_grad > 0``, the gradient multiplied by ``1 / (clip * loss_scale)``. Returns whether it applied."""
+    import torch
+
+    from fp4offload.optim import FP4AdamW
+
+    zo = getattr(engine, "optimizer", None)
+    inner = dsi.read(zo, "optimizer", None)
+    flats = dsi.read(zo, "fp32_partitioned_groups_flat", None)
+    if not (isinstance(inner, FP4AdamW) and inner.master != "fp32" and flats
+            and callable(dsi.read(zo, "unscale_and_clip_grads", None))):
+        return False
+
+    def make(_orig):
+        def unscale_and_clip_grads(sub_group_id, total_norm):
+            loss_scale, clip_grad = dsi.require(zo, "loss_scale"), dsi.require(zo, "clip_grad")
+            combined = loss_scale
+            if clip_grad > 0.0:
+                combined = torch.clamp(((total_norm / loss_scale) + 1e-6) / clip_grad, min=1.0) * loss_scale
+            inner.set_grad_scale(flats[sub_group_id], 1.0 / combined)
+
+        return unscale_and_clip_grads
+
+    dsi.wrap_instance(zo, "unscale_and_clip_grads", make)
+    return True
+
+
+def master_is_device_partition(engine: Any) -> int:
+    """With a compact master on the CPU accelerator, each bf16 master partition becomes this rank's bf16
+    partition of the model itself (ZeRO-1/2: ``parallel_partitioned_bit16_groups[i][rank]``; ZeRO-3: the
+    sub-group's ``fp16_partitioned_groups_flat[i]``). A compact master's bf16 half is what the model computes
+    with (split: its rounding to nearest, bf16: the master itself), and DeepSpeed copies it into that partition
+    after every step, so on a host that is also the device the two are always equal and one tensor serves both:
+    the copy after the step is a copy onto itself. DeepSpeed makes the same choice when master and partition
+    already share dtype and device without offload (stage3.py, _create_fp32_partitions). On a GPU the partition
+    is on the device and nothing changes. Returns the host bytes freed."""
+    import torch
+
+    zo = getattr(engine, "optimizer", None)
+    pairs = []
+    masters = dsi.read(zo, "single_partition_of_fp32_groups", None)
+    if masters:  # ZeRO-1/2
+        rank = torch.distributed.get_rank(dsi.read(zo, "real_dp_process_group")[0])
+        pairs = [(masters, i, dsi.read(zo, "parallel_partitioned_bit16_groups")[i][rank]) for i in range(len(masters))]
+    else:
+        masters = dsi.read(zo, "fp32_partitioned_groups_flat", None)
+        if masters:  # ZeRO-3
+            pairs = [(masters, i, dev) for i, dev in enumerate(dsi.read(zo, "fp16_partitioned_groups_flat"))]
+    freed = 0
+    for masters, i, dev in pairs:
+        m = masters[i]
+        if (dev is None or m.dtype != torch.bfloat16 or dev.dtype != m.dtype or m.device.type != "cpu"
+                or dev.device.type != "cpu" or dev.numel() != m.numel() or not dev.is_contiguous()):
+            continue
+        if m.data_ptr() == dev.data_ptr():
+            continue
+        if not torch.equal(m.view(torch.int16), dev.view(-1).view(torch.int16)):
+            raise ConfigError("fp4offload.optimizer_states.master", "a compact master",
+                              "a master partition equal to the model's bf16 partition at initialize",
+                              f"partition {i} differs from DeepSpeed's bf16 copy of it; use master 'fp32'")
+        freed += m.numel() * m.element_size()
+        m.data = dev.data.view(-1)  # the same tensor object (the optimizer's key, its .grad, its ds_id)
+    if freed:
+        log.info("fp4offload: %d bytes of bf16 master partitions are the model's own bf16 partitions", freed)
+    return freed

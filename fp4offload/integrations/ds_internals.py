@@ -102,8 +102,10 @@ TABLE: tuple[Internal, ...] = (
     Internal(_Z12, "param_buffer_of_bit16_for_cpu_offload_groups", "attribute",
              "entries replaced by the bf16 partitions on the CPU accelerator, or by the bf16 master partitions",
              _STAGING + _MASTER),
-    Internal(_Z12, "parallel_partitioned_bit16_groups", "attribute", "read: this rank's bf16 partitions", _STAGING),
-    Internal(_Z12, "real_dp_process_group", "attribute", "read: the data-parallel group of each partition", _STAGING),
+    Internal(_Z12, "parallel_partitioned_bit16_groups", "attribute", "read: this rank's bf16 partitions",
+             _STAGING + _MASTER),
+    Internal(_Z12, "real_dp_process_group", "attribute", "read: the data-parallel group of each partition",
+             _STAGING + _MASTER),
     # ZeRO-3 (stage3.py)
     Internal(_Z3, "optimizer", "attribute", "read: the client optimizer ZeRO wraps (FP4AdamW or not)",
              _WEIGHTS + ("monitor",)),
@@ -112,13 +114,17 @@ TABLE: tuple[Internal, ...] = (
     Internal(_Z3, "_configure_master_weights", "callable",
              "replaced while deepspeed.initialize runs: lets FP4AdamW step the bf16 master mode's sub-group "
              "partitions (DeepSpeed's check admits DeepSpeedCPUAdam only)", _MASTER),
+    Internal(_Z3, "unscale_and_clip_grads", "callable",
+             "replaced per optimizer with a compact master: its factor goes to FP4AdamW, applied in fp32", _MASTER),
+    Internal(_Z3, "clip_grad", "attribute", "read: the gradient clipping threshold", _MASTER),
+    Internal(_Z3, "loss_scale", "attribute", "read: the loss scale (1 under bf16)", _MASTER),
     Internal(_Z3, "_reassign_or_swap_out_partitioned_parameters", "callable",
              "wrapped per optimizer: packs the new weights after each sub-group's step", _WEIGHTS),
     Internal(_Z3, "fp16_groups", "attribute", "read: the parameters of each sub-group", _WEIGHTS),
-    Internal(_Z3, "fp16_partitioned_groups_flat", "attribute", "read: where each partition sits in its sub-group",
-             _WEIGHTS),
+    Internal(_Z3, "fp16_partitioned_groups_flat", "attribute", "read: where each partition sits in its sub-group "
+             "(and, on the CPU accelerator, the storage a compact master shares)", _WEIGHTS + _MASTER),
     Internal(_Z3, "fp32_partitioned_groups_flat", "attribute", "read: the flat fp32 master of each sub-group",
-             _WEIGHTS + ("monitor",)),
+             _WEIGHTS + _MASTER + ("monitor",)),
     # ZeRO-3 parameters (partition_parameters.py)
     Internal(f"{_PP}.Init", "_convert_to_deepspeed_param", "callable",
              "binds the per-parameter fetch functions that the block replaces", _WEIGHTS),

@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import metrics
 from ..config import STATE_MIN_NUMEL
@@ -279,6 +280,25 @@ class FP4AdamW(Optimizer):
             raise ConfigError("fn", fn, "None or a function () -> float | None")
         self._grad_norm_fn = fn
 
+    def set_grad_scale(self, p, scale) -> None:
+        """The next step multiplies p's gradient by `scale` (a float or a 0-d tensor) in fp32, as it reads each
+        segment: what an engine's clipping does to an fp32 gradient partition, kept exact for a bf16 gradient,
+        which a multiply in place would round to bf16. DeepSpeed ZeRO-3 with a compact master clips this way
+        (integrations/ds_host.fp32_clip), so its steps see the gradients of the fp32-master run. A step that is
+        skipped drops the scale. `p` need not be in param_groups yet (ZeRO-3 points them at each sub-group only
+        for its step)."""
+        if not torch.is_tensor(p):
+            raise ConfigError("p", type(p).__name__, "a parameter tensor")
+        v = float(scale.item() if torch.is_tensor(scale) else scale)
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError("scale", v, "a finite positive gradient scale")
+        self._pending_scales()[p] = scale
+
+    def _pending_scales(self):
+        if getattr(self, "_grad_scales", None) is None:
+            self._grad_scales = WeakIdKeyDictionary()
+        return self._grad_scales
+
     def _finite_from_norm(self, grad_norm) -> bool | None:
         """Whether the gradients are finite, from the norm given or the source's (None: unknown)."""
         if grad_norm is None and getattr(self, "_grad_norm_fn", None) is not None:
@@ -304,6 +324,15 @@ class FP4AdamW(Optimizer):
                 raise ConfigError("grad", "a sparse gradient", "dense gradients", "FP4AdamW has no sparse path")
         for _, p, _ in todo:
             self._copies.clear_results(p)
+        pending = self._pending_scales()
+        self._scale_now = {id(p): pending.pop(p) for _, p, _ in todo if p in pending}
+        pending.clear()
+        if self.master == "fp32":  # the fp32 step scales the gradient in place: exact for fp32 gradients only
+            for _, p, _ in todo:
+                if id(p) in self._scale_now and p.grad.dtype != torch.float32:
+                    self._scale_now = {}
+                    raise ConfigError("set_grad_scale", f"a {p.grad.dtype} gradient", "fp32 gradients with "
+                                      "master='fp32'", "scale the gradient yourself, or use master='split'")
         with metrics.timer("optim.time.step"):
             finite = self._finite_from_norm(grad_norm) if self.skip_nonfinite and todo else True
             if finite is None:
@@ -401,9 +430,12 @@ class FP4AdamW(Optimizer):
         st["step"] = torch.tensor(float(t))
         sc = self._scalars(group, t)
         undo = self._tier.undo  # a transactional tier's log of what changes in place (None on the RAM tiers)
+        scale = self._scale_now.get(id(p)) if getattr(self, "_scale_now", None) else None
         if self.master != "fp32":
-            self._step_compact(group, p, pid, st, sc, t, undo, fresh)
+            self._step_compact(group, p, pid, st, sc, t, undo, fresh, scale)
             return sample
+        if scale is not None:
+            p.grad.mul_(scale)
         master = st.get("master")
         w = master if master is not None else p.data.view(-1)
         if undo is not None and (not self._tier.segmented(p) or not self._packed(group, p)):  # whole, up front
@@ -476,11 +508,15 @@ class FP4AdamW(Optimizer):
         st["master_lo"].copy_(lo.reshape(-1))
         st["master_odd"] = (odd if odd is not None else torch.zeros(0, dtype=torch.int64)).to(st["master_lo"].device)
 
-    def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int, undo=None, fresh: bool = False) -> None:
+    def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int, undo=None, fresh: bool = False,
+                      scale=None) -> None:
         """The step of a bf16 parameter with a compact master (``master="split"`` or ``"bf16"``); `undo`: the
-        transactional tier's log, given what changes in place (the parameter, the residual unless `fresh`)."""
+        transactional tier's log, given what changes in place (the parameter, the residual unless `fresh`);
+        `scale`: set_grad_scale's, applied to each segment in fp32."""
         h = p.data.view(-1)
         g_all = p.grad.reshape(-1)
+        if scale is not None and not self._packed(group, p):
+            g_all = g_all.to(torch.float32, copy=True).mul_(scale)
         split = self.master == "split"
         stream = self._stream_id(p, pid)
         seed = R.sr_seed(group["seed"], t)
@@ -506,6 +542,8 @@ class FP4AdamW(Optimizer):
                 if lo is not None:
                     undo.save(lo, s0, s1)
             odd = MW.odd_in(st["master_odd"], s0, s1) if split else _NO_ODD
+            if scale is not None:
+                g = g.to(torch.float32, copy=True).mul_(scale)
             with metrics.timer("optim.time.compute"):
                 if ext is not None:
                     if g.dtype not in (torch.float32, torch.bfloat16):
@@ -819,7 +857,8 @@ class FP4AdamW(Optimizer):
                     self._tier.put(st, p, *self._tier.states(st, p))
 
 
-_NOT_COPIED = ("_tier", "_copies", "_grad_norm_fn", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+_NOT_COPIED = ("_tier", "_copies", "_grad_norm_fn", "_grad_scales", "_scale_now", "_optimizer_step_pre_hooks",
+               "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
