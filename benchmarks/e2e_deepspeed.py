@@ -60,8 +60,10 @@ keeps in device memory: the bf16 parameters (2 B/param), the bf16 gradient bucke
 runs) and DeepSpeed's device-side scratch. Each row carries ``buffers`` (bytes per DeepSpeed/optimizer buffer,
 counted from the tensors, each tagged ``device`` or ``host``) and ``peak_rss_host_side`` = peak RSS less the
 device-tagged bytes, plus the bf16 staging copy when it was shared (the block, and the baseline with the same
-host settings, share it with the bf16 partition on the CPU accelerator; a GPU machine's host keeps it): what
-the host would hold on a GPU machine (an upper bound: activations stay in it).
+host settings, share it with the bf16 partition on the CPU accelerator; a GPU machine's host keeps it), or,
+with a compact master, the master partition (the model's own bf16 partition on the CPU accelerator, a host
+tensor on a GPU machine, where it is also the staging copy): what the host would hold on a GPU machine (an
+upper bound: activations stay in it).
 
 Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold
 (``host.mmap_threshold``), serves torch's large CPU blocks from fp4offload.host_allocator's bounded cache
@@ -143,8 +145,11 @@ def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None, ds_
         raise SystemExit(f"unknown config {name!r}; choose from {ALL_CONFIGS}")
     if host:
         block["host"] = host
-    if master != "fp32":
-        block["optimizer_states"]["master"] = master
+    if master != "fp32":  # "split", "bf16", or "split_nvme" (split with its residual in the NVMe state files)
+        form, _, place = master.partition("_")
+        block["optimizer_states"]["master"] = form
+        if place:
+            block["optimizer_states"]["master_device"] = place
     if fp4:
         cfg["fp4offload"] = block
     return cfg
@@ -193,8 +198,12 @@ def buffer_account(engine, model) -> dict[str, dict]:
     seen: set[int] = set()
     out: dict[str, dict] = {}
 
-    def add(name, side, tensors) -> None:
+    def add(name, side, tensors, again: bool = False) -> None:
+        # again: count storages already seen as well (a compact master that is the model's bf16 partition on the
+        # CPU accelerator; on a GPU host it is a host tensor of its own)
         b = sum(_storage_bytes(t, seen) for t in tensors if t is not None)
+        if again:
+            b = sum(t.numel() * t.element_size() for t in tensors if t is not None and t.device.type == "cpu")
         if b:
             out[name] = {"bytes": b, "side": side}
 
@@ -202,7 +211,7 @@ def buffer_account(engine, model) -> dict[str, dict]:
     if hasattr(zo, "bit16_groups_flat"):  # ZeRO-1/2
         add("bf16 params (bit16_groups_flat)", "device", zo.bit16_groups_flat)
         masters = zo.single_partition_of_fp32_groups  # bf16 in DeepSpeed's bf16 mode, despite the name
-        add(f"{_kind(masters)} master partition", "host", masters)
+        add(f"{_kind(masters)} master partition", "host", masters, again=True)
         grads = [t.grad for t in masters]
         # bf16: the block's bf16_gradient_partition, or DeepSpeed's bf16 mode (bf16_master_weights_and_grads)
         add(f"{_kind(grads)} gradient partition", "host", grads)
@@ -216,7 +225,7 @@ def buffer_account(engine, model) -> dict[str, dict]:
         add("bf16 param partitions (fp16_partitioned_groups_flat)", "device",
             getattr(zo, "fp16_partitioned_groups_flat", []) or [])
         masters = getattr(zo, "fp32_partitioned_groups_flat", []) or []
-        add(f"{_kind(masters)} master partition", "host", masters)
+        add(f"{_kind(masters)} master partition", "host", masters, again=True)
         add("gradient partition", "host", [getattr(zo, "grad_partitions_flat_buffer", None)]
             + list(getattr(zo, "fp32_partitioned_groups_flat_grad", []) or []))
         add("bf16 params outside partitions", "device", [p.data for p in model.parameters()])
@@ -316,7 +325,7 @@ def child(args) -> dict:
 
     if args.fp4:
         prepared = fds.prepare_config(cfg)
-        estimate = ds_preflight.estimate(prepared.ds_config, model, prepared.host)
+        estimate = ds_preflight.estimate(prepared.ds_config, model, prepared.host, states=prepared.states)
     else:
         estimate = ds_preflight.estimate(cfg, model, None)
     init = fds.initialize if args.fp4 else deepspeed.initialize  # without the block: DeepSpeed untouched
@@ -328,7 +337,11 @@ def child(args) -> dict:
         ds_host.release_free_host_memory()  # what the block does after initialize
     if args.fp4:
         allocator = getattr(getattr(engine, "fp4offload", None), "allocator", None)
-        shared = getattr(getattr(engine, "fp4offload", None), "staging_shared_bytes", 0)
+        att = getattr(engine, "fp4offload", None)
+        # what a GPU host keeps that the CPU accelerator let the block share: the bf16 staging copy (fp32 master),
+        # or the compact master itself, which is the model's bf16 partition here (the staging copy is the master)
+        shared = getattr(att, "master_shared_bytes", 0) if args.master != "fp32" else \
+            getattr(att, "staging_shared_bytes", 0)
     init_s = time.perf_counter() - t0
     train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(0)
@@ -593,6 +606,8 @@ ARMS = {
     "block": {"variant": "block", "fp4": True},
     "block_split": {"variant": "block, split master", "fp4": True, "master": "split"},
     "block_bf16": {"variant": "block, bf16 master", "fp4": True, "master": "bf16"},
+    "block_split_nvme": {"variant": "block, split master, residual on NVMe", "fp4": True, "master": "split_nvme",
+                         "configs": ("z3_nvme",)},
     "block_no_host_cache": {"variant": "block, host cache off", "fp4": True, "host": {"allocator_cache": "off"}},
     "block_no_host_cache_env": {"variant": "block, host cache off by FP4OFFLOAD_HOST_CACHE", "fp4": True,
                                 "env": {"FP4OFFLOAD_HOST_CACHE": "off"}},
@@ -706,6 +721,9 @@ def _ratios(config: str, block_arm: str, done: dict, a) -> dict:
              "optimizer_host_reduction": red("optimizer_host_bytes", b),
              "nvme_bytes_ratio": (b["nvme_bytes_per_step"] / f["nvme_bytes_per_step"]
                                   if b and f["nvme_bytes_per_step"] else None),
+             # a compact-master arm against the block with its fp32 master (today's block)
+             "peak_rss_reduction_against_fp32_block": red("peak_rss", done.get("block")) if block_arm != "block"
+             else None,
              # the block against every reference arm of this invocation (DeepSpeed's bf16 mode among them)
              "against": {ARMS[n]["variant"]: {
                  "step_time_ratio": f["s_per_step"] / ref["s_per_step"],
@@ -800,6 +818,8 @@ def main() -> None:
             why, r = "", None
             if spec.get("ds_bf16"):
                 why = ds_bf16_unsupported(config)
+            if spec.get("configs") and config not in spec["configs"]:
+                why = f"runs with {', '.join(spec['configs'])} only (its residual goes to the NVMe state files)"
             if spec.get("jemalloc") and not why:
                 if jemalloc is None:
                     why = jemalloc_why

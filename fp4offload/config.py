@@ -55,7 +55,7 @@ __all__ = [
     "FsdpPolicyConfig", "parse_block", "validate_deepspeed_config", "parse_fsdp_policy",
     "load_fsdp_policy_yaml", "dump_fsdp_policy_yaml", "find_auto_values", "check_fsdp_states",
     "OPTIMIZER_FORMATS", "OPTIMIZER_DEVICES", "ROUNDINGS", "V_FORMATS", "STEP_BACKENDS", "WORKING_COPIES",
-    "MASTER_FORMS",
+    "MASTER_FORMS", "MASTER_DEVICES",
     "NVME_IO_ENGINES", "ACTIVATION_FORMATS", "ACTIVATION_MODULE_FORMATS", "ACTIVATION_NORM_CHOICES",
     "ACTIVATION_DEVICES", "WEIGHT_FORMATS", "WEIGHT_DEVICES", "NONFINITE_MODES", "SCALE_MODES",
     "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16", "MMAP_THRESHOLD",
@@ -83,6 +83,9 @@ WORKING_COPIES = (None, "bf16", "nvfp4", "both")
 #: how FP4AdamW holds the master weight (``master``; docs/numerics.md, "Master weights"): fp32, the bf16
 #: parameter plus a 16-bit residual (exactly the fp32 master), or the bf16 parameter with stochastic rounding
 MASTER_FORMS = ("fp32", "split", "bf16")
+#: where split's residual lives between steps (``master_device``): beside the parameter (host RAM under
+#: offload), or in the NVMe tier's segment files beside the packed states
+MASTER_DEVICES = ("same", "nvme")
 #: I/O engine of the optimizer's NVMe tier (``nvme_io``)
 NVME_IO_ENGINES = ("auto", "aio", "threads")
 #: formats a saved activation is stored in; "none" moves it without compressing
@@ -467,6 +470,9 @@ class OptimizerStatesConfig:
             updated with stochastic rounding, 4 B/param less). The compact forms run on DeepSpeed's bf16 master
             mode (``bf16.bf16_master_weights_and_grads``, which the block turns on) with ZeRO-1/2 and
             offload_optimizer.
+        master_device: where split's residual lives between steps: ``"same"`` (default: host RAM) or ``"nvme"``
+            (in the state files beside the packed m and v, read ahead and written behind with them; with master
+            ``"split"`` and the states on NVMe only). Host RAM then holds no residual between steps.
     """
 
     format: str = "nvfp4"
@@ -475,6 +481,7 @@ class OptimizerStatesConfig:
     rounding: str = "stochastic"
     min_numel: int = STATE_MIN_NUMEL
     master: str = "fp32"
+    master_device: str = "same"
 
     def __post_init__(self) -> None:
         _check_choice("optimizer_states.format", self.format, OPTIMIZER_FORMATS)
@@ -485,6 +492,14 @@ class OptimizerStatesConfig:
         if self.master != "fp32" and self.format != "nvfp4":
             raise _error("optimizer_states.master", self.master, "'fp32' with format 'fp32'",
                               "a compact master is FP4AdamW's; set format 'nvfp4' or master 'fp32'")
+        _check_choice("optimizer_states.master_device", self.master_device, MASTER_DEVICES)
+        if self.master_device == "nvme" and self.master != "split":
+            raise _error("optimizer_states.master_device", "nvme", f"'same' with master {self.master!r}",
+                         "only split keeps a residual, and it goes to NVMe beside the states: set master 'split', "
+                         "or master_device 'same'")
+        if self.master_device == "nvme" and self.device == "cpu":
+            raise _error("optimizer_states.master_device", "nvme", "'same' with device 'cpu'",
+                         "the residual goes into the NVMe state files: set device 'nvme', or master_device 'same'")
         _check_int("optimizer_states.min_numel", self.min_numel)
         _check_nvme("optimizer_states", self.device, self.nvme_path)
         if self.format == "fp32" and self.device == "nvme":

@@ -47,6 +47,18 @@ def skip_or_fail(why: str) -> None:
     pytest.skip(why)
 
 
+@pytest.fixture(params=("threads", "aio"))
+def engine(request):
+    """FP4AdamW's NVMe I/O engines, each test run with both (aio needs DeepSpeed's async_io op)."""
+    if request.param == "aio":
+        from fp4offload.optim import nvme as nvme_mod
+
+        op, why = nvme_mod.aio_op()
+        if op is None:
+            skip_or_fail(f"DeepSpeed's async_io op does not load here ({why}); install it: {LIBAIO_FIX}")
+    return request.param
+
+
 def require_libaio() -> None:
     """DeepSpeed's async_io op needs libaio (its NVMe swapper, and FP4AdamW's aio engine)."""
     try:

@@ -215,7 +215,9 @@ def _probe_master(engine, att) -> dict:
     hm, hw = hashlib.sha256(), hashlib.sha256()
     for m in masters:
         st = inner.state.get(m, {})
-        x = MW.join(m.view(-1), st["master_lo"], st["master_odd"]) if "master_lo" in st else m.float()
+        res = inner._tier.states_and_residual(st, m)[2] if "v_format" in st else None  # in the NVMe files
+        lo, odd = res if res is not None else (st.get("master_lo"), st.get("master_odd"))
+        x = MW.join(m.view(-1), lo, odd) if lo is not None else m.float()
         hm.update(x.detach().contiguous().numpy().tobytes())
     for prm in engine.module.parameters():
         hw.update((prm.ds_tensor if z3 else prm).detach().float().contiguous().numpy().tobytes())

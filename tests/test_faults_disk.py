@@ -236,6 +236,23 @@ def test_fault_sequence_is_all_or_nothing(tmp_path, master, fs, engine):
     assert failed >= 3
 
 
+@pytest.mark.parametrize("fs, engine", [("tmpfs", "threads"), ("ext4", "aio")])
+def test_fault_sequence_with_the_residual_in_the_state_files(tmp_path, monkeypatch, fs, engine):
+    """The same generated run with split's residual in the segment files (``master_device="nvme"``): it goes to
+    the step's generation with m and v, so a disk that fills between segment writes, a damaged or a stale file
+    leave it as before the step too; the reference run keeps it in RAM."""
+    real, made = _opt, []
+
+    def opt_with_residual_on_disk(params, master, **kw):
+        made.append(real(params, master, **kw, **({"master_device": "nvme"} if kw.get("state_device") == "nvme"
+                                                  else {})))
+        return made[-1]
+
+    monkeypatch.setitem(globals(), "_opt", opt_with_residual_on_disk)
+    test_fault_sequence_is_all_or_nothing(tmp_path, "split", fs, engine)
+    assert [o.master_device for o in made] == ["nvme", "same"]  # the run on disk, then its reference in RAM
+
+
 def _fill_bytes(path: Path) -> None:
     """Take every free byte of the file system with one file."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

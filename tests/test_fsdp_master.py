@@ -9,6 +9,7 @@ initial values (apply keeps their residual for the optimizer).
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 import torch
@@ -53,20 +54,25 @@ def _run(rank: int, master: str, steps: int, reduce_dtype) -> dict:
 
 
 def _worker(rank, world, tmp, steps, reduce_dtype):
-    return {m: _run(rank, m, steps, reduce_dtype) for m in ("fp32", "split", "bf16")}
+    return {m: _run(rank, m, steps if m != "bf16" else 16, reduce_dtype) for m in ("fp32", "split", "bf16")}
+
+
+#: steps of the fp32 and split runs; FP4OFFLOAD_MASTER_STEPS=200 runs the issue's 200 (about 7 minutes here)
+STEPS = int(os.environ.get("FP4OFFLOAD_MASTER_STEPS", "16"))
 
 
 def test_split_is_the_fp32_master_run_and_bf16_trains(tmp_path):
-    res = run_ranks(_worker, world_size=2, args=(16, torch.bfloat16), timeout=400)
+    res = run_ranks(_worker, world_size=2, args=(STEPS, torch.bfloat16), timeout=400 + 3 * STEPS)
     for r in res:
         f32, split, bf16 = r["fp32"], r["split"], r["bf16"]
+        assert len(f32["losses"]) == STEPS and len(bf16["losses"]) == 16
         assert split["losses"] == f32["losses"] and split["sha"] == f32["sha"]
         assert f32["dtypes"] == ["torch.float32"] and split["dtypes"] == bf16["dtypes"] == ["torch.bfloat16"]
         assert 2 * split["numel"] <= split["held"]["host"] < 2 * split["numel"] + 8 * split["numel"] // 1000
         assert bf16["held"]["host"] == 0 and f32["held"]["host"] == 0  # fp32 shards are their own master
-        assert bf16["losses"] != f32["losses"]
-        assert abs(sum(bf16["losses"][-6:]) - sum(f32["losses"][-6:])) / 6 < 0.05
-        assert f32["losses"][-1] < 0.85 * f32["losses"][0]
+        assert bf16["losses"] != f32["losses"][:16]
+        assert abs(sum(bf16["losses"][-6:]) - sum(f32["losses"][10:16])) / 6 < 0.05
+        assert f32["losses"][15] < 0.85 * f32["losses"][0]
 
 
 def test_compact_master_policy_checks_and_yaml(tmp_path):

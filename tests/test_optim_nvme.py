@@ -23,15 +23,6 @@ from fp4offload.optim import nvme as nvme_mod
 ENGINES = ("threads", "aio")
 
 
-@pytest.fixture(params=ENGINES)
-def engine(request):
-    if request.param == "aio":
-        op, why = nvme_mod.aio_op()
-        if op is None:
-            skip_or_fail(f"DeepSpeed's async_io op does not load here ({why}); install it: {LIBAIO_FIX}")
-    return request.param
-
-
 def _params(seed=0):
     torch.manual_seed(seed)
     return [torch.nn.Parameter(torch.randn(2 * SEGMENT + 3000) * 0.1), torch.nn.Parameter(torch.randn(9000)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ CAT = load_catalogue()
 DS = sorted(n for n, s in CAT.items() if s.engine == "deepspeed")
 FSDP = sorted(n for n, s in CAT.items() if s.engine == "fsdp2")
 SETUP = TrainSetup(micro_batch=2, seq_len=2048, grad_accum=4)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +138,8 @@ def test_the_deepspeed_integration_takes_emitted_configs_as_they_are(name, clust
     setup = SETUP if CAT[name].master.format == "fp32" else replace(SETUP, grad_accum=1)  # compact masters: 1
     cfg = deepspeed_config(CAT[name], PRESETS["llama-3.1-8b"], cluster, setup)
     prepared = prepare_config(cfg, world_size=cluster.world)
-    assert prepared.rewrites == ()
+    # a rewrite reads "key: old -> new"; ZeRO-3 with a compact master also gets a note that changes nothing
+    assert [r for r in prepared.rewrites if " -> " in r] == []
     if CAT[name].optimizer_states.format == "nvfp4":
         assert prepared.states.device == {"gpu": "same", "cpu": "same", "nvme": "nvme"}[
             CAT[name].optimizer_states.device]
@@ -160,3 +163,44 @@ def test_compact_master_strategies_emit_the_bf16_master_mode_and_need_one_micro_
     # fp32 master 4 + its bf16 copy to the GPU 2 -> split 2 + 2 (its bf16 half is that copy) or bf16 2
     assert host["zero2-opt-cpu-fp4"] - host["zero2-opt-cpu-fp4-split"] == pytest.approx(2 * P, rel=0.02)
     assert host["zero2-opt-cpu-fp4"] - host["zero2-opt-cpu-fp4-bf16master"] == pytest.approx(4 * P, rel=0.02)
+
+
+@pytest.mark.parametrize("name", ["zero3-opt-nvme-fp4-split", "zero2-opt-nvme-fp4-split"])
+def test_residual_on_nvme_emits_master_device_nvme_and_prepare_config_takes_it(name, cluster):
+    from fp4offload.integrations.deepspeed import prepare_config
+
+    one = replace(SETUP, grad_accum=1)
+    cfg = deepspeed_config(CAT[name], PRESETS["llama-3.1-8b"], cluster, one)
+    st = cfg["fp4offload"]["optimizer_states"]
+    assert (st["master"], st["master_device"], st["device"]) == ("split", "nvme", "nvme")
+    assert st["nvme_path"] == cluster.nvme_path
+    # every other key as the split strategy with the states in host RAM writes it
+    ram = deepspeed_config(CAT["zero2-opt-cpu-fp4-split"], PRESETS["llama-3.1-8b"], cluster, one)
+    ram_st = ram["fp4offload"]["optimizer_states"]
+    assert {k: v for k, v in st.items() if k not in ("device", "nvme_path", "master_device")} == \
+        {k: v for k, v in ram_st.items() if k not in ("device", "nvme_path", "master_device")}
+    assert ram_st["master_device"] == "same" and cfg["bf16"] == ram["bf16"]
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    prepared = prepare_config(json.loads(json.dumps(cfg)), world_size=cluster.world)
+    assert (prepared.states.master, prepared.states.master_device, prepared.states.device) == ("split", "nvme", "nvme")
+    assert prepared.block.optimizer_states.master_device == "nvme"
+
+
+def test_fsdp2_policy_takes_the_residual_on_nvme(tmp_path):
+    """No FSDP2 strategy of the catalogue puts the states on NVMe; one that does writes master_device into the
+    policy's optimizer_states the same way."""
+    import yaml
+
+    from fp4offload.planner.strategies import parse_strategy
+
+    doc = yaml.safe_load((ROOT / "strategies" / "fsdp2-cpu-fp4.yaml").read_text())
+    doc["tensors"].update(weights={"device": "cpu", "format": "bf16"},
+                          master={"device": "cpu", "format": "split", "residual": "nvme"},
+                          optimizer_states={"device": "nvme", "format": "nvfp4"})
+    s = parse_strategy({**doc, "name": "fsdp2-cpu-nvme-split"}, "fsdp2-cpu-nvme-split.yaml")
+    pol = fsdp_policy(s, PRESETS["qwen3-32b"], nvme_path=str(tmp_path))
+    st = pol.optimizer_states
+    assert (st.master, st.master_device, st.device, st.nvme_path) == ("split", "nvme", "nvme", str(tmp_path))
+    path = tmp_path / "policy.yaml"
+    write_fsdp(path, pol)
+    assert load_fsdp_policy_yaml(path) == pol

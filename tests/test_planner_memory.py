@@ -324,3 +324,52 @@ def test_byte_sizes_are_those_of_the_packed_formats():
     # one Adam step's memory traffic: fp32 gradient, master and states read and written, bf16 copy on the GPU
     assert hardware.CPU_ADAM_BYTES_PER_PARAM == {"fp32": 28.0, "nvfp4": 12 + 2 * 2 * m_or_v}
     assert timing.GPU_STEP_BYTES_PER_PARAM == {"fp32": 30.0, "nvfp4": 14 + 2 * 2 * m_or_v}
+
+
+LLAMA_412M = "hidden=2048,layers=8,heads=16,kv_heads=16,ffn=5632,vocab=256"  # benchmarks/RESULTS.md's 412.1M
+
+
+@pytest.mark.parametrize("name", ["zero3-opt-nvme-fp4-split", "zero2-opt-nvme-fp4-split"])
+def test_split_master_with_the_residual_on_nvme_bytes_by_hand(name):
+    """Split's residual in the NVMe state files: host RAM keeps the bf16 half (2 B/param) and the bf16 gradient
+    partition (2), nothing of the residual; NVMe the packed m and v (1.1328125) and the residual's 16 bits with a
+    bit of tie positions (2.125). One node of 8 GPUs, so per node is the whole model."""
+    from fp4offload.planner.hardware import build_cluster
+    from fp4offload.planner.memory import TrainSetup, estimate_memory
+    from fp4offload.planner.models import resolve_model
+    from fp4offload.planner.strategies import load_catalogue
+    from fp4offload.planner.timing import estimate_time
+
+    cat = load_catalogue()
+    cluster = build_cluster(gpu="h100-80gb", gpus=8, nodes=1, nvme_path="/local_nvme", nvme_gb=1000)
+    spec = resolve_model(LLAMA_412M)
+    P = spec.param_count()
+    assert P == pytest.approx(412.1e6, rel=1e-3)
+    setup = TrainSetup(host_runtime_bytes=0)
+    est = estimate_memory(cat[name], spec, cluster, setup, checkpointing=False)
+    # three segments of 2**20 elements in flight per rank, each with its m, v and residual
+    staging = 8 * 3 * (1.1328125 + 2.125) * 2**20
+    assert est.host == {"master": pytest.approx(2 * P, abs=8), "grads": pytest.approx(2 * P, abs=8),
+                        "staging": pytest.approx(staging, abs=8)}
+    assert est.nvme == {"optimizer_states": pytest.approx(1.1328125 * P, abs=8),
+                        "master_residual": pytest.approx(2.125 * P, abs=8)}
+    # against the fp32-master strategy on the same tier: 4 B/param less host RAM (master 4 -> 2; ZeRO-3's
+    # gradient partition 4 -> 2, ZeRO-2's is bf16 in both), 2.125 more on NVMe
+    fp32 = estimate_memory(cat[name.replace("-split", "")], spec, cluster, setup, checkpointing=False)
+    assert fp32.host["master"] - est.host["master"] == pytest.approx(2 * P, abs=8)
+    assert est.nvme_total - fp32.nvme_total == pytest.approx(2.125 * P, abs=8)
+    # the step reads and writes the residual with the states: 3.2578125 B/param each way instead of 1.1328125
+    t, t32 = (estimate_time(cat[n], spec, cluster, setup, e) for n, e in ((name, est), (name.replace("-split", ""),
+                                                                                      fp32)))
+    each_way = P * (1 / cluster.nvme_read_bps + 1 / cluster.nvme_write_bps)
+    assert t.terms["nvme"] == pytest.approx((1.1328125 + 2.125) * each_way, rel=1e-9)
+    assert t.terms["nvme"] - t32.terms["nvme"] == pytest.approx(2.125 * each_way, rel=1e-9)
+
+
+def test_residual_bytes_on_nvme_are_what_the_state_files_hold():
+    from fp4offload.optim import SEGMENT
+    from fp4offload.optim.nvme import segment_file_bytes
+    from fp4offload.planner.sizes import RESIDUAL_NVME_BYTES
+
+    assert RESIDUAL_NVME_BYTES == 2 + 1 / 8
+    assert segment_file_bytes(SEGMENT, True) - segment_file_bytes(SEGMENT, False) == RESIDUAL_NVME_BYTES * SEGMENT

@@ -151,3 +151,46 @@ def test_built_wheel_ships_the_catalogue_and_finds_it_installed(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     count, where = run.stdout.split()
     assert int(count) == len(shipped) and str(site) in where
+
+
+SPLIT_NVME = yaml.safe_load((ROOT / "strategies" / "zero3-opt-nvme-fp4-split.yaml").read_text())
+
+
+def test_split_master_with_its_residual_on_nvme(cat):
+    for name, stage in (("zero3-opt-nvme-fp4-split", 3), ("zero2-opt-nvme-fp4-split", 2)):
+        s = cat[name]
+        assert (s.zero_stage, s.master, s.optimizer_states) == (stage, st.Placement("cpu", "split", "nvme"),
+                                                                st.Placement("nvme", "nvfp4"))
+        assert s.residual_on_nvme and ("master", "split") in s.compressions()
+    assert not any(s.residual_on_nvme for n, s in cat.items() if "-split" not in n)
+    doc = {**SPLIT_NVME, "tensors": {**SPLIT_NVME["tensors"], "master": {"device": "cpu", "format": "split",
+                                                                        "residual": "cpu"}}}
+    assert st.parse_strategy(doc, "x.yaml").master.residual is None  # "with the master", said out loud
+
+
+def _with(doc, **tensors):
+    import copy
+
+    out = copy.deepcopy(doc)
+    for cls, place in tensors.items():
+        out["tensors"][cls].update(place)
+    return out
+
+
+@pytest.mark.parametrize("doc, key, value, fix", [
+    (_with(SPLIT_NVME, master={"format": "fp32"}), "tensors.master.residual", "nvme", "only a split master"),
+    (_with(SPLIT_NVME, master={"format": "bf16"}), "tensors.master.residual", "nvme", "only a split master"),
+    (_with(SPLIT_NVME, optimizer_states={"device": "cpu"}), "tensors.master.residual", "nvme",
+     "put optimizer_states on nvme"),
+    (_with(SPLIT_NVME, master={"residual": "gpu"}), "tensors.master.residual", "gpu", "bf16 half"),
+    (_with(SPLIT_NVME, master={"residual": "disk"}), "tensors.master.residual", "disk", "leave it out"),
+    (_with(SPLIT_NVME, master={"residual": None}), "tensors.master.residual", None, "leave it out"),
+    (_with(SPLIT_NVME, master={"residue": "nvme"}), "tensors.master.residue", "nvme", "unknown key"),
+    (_with(SPLIT_NVME, optimizer_states={"residual": "nvme"}), "tensors.optimizer_states.residual", "nvme",
+     "unknown key"),
+])
+def test_bad_residual_placements_are_refused_with_the_key_value_and_fix(doc, key, value, fix):
+    with pytest.raises(ConfigError) as e:
+        st.parse_strategy(doc, "x.yaml")
+    assert e.value.key == f"x.yaml: {key}", str(e.value)
+    assert repr(value) in str(e.value) and fix in str(e.value), str(e.value)

@@ -310,3 +310,83 @@ def test_preflight_environment_override_is_checked_like_the_key():
     assert ds_host.resolve(None, {"FP4OFFLOAD_PREFLIGHT": " Warn "}).preflight.value == "warn"
     with pytest.raises(ConfigError, match="FP4OFFLOAD_PREFLIGHT='sometimes'.*'error', 'warn', 'off'"):
         ds_host.resolve(None, {"FP4OFFLOAD_PREFLIGHT": "sometimes"})
+
+
+# ------------------------------------------------------------------------------------------------
+# split's residual in the NVMe state files (optimizer_states.master_device "nvme")
+
+RESIDUAL_NVME = 2 + 1 / 8  # the residual's 16 bits and one bit of tie positions per parameter, in the files
+
+
+def _split_cfg(master_device, stage=3, ds_nvme=False):
+    st = {"master": "split", "master_device": master_device}
+    if not ds_nvme:
+        st.update(device="nvme", nvme_path="/tmp/x")
+    return _cfg(stage=stage, offload="nvme" if ds_nvme else "cpu", block={"optimizer_states": st})
+
+
+def _host_saving(params):
+    """Host bytes the residual on NVMe saves: its 2 B/param, less the residual of the segments in flight (three
+    of 2**20 elements), both under the block's host cache bound (1/8 of the bytes in use)."""
+    return (2 * params - 3 * RESIDUAL_NVME * min(2**20, params)) * (1 + 0.125)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_residual_on_nvme_takes_2_bytes_per_param_out_of_host_ram(stage):
+    same, nvme = (_est(_split_cfg(md, stage), accel="gpu") for md in ("same", "nvme"))
+    assert "split master residual" in same.consumers and "split master residual" not in nvme.consumers
+    assert same.consumers["split master residual"] == 2 * P and same.consumers["bf16 master partition"] == 2 * P
+    assert nvme.consumers["bf16 master partition"] == 2 * P  # the half DeepSpeed sends to the GPU stays
+    assert nvme.nvme == {"optimizer states (nvfp4)": int(STATE_BYTES["nvfp4"] * P),
+                         "split master residual": int(RESIDUAL_NVME * P)}
+    seg = host_model.NVME_SEGMENTS_IN_FLIGHT * host_model.NVME_SEGMENT
+    assert nvme.consumers["NVMe state segments in flight"] == int(seg * (STATE_BYTES["nvfp4"] + RESIDUAL_NVME))
+    assert same.added - nvme.added == pytest.approx(_host_saving(P), abs=4)
+    assert same.added - nvme.added == pytest.approx(217_479_744, abs=4)  # (2e8 - 6_684_672) * 1.125, 100M params
+
+
+def test_residual_on_nvme_through_deepspeeds_nvme_offload():
+    """offload_optimizer.device "nvme" becomes the block's tier over a host master: the rewritten config says
+    "cpu", so the placement prepare_config resolved tells the model where the states and the residual are."""
+    from fp4offload.integrations.deepspeed import prepare_config
+
+    raw = _split_cfg("nvme", ds_nvme=True)
+    prepared = prepare_config(raw)
+    assert prepared.ds_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    resolved = host_model.inputs_from_config(prepared.ds_config, P, host=prepared.host, states=prepared.states)
+    unrewritten = host_model.inputs_from_config(raw, P, host=prepared.host)
+    assert resolved == unrewritten
+    assert resolved.states == ("nvfp4", "nvme") and resolved.offload_optimizer == "cpu" and resolved.residual_on_nvme
+    same = host_model.inputs_from_config(_split_cfg("same", ds_nvme=True), P, host=prepared.host)
+    assert host_model.estimate_host(same).added - host_model.estimate_host(resolved).added == pytest.approx(
+        _host_saving(P), abs=4)
+
+
+def test_alternatives_offer_the_residual_on_nvme():
+    x = host_model.inputs_from_config(_cfg(block={"optimizer_states": {"master": "split"}}), P, accelerator="gpu")
+    alts = dict(host_model.alternatives(x))
+    what = next(k for k in alts if "master_device" in k)
+    assert 'device "nvme"' in what and alts[what].residual_on_nvme
+    assert host_model.estimate_host(alts[what]).added < host_model.estimate_host(x).added
+
+
+def test_plan_check_counts_the_residual_on_nvme(tmp_path):
+    dims = "hidden=512,layers=8,heads=8,kv_heads=8,ffn=1408,vocab=256"
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_split_cfg("nvme", ds_nvme=True)))
+    out = _plan_check("--check", str(path), "--model", dims, "--format", "json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    doc = json.loads(out.stdout)
+    block = doc["arms"][1]
+    params = doc["params"]
+    assert "split master residual" not in block["consumers"]
+    assert block["nvme"]["split master residual"] == int(RESIDUAL_NVME * params)
+    # the same config with the residual in host RAM, through the same model
+    from fp4offload.integrations.deepspeed import prepare_config
+
+    same = prepare_config(_split_cfg("same", ds_nvme=True))
+    x = host_model.inputs_from_config(same.ds_config, params, accelerator=doc["accelerator"], host=same.host,
+                                      states=same.states)
+    held = host_model.estimate_host(x).consumers
+    assert held["split master residual"] == 2 * params
+    assert sum(held.values()) - sum(block["consumers"].values()) == pytest.approx(_host_saving(params), abs=4)

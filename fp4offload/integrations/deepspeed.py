@@ -139,8 +139,11 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
             new_off = {k: v for k, v in off.items() if k in ("pin_memory", "ratio")}
             new_off["device"] = "cpu"
             zero["offload_optimizer"] = new_off
-            notes.append(f"zero_optimization.offload_optimizer.device: 'nvme' -> 'cpu' (fp32 master in host RAM); "
-                         f"packed states on {device!r}" + (f" under {nvme_path}" if device == "nvme" else ""))
+            held = {"fp32": "fp32 master", "bf16": "bf16 master"}.get(st.master, "split master's bf16 half" + (
+                "" if st.master_device == "nvme" else " and residual"))
+            notes.append(f"zero_optimization.offload_optimizer.device: 'nvme' -> 'cpu' ({held} in host RAM); "
+                         f"packed states on {device!r}" + (f" under {nvme_path}" if device == "nvme" else "")
+                         + (" with the residual" if st.master_device == "nvme" else ""))
         if nvme_path is not None and device != "nvme":  # device 'same' without DeepSpeed's NVMe offload
             raise ConfigError(f"{BLOCK_KEY}.optimizer_states.nvme_path", nvme_path, "null unless the states go to NVMe",
                               f"device {device!r} keeps the states in memory, so the folder would be ignored (device "
@@ -154,10 +157,16 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
                                   "the NVFP4 weight shards are encoded by the step from an fp32 master; drop "
                                   "fp4offload.weights or use master 'fp32'")
             notes += _compact_master(ds, st.master)
+        if st.master_device == "nvme" and device != "nvme":
+            raise ConfigError(f"{BLOCK_KEY}.optimizer_states.master_device", "nvme", "'same' unless the states go to "
+                              "NVMe", f"the states stay in {'host RAM' if device == 'cpu' else 'memory'} (device "
+                              f"{device!r}), so there are no state files for the residual: set "
+                              "zero_optimization.offload_optimizer.device 'nvme' (or optimizer_states.device 'nvme'), "
+                              "or master_device 'same'")
         if device == "nvme" and nvme_path:
             nvme_path = str(Path(nvme_path) / "optimizer_states")
         states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
-                                         min_numel=st.min_numel, master=st.master)
+                                         min_numel=st.min_numel, master=st.master, master_device=st.master_device)
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     validate_deepspeed_config(ds, world_size=world_size, check_with_deepspeed=True)
@@ -195,7 +204,8 @@ def _compact_master(ds: dict, master: str) -> list[str]:
     notes = []
     if stage == 3:
         notes.append(f"ZeRO-3 with master {master!r}: DeepSpeed's bf16 master mode keeps the gradient partition in "
-                     "bf16 as well (the fp32-master block keeps ZeRO-3's in fp32)")
+                     "bf16 as well (2 B/param; the fp32-master block keeps ZeRO-3's in fp32); FP4AdamW applies the "
+                     "clipping factor in fp32, so the steps see the fp32 run's gradients")
     if bf16.get("bf16_master_weights_and_grads") is not True:
         ds["bf16"] = {**bf16, "bf16_master_weights_and_grads": True}
         notes.append(f"bf16.bf16_master_weights_and_grads: {bf16.get('bf16_master_weights_and_grads')!r} -> True "
@@ -289,6 +299,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if compact:
         shared = ds_host.staging_is_master(engine)
         master_shared = ds_host.master_is_device_partition(engine)
+        if master_shared:  # the masters' own storage just went back to the host cache: unmap it, not keep it
+            from fp4offload import host_allocator
+
+            host_allocator.empty_cache()
         ds_host.fp32_clip(engine)
     else:
         shared = ds_host.share_bf16_staging(engine, host) if states else 0

@@ -65,6 +65,7 @@ class StatePlacement:
         min_numel: tensors with fewer elements keep fp32 states (elements).
         master: FP4AdamW's master form (``"fp32"``, ``"split"``, ``"bf16"``); the compact ones step the bf16
             master partition of DeepSpeed's bf16 master mode.
+        master_device: where split's residual lives (``"same"``: host RAM, ``"nvme"``: in the state files).
         nvme_io: I/O engine of FP4AdamW's NVMe tier (``"auto"``, ``"aio"``, ``"threads"``; the config block
             has no key for it yet, so it stays ``"auto"``: DeepSpeed's async_io when it loads).
     """
@@ -76,6 +77,7 @@ class StatePlacement:
     min_numel: int = 4096
     nvme_io: str = "auto"
     master: str = "fp32"
+    master_device: str = "same"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,7 +113,8 @@ def _fp4adamw(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.opt
     nvme = {"nvme_io": where.nvme_io} if where.device == "nvme" else {}
     return FP4AdamW(params, **hp.as_dict(), m_rounding=where.rounding, min_numel=max(1, where.min_numel),
                     state_device=where.device, nvme_path=where.nvme_path, tensor_key=ds_tensor_key, **nvme,
-                    **({"master": where.master, "_defer_master_check": True} if where.master != "fp32" else {}))
+                    **({"master": where.master, "_defer_master_check": True} if where.master != "fp32" else {}),
+                    **({"master_device": where.master_device} if where.master_device != "same" else {}))
 
 
 def ds_tensor_key(t: Any) -> str | None:

@@ -158,16 +158,19 @@ def accelerator_kind() -> str:
 
 def estimate(ds_config: dict, model: Any, host_settings: Any = None, *, rss: int | None = None,
              world: int | None = None, local_ranks: int | None = None,
-             accelerator: str | None = None) -> host_model.HostEstimate:
+             accelerator: str | None = None, states: Any = None) -> host_model.HostEstimate:
     """This rank's estimate for ``ds_config`` (as prepare_config returns it, or a plain DeepSpeed config).
-    ``model``: a torch module, or its ``(parameters, bytes in host RAM)`` from :func:`model_bytes`."""
+    ``model``: a torch module, or its ``(parameters, bytes in host RAM)`` from :func:`model_bytes`.
+    ``states``: prepare_config's StatePlacement (where the block put the states and split's residual: its
+    rewritten ``offload_optimizer`` says "cpu" even when they went to NVMe)."""
     import psutil
 
     params, held = model if isinstance(model, tuple) else model_bytes(model)
     w, local = _world()
     rss = psutil.Process().memory_info().rss if rss is None else rss
     x = host_model.inputs_from_config(ds_config, params, world=world or w, local_ranks=local_ranks or local,
-                                      accelerator=accelerator or accelerator_kind(), host=host_settings)
+                                      accelerator=accelerator or accelerator_kind(), host=host_settings,
+                                      states=states)
     return host_model.estimate_host(x, runtime_bytes=max(0, rss - held), built_bytes=held)
 
 
@@ -196,7 +199,7 @@ def check(prepared: Any, model: Any, *, lim: Limits | None = None) -> host_model
     if mode == "off" or model is None or not hasattr(model, "parameters"):
         return None
     params, held = model_bytes(model)
-    est = estimate(prepared.ds_config, (params, held), prepared.host)
+    est = estimate(prepared.ds_config, (params, held), prepared.host, states=getattr(prepared, "states", None))
     lim = limits() if lim is None else lim
     if fits(est, lim, held):
         log.info("fp4offload: host-memory preflight: %.2f GiB per rank fits\n%s", est.per_rank / GiB,

@@ -185,7 +185,8 @@ def _fp4adamw_kwargs(cls: type, st) -> dict:
 
     accepted = inspect.signature(cls.__init__).parameters
     want = {"state_device": st.device, "nvme_path": st.nvme_path, "m_rounding": st.rounding,
-            "min_numel": max(1, st.min_numel), "master": st.master}  # 0 and 1 both mean: every tensor
+            "min_numel": max(1, st.min_numel), "master": st.master,  # 0 and 1 both mean: every tensor
+            "master_device": st.master_device}
     return {k: v for k, v in want.items() if k in accepted}
 
 

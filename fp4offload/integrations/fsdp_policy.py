@@ -137,6 +137,11 @@ class Policy:
             if self.param_dtype != torch.bfloat16:
                 raise ConfigError("param_dtype", self.param_dtype, f"torch.bfloat16 with optimizer_states.master="
                                   f"{master!r}", "the bf16 shards are the master's upper half")
+        st = self.optimizer_states
+        if st is not None and st.master_device == "nvme" and st.device != "nvme":
+            raise ConfigError("optimizer_states.master_device", "nvme", f"'same' with device {st.device!r}",
+                              "the residual goes into the NVMe state files: set optimizer_states.device 'nvme', or "
+                              "master_device 'same'")
 
     def checked_paths(self) -> "Policy":
         """This policy with its NVMe folders (``optimizer_states.nvme_path``, ``activations.nvme_path``) checked on

@@ -26,7 +26,7 @@ from . import convert, fused
 from . import master as MW
 from . import reference_step as R
 from .checks import UNSUPPORTED, check_arguments, check_param_group, check_unsupported
-from .state import PACKED_KEYS, decode_state, step_of
+from .state import PACKED_KEYS, decode_state, residual_sizes, step_of
 from .tiers import make_tier
 from .working_copy import WeightRegion, WorkingCopies, copy_amax, region_kernel_args
 
@@ -86,6 +86,12 @@ class FP4AdamW(Optimizer):
             (the parameter is the bf16 copy). A parameter changed from outside between steps keeps its new
             value under "bf16"; under "split" its residual is kept (the master moves to within half a bf16
             step of the new value).
+        master_device: where split's residual lives between steps: ``"same"`` (default: in host RAM, in
+            ``optimizer.state``) or ``"nvme"`` (with ``master="split"`` and ``state_device="nvme"`` only: in each
+            segment file beside that segment's m and v, read ahead and written behind with them, so host RAM
+            holds no residual between steps; 2 B/param plus a bitmap of 1 bit/param on disk). Parameters under
+            ``min_numel`` keep fp32 states and their residual in RAM. Training and the state dict are the same
+            bit for bit either way.
         skip_nonfinite: skip the whole step when any gradient holds Inf/NaN, or a value of magnitude
             ``GRAD_LIMIT`` (2**64) or more, whose square overflows fp32 (default True); states and weights stay
             untouched and ``optim.skipped_steps`` counts it. With a gradient norm given (``grad_norm``,
@@ -129,8 +135,9 @@ class FP4AdamW(Optimizer):
                  tensor_key: Callable[[torch.Tensor], str | None] | None = None,
                  backend: str = "auto", working_copy: str | None = None, seed: int = 0,
                  skip_nonfinite: bool = True, metrics_every: int = 100, master: str = "fp32",
-                 amsgrad: bool = False, foreach: bool | None = None, fused: bool | None = None,
-                 capturable: bool = False, differentiable: bool = False, _defer_master_check: bool = False):
+                 master_device: str = "same", amsgrad: bool = False, foreach: bool | None = None,
+                 fused: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 _defer_master_check: bool = False):
         check_unsupported(dict(amsgrad=amsgrad, foreach=foreach, fused=fused, capturable=capturable,
                                differentiable=differentiable))
         nvme_path = check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
@@ -138,7 +145,8 @@ class FP4AdamW(Optimizer):
                                     nvme_path=nvme_path, nvme_io=nvme_io, tensor_key=tensor_key, backend=backend,
                                     working_copy=working_copy, master=master, maximize=maximize,
                                     nvme_threads=nvme_threads, nvme_reserve_bytes=nvme_reserve_bytes, seed=seed,
-                                    skip_nonfinite=skip_nonfinite, metrics_every=metrics_every)
+                                    skip_nonfinite=skip_nonfinite, metrics_every=metrics_every,
+                                    master_device=master_device)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
                         m_rounding=m_rounding, v_format=v_format, min_numel=int(min_numel), seed=int(seed))
         super().__init__(params, defaults)
@@ -146,6 +154,7 @@ class FP4AdamW(Optimizer):
         self.backend = backend
         self.working_copy_format = working_copy
         self.master = master
+        self.master_device = master_device
         self.skip_nonfinite = skip_nonfinite
         self.metrics_every = int(metrics_every)
         self.skipped_steps = 0
@@ -156,7 +165,7 @@ class FP4AdamW(Optimizer):
         me = weakref.ref(self)  # the tier must not keep the optimizer alive (its __del__ closes the tier)
         # what a copy (copy.deepcopy, pickle) needs to build its own tier: see __setstate__
         self._tier_args = dict(nvme_path=nvme_path, nvme_threads=nvme_threads, nvme_reserve_bytes=nvme_reserve_bytes,
-                               nvme_io=nvme_io, nvme_keep=nvme_keep)
+                               nvme_io=nvme_io, nvme_keep=nvme_keep, residuals=master_device == "nvme")
         self._tier = make_tier(state_device, **self._tier_args, tensor_key=tensor_key,
                                has_states=lambda t: "step" in me().state.get(t, {}))
         self.nvme_io = None if self._tier.store is None else self._tier.store.io
@@ -224,17 +233,22 @@ class FP4AdamW(Optimizer):
     def _cuda_ext(self):
         return None if self.backend == "reference" else fused.cuda_extension()
 
-    def _init_state(self, group, p, m: R.Packed | None = None, v: R.Packed | None = None) -> dict:
+    def _init_state(self, group, p, m: R.Packed | None = None, v: R.Packed | None = None, res=None) -> dict:
         """p's fresh state: step 0, a master when p is not fp32, contiguous and on the compute device, and zero
-        states (or the packed (m, v) given, which the tier stores)."""
+        states (or the packed (m, v) given, which the tier stores); `res`: split's residual ``(lo, odd)`` to
+        start from (None: zeros), in RAM or, with ``master_device="nvme"``, in the tier's files."""
         self._check_master(p)
         st = self.state[p]
         dev = self._tier.compute_device(p)
         st["step"] = torch.tensor(0.0)
-        if self.master == "split":  # the bf16 parameter is the master's upper half, exactly: residual 0
+        in_files = self.master_device == "nvme" and self._packed(group, p)
+        if self.master == "split" and not in_files:  # the bf16 parameter is the master's upper half: residual 0
             st["master_lo"] = torch.zeros(p.numel(), dtype=torch.int16, device=dev)
             st["master_odd"] = torch.zeros(0, dtype=torch.int64, device=dev)
-        elif self.master == "bf16":
+            if res is not None:
+                st["master_lo"].copy_(res[0].reshape(-1))
+                st["master_odd"] = res[1].to(dev)
+        elif self.master in ("split", "bf16"):  # split: the tier's files keep it; bf16: the parameter is the master
             pass
         elif p.dtype != torch.float32 or not p.is_contiguous() or dev != p.device:
             master = torch.empty(p.numel(), dtype=torch.float32, device=dev, pin_memory=self._tier.pinned(p))
@@ -245,7 +259,7 @@ class FP4AdamW(Optimizer):
             st["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=dev)
         else:
             st["v_format"] = group["v_format"]
-            self._tier.put(st, p, m, v)
+            self._tier.put(st, p, m, v, res if in_files else None)
         return st
 
     def _stream_id(self, p, pid: int) -> int:
@@ -396,8 +410,9 @@ class FP4AdamW(Optimizer):
         tier.commit_step()
 
     def _step_bytes(self, todo) -> tuple[int, int]:
-        """(state-file bytes, undo bytes): at most what a transactional step over `todo` writes to disk, and
-        what its undo log saves."""
+        """(state-file bytes, undo bytes): at most what a transactional step over `todo` writes to disk (with
+        split's residuals when the files keep them: their size is fixed, so this is exact), and what its undo
+        log saves (a residual in the files needs none: it goes to the step's generation)."""
         from .nvme import tensor_disk_bytes
         from .tiers import undo_bytes
 
@@ -407,7 +422,7 @@ class FP4AdamW(Optimizer):
             packed = self._packed(group, p)
             if packed:
                 converts = "v_format" in st and st["v_format"] != group["v_format"]
-                write += tensor_disk_bytes(p.numel()) * (2 if converts else 1)
+                write += tensor_disk_bytes(p.numel(), self.master_device == "nvme") * (2 if converts else 1)
             # the parameter, and the states it holds that change in place (new states are dropped, not saved)
             undo += undo_bytes(p, *(st[k] for k in ("master", "master_lo", "exp_avg", "exp_avg_sq") if k in st))
         return write, undo
@@ -471,7 +486,7 @@ class FP4AdamW(Optimizer):
         if undo is not None and master is not None and not p_seg:
             undo.save(p.data)
 
-        def segment(s0, s1, g, m, v):
+        def segment(s0, s1, g, m, v, res=None):
             nonlocal sample
             if undo is not None:  # what this segment changes in place, just before it changes
                 if master is None or not fresh:
@@ -502,17 +517,17 @@ class FP4AdamW(Optimizer):
         if group is None or "step" in self.state.get(p, {}):
             raise ConfigError("p", f"a tensor of shape {tuple(p.shape)}", "a parameter of this optimizer that has "
                               "no state yet")
-        st = self._init_state(group, p)
         if lo.numel() != p.numel() or lo.dtype != torch.int16:
             raise ConfigError("lo", f"{lo.numel()} {lo.dtype} values", f"{p.numel()} int16 values")
-        st["master_lo"].copy_(lo.reshape(-1))
-        st["master_odd"] = (odd if odd is not None else torch.zeros(0, dtype=torch.int64)).to(st["master_lo"].device)
+        odd = odd if odd is not None else torch.zeros(0, dtype=torch.int64)
+        self._init_state(group, p, res=(lo.reshape(-1), odd))  # with master_device="nvme": written to the files
 
     def _step_compact(self, group, p, pid, st, sc: R.StepScalars, t: int, undo=None, fresh: bool = False,
                       scale=None) -> None:
         """The step of a bf16 parameter with a compact master (``master="split"`` or ``"bf16"``); `undo`: the
-        transactional tier's log, given what changes in place (the parameter, the residual unless `fresh`);
-        `scale`: set_grad_scale's, applied to each segment in fp32."""
+        transactional tier's log, given what changes in place (the parameter, the residual in RAM unless `fresh`;
+        a residual in the NVMe files goes to the step's generation like the states); `scale`: set_grad_scale's,
+        applied to each segment in fp32."""
         h = p.data.view(-1)
         g_all = p.grad.reshape(-1)
         if scale is not None and not self._packed(group, p):
@@ -520,14 +535,16 @@ class FP4AdamW(Optimizer):
         split = self.master == "split"
         stream = self._stream_id(p, pid)
         seed = R.sr_seed(group["seed"], t)
-        lo = st["master_lo"] if split and not fresh and undo is not None else None
+        lo_ram = st.get("master_lo")  # None under split: the residual comes with each segment from its file
         if not self._packed(group, p):  # fp32 states: the torch step on the rebuilt master
             if undo is not None:
                 for kept in (h, *(() if fresh else (st[k] for k in ("master_lo", "exp_avg", "exp_avg_sq") if k in st))):
                     undo.save(kept)
-            x = MW.join(h, st["master_lo"], st["master_odd"]) if split else h.float()
+            x = MW.join(h, lo_ram, st["master_odd"]) if split else h.float()
             R.fp32_step(x, g_all, st["exp_avg"], st["exp_avg_sq"], sc, maximize=group["maximize"])
-            self._store_compact(st, h, x, 0, seed, R.sr_stream(stream, 0))
+            odd = self._store_compact(h, x, lo_ram, seed, R.sr_stream(stream, 0))
+            if split:
+                st["master_odd"] = odd
             return
         args = dict(sc=sc, maximize=group["maximize"], v_format=st["v_format"],
                     stochastic=group["m_rounding"] == "stochastic", seed=seed)
@@ -535,13 +552,17 @@ class FP4AdamW(Optimizer):
         ext = self._cpu_ext() if h.device.type == "cpu" else self._cuda_ext() if h.is_cuda else None
         odd_parts: list[torch.Tensor] = []
 
-        def segment(s0, s1, g, m, v):
+        def segment(s0, s1, g, m, v, res=None):
             s = s0 // R.SEGMENT
             if undo is not None:
                 undo.save(h, s0, s1)
-                if lo is not None:
-                    undo.save(lo, s0, s1)
-            odd = MW.odd_in(st["master_odd"], s0, s1) if split else _NO_ODD
+                if lo_ram is not None and not fresh:
+                    undo.save(lo_ram, s0, s1)
+            if res is not None:  # the segment's residual, read with its states (updated in place, written with them)
+                lo, odd = res.lo, res.odd()
+            else:
+                lo = lo_ram[s0:s1] if split else None
+                odd = MW.odd_in(st["master_odd"], s0, s1) if split else _NO_ODD
             if scale is not None:
                 g = g.to(torch.float32, copy=True).mul_(scale)
             with metrics.timer("optim.time.compute"):
@@ -549,15 +570,17 @@ class FP4AdamW(Optimizer):
                     if g.dtype not in (torch.float32, torch.bfloat16):
                         g = g.float()
                     new = ext.fused_step_master(
-                        h[s0:s1], st["master_lo"][s0:s1] if split else None, odd.to(h.device), g.contiguous(), *m, *v,
+                        h[s0:s1], lo, odd.to(h.device), g.contiguous(), *m, *v,
                         sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, sc.weight_decay,
                         args["maximize"], args["v_format"] == "nvfp4", args["stochastic"], seed,
                         R.sr_stream(stream, s), 1 if split else 2)
                 else:  # the reference step (torch ops) on the rebuilt fp32 master of this segment
-                    x = MW.join(h[s0:s1], st["master_lo"][s0:s1], odd) if split else h[s0:s1].float()
+                    x = MW.join(h[s0:s1], lo, odd) if split else h[s0:s1].float()
                     self._compute(x, g, m, v, args, R.sr_stream(stream, s), h[s0:s1] if split else None)
-                    new = self._store_compact(st, h[s0:s1], x, s0, seed, R.sr_stream(stream, s))
-            if split:
+                    new = self._store_compact(h[s0:s1], x, lo, seed, R.sr_stream(stream, s))
+            if res is not None:
+                res.set_odd(new)
+            elif split:
                 odd_parts.append(new.to(st["master_odd"].device) + s0)
 
         if self._tier.segmented(p):
@@ -568,19 +591,17 @@ class FP4AdamW(Optimizer):
             whole = ext is not None and h.is_cuda
             for s0, s1 in [(0, p.numel())] if whole else R.segment_ranges(p.numel()):
                 segment(s0, s1, g_all[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
-        if split:
+        if split and lo_ram is not None:
             st["master_odd"] = torch.cat(odd_parts) if odd_parts else st["master_odd"][:0]
 
-    def _store_compact(self, st, h, x, s0: int, seed: int, stream: int) -> torch.Tensor:
-        """Write the new master x of h (a segment starting at s0) back in the compact form; returns the
-        segment's odd positions (split), relative to s0. Under split, h must hold rne(x) already when a step
-        wrote it; it is written here as well, which is the same bits."""
+    def _store_compact(self, h, x, lo, seed: int, stream: int) -> torch.Tensor:
+        """Write the new master x of h (a segment, or a whole parameter) back in the compact form, the residual
+        into `lo` (split); returns the odd positions (split), relative to h. Under split, h must hold rne(x)
+        already when a step wrote it; it is written here as well, which is the same bits."""
         if self.master == "split":
             hh, r, odd = MW.split(x)
             h.copy_(hh)
-            st["master_lo"][s0:s0 + x.numel()].copy_(r)
-            if s0 == 0 and x.numel() == h.numel() and x.numel() == st["master_lo"].numel():
-                st["master_odd"] = odd
+            lo.copy_(r)
             return odd
         h.copy_(MW.stochastic_bf16(x, seed, stream))
         return _NO_ODD
@@ -655,10 +676,12 @@ class FP4AdamW(Optimizer):
     # ---- introspection ----------------------------------------------------------------------------------
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes of m and v held, by place: ``{"host": ..., "device": ..., "nvme": ...}`` (masters not counted)."""
+        """Bytes of m and v held, by place: ``{"host": ..., "device": ..., "nvme": ...}`` (masters not counted, but
+        "nvme" is the size of the state files, which with ``master_device="nvme"`` hold split's residuals too)."""
         out = {"host": 0, "device": 0, "nvme": 0}
-        for _, p, _ in self._params():
-            st = self.state.get(p, {})
+        for p, st in self.state.items():  # in param_groups or not (see master_bytes)
+            if not torch.is_tensor(p):
+                continue
             for k in (*PACKED_KEYS, "exp_avg", "exp_avg_sq"):
                 t = st.get(k)
                 if torch.is_tensor(t):
@@ -669,15 +692,21 @@ class FP4AdamW(Optimizer):
         return out
 
     def master_bytes(self) -> dict[str, int]:
-        """Bytes the optimizer holds for master weights, by place: ``{"host": ..., "device": ...}`` (fp32
-        masters, or the residuals and odd positions of ``master="split"``; "bf16" holds none)."""
-        out = {"host": 0, "device": 0}
-        for _, p, _ in self._params():
-            st = self.state.get(p, {})
+        """Bytes the optimizer holds for master weights, by place: ``{"host": ..., "device": ..., "nvme": ...}``
+        (fp32 masters, or the residuals and odd positions of ``master="split"``; "bf16" holds none; "nvme": the
+        residuals and odd-position bitmaps in the state files with ``master_device="nvme"``, headers and padding
+        not counted)."""
+        out = {"host": 0, "device": 0, "nvme": 0}
+        # every tensor with state, in param_groups or not (ZeRO-3 points the groups at a sub-group only for its step)
+        for p, st in self.state.items():
+            if not torch.is_tensor(p):
+                continue
             for k in ("master", "master_lo", "master_odd"):
                 t = st.get(k)
                 if torch.is_tensor(t):
                     out["device" if t.is_cuda else "host"] += t.numel() * t.element_size()
+            if self.master_device == "nvme" and "v_format" in st:
+                out["nvme"] += sum(sum(residual_sizes(s1 - s0)) for s0, s1 in R.segment_ranges(p.numel()))
         return out
 
     def close(self) -> None:
@@ -823,8 +852,8 @@ class FP4AdamW(Optimizer):
     def __getstate__(self) -> dict:
         """What copy.deepcopy and pickle carry: every attribute but the tier (the copy builds its own), the
         working copies and registered weight regions, the gradient-norm source and the hooks (torch's optimizers
-        drop hooks too). On the NVMe tier the packed states are read back from the files and travel along; the
-        copy writes them into a folder of its own under the same ``nvme_path``."""
+        drop hooks too). On the NVMe tier the packed states (and residuals kept there) are read back from the
+        files and travel along; the copy writes them into a folder of its own under the same ``nvme_path``."""
         self._tier.sync()
         cls = type(self)  # an instance attribute shadowing a method (an engine's wrapper) belongs to the original
         out = {k: v for k, v in self.__dict__.items()
@@ -833,7 +862,7 @@ class FP4AdamW(Optimizer):
             if self._tier.store is None:
                 raise ConfigError("state_device", "nvme", "an optimizer that is not closed, to copy or pickle it",
                                   "close() removed its state files")
-            out["_nvme_states"] = {p: self._tier.states(st, p) for p, st in self.state.items()
+            out["_nvme_states"] = {p: self._tier.states_and_residual(st, p) for p, st in self.state.items()
                                    if torch.is_tensor(p) and "v_format" in st}
         return out
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..config import (INT64_MAX, MASTER_FORMS, NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS, STEP_BACKENDS, V_FORMATS,
-                      WORKING_COPIES, check_adam_hyperparameters, check_directory)
+from ..config import (INT64_MAX, MASTER_DEVICES, MASTER_FORMS, NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS,
+                      STEP_BACKENDS, V_FORMATS, WORKING_COPIES, check_adam_hyperparameters, check_directory)
 from ..errors import ConfigError
 from . import fused
 
@@ -91,7 +91,7 @@ def check_param_group(group: Any, index: int, defaults: dict | None = None) -> N
 
 def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_numel, state_device, nvme_path,
                     nvme_io, tensor_key, backend, working_copy, master="fp32", maximize=False, nvme_threads=4,
-                    nvme_reserve_bytes=0, seed=0, skip_nonfinite=True, metrics_every=100):
+                    nvme_reserve_bytes=0, seed=0, skip_nonfinite=True, metrics_every=100, master_device="same"):
     """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one.
 
     Every number is checked where it enters: finite, in range, of the right type (bools are not numbers) and
@@ -112,6 +112,11 @@ def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_n
     check_choice("working_copy", working_copy, WORKING_COPIES)
     check_choice("master", master, MASTER_FORMS, "'split' keeps the fp32 master exactly in 2 B/param beside the bf16 "
                  "parameter; 'bf16' rounds the bf16 parameter stochastically")
+    check_choice("master_device", master_device, MASTER_DEVICES)
+    if master_device == "nvme" and (master, state_device) != ("split", "nvme"):
+        raise ConfigError("master_device", master_device, f"'same' with master={master!r} and "
+                          f"state_device={state_device!r}", "only split's residual goes to the NVMe files, beside "
+                          "the states: use master='split' and state_device='nvme', or master_device='same'")
     if master != "fp32" and working_copy is not None:
         raise ConfigError("working_copy", working_copy, f"None with master={master!r}",
                           "the bf16 parameter is the working copy; use master='fp32' for an NVFP4 copy")

@@ -40,15 +40,18 @@ def saved_entry(opt: FP4AdamW, p) -> dict | None:
     e = {"step": torch.tensor(float(step_of(st["step"])))}
     if "master" in st:
         e["master"] = st["master"].detach().cpu().clone()
-    if "master_lo" in st:  # split: the residual and odd positions as bytes (a cast to a float dtype loses nothing)
-        e["master_lo"] = st["master_lo"].detach().cpu().contiguous().view(torch.uint8).clone()
-        e["master_odd"] = st["master_odd"].detach().cpu().contiguous().view(torch.uint8).clone()
-    if "exp_avg" in st:
+    packed = "exp_avg" not in st
+    m, v, res = opt._tier.states_and_residual(st, p) if packed else (None, None, None)
+    if res is None and "master_lo" in st:
+        res = st["master_lo"], st["master_odd"]
+    if res is not None:  # split: the residual and odd positions as bytes (a cast to a float dtype loses nothing)
+        e["master_lo"] = res[0].detach().cpu().contiguous().view(torch.uint8).clone()
+        e["master_odd"] = res[1].detach().cpu().contiguous().view(torch.uint8).clone()
+    if not packed:
         e["exp_avg"] = st["exp_avg"].detach().cpu().clone()
         e["exp_avg_sq"] = st["exp_avg_sq"].detach().cpu().clone()
     else:
         e["v_format"] = st["v_format"]
-        m, v = opt._tier.states(st, p)
         for k, t in zip(PACKED_KEYS, (*m, *v)):
             e[k] = t.detach().cpu().clone()
     return e
@@ -148,7 +151,8 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
     n = p.numel()
     opt.state.pop(p, None)
     packed_saved = "m_codes" in entry
-    if opt._packed(group, p):
+    packed = opt._packed(group, p)
+    if packed:
         want = group["v_format"]
         if packed_saved:
             m, v = packed_from_entry(entry, n)
@@ -158,17 +162,21 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
                 _, v = encode_state(mf, vf, want)
         else:  # fp32 states (torch AdamW, or a smaller min_numel): quantize once
             m, v = encode_state(_flat_cpu(entry["exp_avg"]), _flat_cpu(entry["exp_avg_sq"]), want)
-        st = opt._init_state(group, p, m, v)
+    elif packed_saved:
+        m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", "ufp4"))
     else:
-        st = opt._init_state(group, p)
-        if packed_saved:
-            m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", "ufp4"))
-        else:
-            m, v = entry["exp_avg"].detach().float(), entry["exp_avg_sq"].detach().float()
+        m, v = entry["exp_avg"].detach().float(), entry["exp_avg_sq"].detach().float()
+    # split's residual before the state is made: the NVMe tier writes it into the files with m and v
+    res = _split_start(p, entry) if opt.master == "split" else None
+    if packed:
+        st = opt._init_state(group, p, m, v, res)
+    else:
+        st = opt._init_state(group, p, res=res)
         st["exp_avg"].copy_(m.reshape(p.shape))
         st["exp_avg_sq"].copy_(v.reshape(p.shape))
     st["step"] = torch.tensor(float(step_of(entry.get("step", 0))))
-    _load_master(opt, p, st, entry)
+    if opt.master != "split":
+        _load_master(p, st, entry)
 
 
 def _saved_master(p, entry: Mapping) -> torch.Tensor | None:
@@ -195,22 +203,25 @@ def _split_parts(p, entry: Mapping) -> tuple[torch.Tensor, torch.Tensor]:
     return lo, odd
 
 
-def _load_master(opt: FP4AdamW, p, st: dict, entry: Mapping) -> None:
-    """The master of a saved entry into p's fresh state, converted to this optimizer's master form."""
-    if opt.master == "split" and "master_lo" in entry:
-        lo, odd = _split_parts(p, entry)
-        st["master_lo"].copy_(lo)
-        st["master_odd"] = odd.to(st["master_lo"].device)
-        return
+def _split_start(p, entry: Mapping) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """split's (lo, odd) for p from a saved entry: its own, or those of the fp32 master it holds (p then takes
+    that master's rounding); None (zeros) for torch AdamW's or a bf16 master's: the parameter is the master."""
+    if "master_lo" in entry:
+        return _split_parts(p, entry)
+    saved = _saved_master(p, entry)
+    if saved is None:
+        return None
+    h, lo, odd = MW.split(saved)
+    p.data.copy_(h.view(p.shape))
+    return lo, odd
+
+
+def _load_master(p, st: dict, entry: Mapping) -> None:
+    """The master of a saved entry into p's fresh state, for an fp32 or bf16 master (split: _split_start)."""
     saved = _saved_master(p, entry)
     if saved is None:  # torch AdamW, or a bf16 master: the parameter is the master
         return
-    if opt.master == "split":
-        h, lo, odd = MW.split(saved)
-        p.data.copy_(h.view(p.shape))
-        st["master_lo"].copy_(lo)
-        st["master_odd"] = odd.to(st["master_lo"].device)
-    elif "master" in st:
+    if "master" in st:
         st["master"].copy_(saved)
     else:  # the saved run kept a master, this one does not: it is the better weight (rounded to nearest)
         p.data.copy_(saved.reshape(p.shape).to(p.dtype))

@@ -10,12 +10,13 @@ tensor's own files.
 
 File layout: fp4offload's container (fp4offload/formats/container.py: magic, format version, a checksummed
 JSON header with the shape, dtype, offset and CRC32 of every tensor, then the raw bytes) holding the six
-tensors of one segment (``m_codes``, ``m_scales``, ``m_tscale``, ``v_codes``, ``v_scales``, ``v_tscale``)
-and in the header the segment's identity (key, segment number, element count, v format) and where it
-stands: the tensor's ``step`` count the states belong to, the store's generation ``gen`` that wrote it and
-the store's ``run`` id (random, one per store). Files are created with mode 0600 in a folder of mode 0700.
-(No fsync by default: the tier lives as long as the optimizer and is rebuilt from a checkpoint after a
-crash; ``fsync=True`` adds it.)
+tensors of one segment (``m_codes``, ``m_scales``, ``m_tscale``, ``v_codes``, ``v_scales``, ``v_tscale``;
+in a store made with ``residuals=True``, ``FP4AdamW(master="split", master_device="nvme")``, also split's
+residual of the segment: ``master_lo``, ``master_odd_bits``, see state.Residual) and in the header the
+segment's identity (key, segment number, element count, v format) and where it stands: the tensor's ``step``
+count the states belong to, the store's generation ``gen`` that wrote it and the store's ``run`` id (random,
+one per store). Files are created with mode 0600 in a folder of mode 0700. (No fsync by default: the tier
+lives as long as the optimizer and is rebuilt from a checkpoint after a crash; ``fsync=True`` adds it.)
 
 Generations (the all-or-nothing step): the store remembers, per key, the record of its files (generation,
 step, element count, v format; generation 0: a fresh tensor whose states are zeros and have no file yet).
@@ -84,7 +85,7 @@ from .checks import check_choice
 from .nvme_aio import (ALIGN, TENSOR_ALIGN, LockedPool, aio_op, can_lock, locked_bytes, probe, read_file, round_up,
                        write_file)
 from .reference_step import SEGMENT, Packed, empty_packed, packed_sizes
-from .state import PACKED_KEYS
+from .state import PACKED_KEYS, RESIDUAL_KEYS, Residual, residual_sizes
 
 log = logging.getLogger("fp4offload.optim.nvme")
 
@@ -100,20 +101,22 @@ _KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,120}")
 _SPACE_HINT = "free space on that disk, point nvme_path at a larger one, or use state_device='cpu'"
 
 
-def segment_file_bytes(n: int) -> int:
-    """Payload bytes of one segment file of n elements (the header adds well under 1 KiB)."""
+def segment_file_bytes(n: int, residual: bool = False) -> int:
+    """Payload bytes of one segment file of n elements, with split's residual or without (the header adds well
+    under 1 KiB)."""
     c, s, t = packed_sizes(n)
-    return 2 * (c + s + t)
+    return 2 * (c + s + t) + (sum(residual_sizes(n)) if residual else 0)
 
 
-def segment_disk_bytes(n: int) -> int:
+def segment_disk_bytes(n: int, residual: bool = False) -> int:
     """Disk space one segment file of n elements may take, on either engine (what a transaction reserves)."""
-    return round_up(segment_file_bytes(n) + 6 * TENSOR_ALIGN, ALIGN) + _HEADER_ALLOWANCE
+    tensors = len(PACKED_KEYS) + (len(RESIDUAL_KEYS) if residual else 0)
+    return round_up(segment_file_bytes(n, residual) + tensors * TENSOR_ALIGN, ALIGN) + _HEADER_ALLOWANCE
 
 
-def tensor_disk_bytes(n: int) -> int:
+def tensor_disk_bytes(n: int, residual: bool = False) -> int:
     """Disk space of the files of a tensor of n elements."""
-    return sum(segment_disk_bytes(min(n, s0 + SEGMENT) - s0) for s0 in range(0, n, SEGMENT))
+    return sum(segment_disk_bytes(min(n, s0 + SEGMENT) - s0, residual) for s0 in range(0, n, SEGMENT))
 
 
 def segments_of(n: int) -> int:
@@ -223,8 +226,8 @@ class _Folder:
     """The store's folder and what releases it: threads, page-locked buffers, then the folder itself (or, when
     kept, its manifest). Called once: by close(), when the store is collected, or at interpreter exit."""
 
-    def __init__(self, path: Path, keep: bool, run: str, records: dict):
-        self.path, self.keep, self.run, self.records = path, keep, run, records
+    def __init__(self, path: Path, keep: bool, run: str, records: dict, residuals: bool = False):
+        self.path, self.keep, self.run, self.records, self.residuals = path, keep, run, records, residuals
         self.pool: ThreadPoolExecutor | None = None
         self.bufs: LockedPool | None = None
         self.steps: dict[str, int] = {}  # the optimizer's step counts, given at close (kept folders)
@@ -242,7 +245,8 @@ class _Folder:
         keys = {k: {"step": int(self.steps.get(k, r.step)), "numel": r.numel, "v_format": r.v_format,
                     "segments": segments_of(r.numel)} for k, r in sorted(self.records.items()) if r.gen > 0}
         try:
-            _write_json(self.path / MANIFEST_NAME, {"kind": MANIFEST_KIND, "run": self.run, "keys": keys})
+            _write_json(self.path / MANIFEST_NAME, {"kind": MANIFEST_KIND, "run": self.run, "keys": keys,
+                                                    "residuals": self.residuals})
         finally:
             (self.path / LOCK_NAME).unlink(missing_ok=True)
 
@@ -251,8 +255,10 @@ def read_kept(folder) -> dict[str, dict]:
     """The states of a folder kept with ``keep=True`` (``FP4AdamW(nvme_keep=True)``), after its store closed.
 
     Returns ``{key: entry}``, each entry an FP4AdamW state-dict entry (``step``, ``v_format`` and the six packed
-    uint8 tensors) that ``fp4offload.optim.load_param_states(opt, {tensor: entry})`` loads. Every file is
-    checked (checksums, identity, run id); anything missing or not matching raises CorruptionError."""
+    uint8 tensors; split's ``master_lo`` and ``master_odd`` too when the files hold the residual) that
+    ``fp4offload.optim.load_param_states(opt, {tensor: entry})`` loads (with the bf16 parameters of that moment).
+    Every file is checked (checksums, identity, run id); anything missing or not matching raises
+    CorruptionError."""
     folder = Path(folder)
     mpath = folder / MANIFEST_NAME
     try:
@@ -265,6 +271,7 @@ def read_kept(folder) -> dict[str, dict]:
     if not isinstance(manifest, dict) or manifest.get("kind") != MANIFEST_KIND:
         raise CorruptionError(mpath, "not a kept NVMe state folder's manifest", expected=MANIFEST_KIND,
                               found=manifest.get("kind") if isinstance(manifest, dict) else type(manifest).__name__)
+    residuals = bool(manifest.get("residuals", False))
     out = {}
     for key, info in manifest.get("keys", {}).items():
         if not _KEY_RE.fullmatch(str(key)):
@@ -280,12 +287,32 @@ def read_kept(folder) -> dict[str, dict]:
             if got != want:
                 raise CorruptionError(path, f"segment {seg} of tensor {key}: header does not match the manifest",
                                       expected=want, found=got)
+            if residuals:
+                _check_residual(path, f"segment {seg} of tensor {key}", t, m)
             parts.append(t)
         entry = {"step": torch.tensor(float(info["step"])), "v_format": vf}
+        if residuals:  # the state dict's form: int16 residual and int64 positions, as bytes
+            entry["master_lo"] = torch.cat([pt["master_lo"].reshape(-1) for pt in parts])
+            odd = [Residual(pt["master_lo"].view(torch.int16), pt["master_odd_bits"]).odd() + s * SEGMENT
+                   for s, pt in enumerate(parts)]
+            entry["master_odd"] = torch.cat(odd).view(torch.uint8)
         for k in PACKED_KEYS:
             entry[k] = torch.cat([pt[k].reshape(-1) for pt in parts])
         out[key] = entry
     return out
+
+
+def _check_residual(path: Path, where: str, t: dict, n: int) -> None:
+    """The residual tensors of a segment file of n elements: present, of their sizes, no odd bit past the end."""
+    for name, size in zip(RESIDUAL_KEYS, residual_sizes(n)):
+        if name not in t:
+            raise CorruptionError(path, f"{where}: the file holds no split residual (tensor {name!r} is missing), "
+                                  "which this store keeps beside the states", expected=size, found=None)
+        if t[name].numel() != size or t[name].dtype != torch.uint8:
+            raise CorruptionError(path, f"{where}: tensor {name!r} has the wrong size", expected=size,
+                                  found=t[name].numel())
+    if n % 8 and int(t["master_odd_bits"][-1]) >> (n % 8):
+        raise CorruptionError(path, f"{where}: odd positions past the segment's {n} elements")
 
 
 # ---- a transaction's reservation ------------------------------------------------------------------------------
@@ -345,11 +372,14 @@ class NvmeStore:
             says which engine runs, ``io_reason`` why aio does not (None when it does).
         fsync: flush every file to stable storage before renaming it (default False).
         keep: keep the folder when the store closes (see the module docstring).
+        residuals: every segment file also holds split's residual of the segment (``master_lo``,
+            ``master_odd_bits``), read and written with the states (``FP4AdamW(master_device="nvme")``).
         aio_block_size, aio_queue_depth: DeepSpeed aio_handle settings (its defaults: 1 MiB, 8).
     """
 
     def __init__(self, root, *, threads: int = 4, reserve_bytes: int = 0, io: str = "auto", fsync: bool = False,
-                 keep: bool = False, aio_block_size: int = 1 << 20, aio_queue_depth: int = 8):
+                 keep: bool = False, residuals: bool = False, aio_block_size: int = 1 << 20,
+                 aio_queue_depth: int = 8):
         check_choice("nvme_io", io, NVME_IO_ENGINES)
         if not isinstance(keep, bool):
             raise ConfigError("nvme_keep", keep, "True or False")
@@ -363,7 +393,8 @@ class NvmeStore:
         self._max_segs: dict[str, int] = {}  # key -> how many segments its committed files have
         self._txn: _Txn | None = None
         self._next_gen = 1
-        self._folder = _Folder(self.dir, keep, self.run_id, self.records)
+        self.residuals = bool(residuals)
+        self._folder = _Folder(self.dir, keep, self.run_id, self.records, self.residuals)
         self._finalizer = weakref.finalize(self, self._folder)
         try:
             _write_json(self.dir / LOCK_NAME, _lock_info())
@@ -410,7 +441,7 @@ class NvmeStore:
         op, why = aio_op()
         if op is None:
             return why
-        why = can_lock(locked_bytes(self.max_pending_writes + 4))
+        why = can_lock(locked_bytes(self.max_pending_writes + 4, self.residuals))
         if why is not None:
             return why
         self._aio = op
@@ -624,15 +655,21 @@ class NvmeStore:
         return {"kind": KIND, "key": key, "segment": seg, "numel": min(rec.numel, (seg + 1) * SEGMENT) - seg * SEGMENT,
                 "v_format": rec.v_format, "step": int(rec.step), "gen": int(rec.gen), "run": self.run_id}
 
-    def _write(self, key: str, seg: int, n: int, v_format: str, step: int, m: Packed, v: Packed) -> int:
+    def _write(self, key: str, seg: int, n: int, v_format: str, step: int, m: Packed, v: Packed,
+               res: Residual | None = None) -> int:
         txn = self._txn
         if txn is None:
             raise RuntimeError("NVMe state files are written inside a transaction (NvmeStore.begin)")
+        if (res is None) == self.residuals:
+            raise RuntimeError(f"segment {seg} of tensor {key}: a split residual is written exactly when the store "
+                               f"keeps residuals ({self.residuals})")
         tensors = dict(zip(PACKED_KEYS, (*m, *v)))
+        if res is not None:
+            tensors.update(zip(RESIDUAL_KEYS, (res.lo.view(torch.uint8), res.bits)))
         meta = {"kind": KIND, "key": key, "segment": seg, "numel": n, "v_format": v_format, "step": int(step),
                 "gen": txn.gen, "run": self.run_id}
         path = self.gen_path(key, seg, txn.gen)
-        need = segment_disk_bytes(n)
+        need = segment_disk_bytes(n, self.residuals)
         what = f"segment {seg} of tensor {key}"
         txn.written.add(path)
         try:
@@ -653,13 +690,14 @@ class NvmeStore:
         metrics.counter("optim.nvme.bytes_written").add(written)
         return written
 
-    def _read(self, key: str, seg: int, n: int, v_format: str, copy: bool = False) -> tuple[Packed, Packed]:
+    def _read(self, key: str, seg: int, n: int, v_format: str, copy: bool = False
+              ) -> tuple[Packed, Packed, Residual | None]:
         rec = self.records.get(key)
         if rec is None:
             raise CorruptionError(self.path(key, seg), f"segment {seg} of tensor {key}: the store holds no states "
                                   "for this tensor")
-        if rec.gen == 0:  # a fresh tensor: zero states, no file yet
-            return empty_packed(n, "cpu"), empty_packed(n, "cpu")
+        if rec.gen == 0:  # a fresh tensor: zero states (and residual), no file yet
+            return empty_packed(n, "cpu"), empty_packed(n, "cpu"), Residual.zeros(n) if self.residuals else None
         path = self._read_path(key, seg, rec)
         where = f"segment {seg} of tensor {key}"
         try:
@@ -682,11 +720,19 @@ class NvmeStore:
                 if name not in t or t[name].numel() != size or t[name].dtype != torch.uint8:
                     raise CorruptionError(path, f"{where}: tensor {name!r} has the wrong size", expected=size,
                                           found=None if name not in t else t[name].numel())
+            if self.residuals:
+                _check_residual(path, where, t, n)
+            extra = sorted(set(t) - set(sizes) - {"_pad", *(RESIDUAL_KEYS if self.residuals else ())})
+            if extra:
+                raise CorruptionError(path, f"{where}: unexpected tensors {extra}" + (
+                    " (a split residual, which this store does not keep)" if set(extra) & set(RESIDUAL_KEYS) else ""))
         except CorruptionError:
             self._release(t)
             raise
         metrics.counter("optim.nvme.bytes_read").add(path.stat().st_size)
-        return Packed(t["m_codes"], t["m_scales"], t["m_tscale"]), Packed(t["v_codes"], t["v_scales"], t["v_tscale"])
+        res = Residual(t["master_lo"].view(torch.int16), t["master_odd_bits"]) if self.residuals else None
+        return (Packed(t["m_codes"], t["m_scales"], t["m_tscale"]), Packed(t["v_codes"], t["v_scales"], t["v_tscale"]),
+                res)
 
     def _release(self, tensors: dict[str, torch.Tensor]) -> None:
         if self._pool_bufs is not None and tensors:
@@ -701,15 +747,16 @@ class NvmeStore:
     # ---- asynchronous face ------------------------------------------------------------------------------
 
     def read_async(self, key: str, seg: int, n: int, v_format: str) -> Future:
-        """Start reading a segment of the states `key`'s record names; the Future gives (m, v) or raises
-        CorruptionError.
+        """Start reading a segment of the states `key`'s record names; the Future gives (m, v, residual) or
+        raises CorruptionError (residual: the segment's Residual in a store that keeps them, else None).
 
-        On the aio engine m and v are views of a page-locked buffer that stays the segment's until it is
-        handed back with write_async (update them in place, then write them) or release.
+        On the aio engine m, v and the residual are views of a page-locked buffer that stays the segment's until it
+        is handed back with write_async (update them in place, then write them) or release.
         """
         return self._pool.submit(self._read, key, seg, n, v_format)
 
-    def write_async(self, key: str, seg: int, n: int, v_format: str, step: int, m: Packed, v: Packed) -> Future:
+    def write_async(self, key: str, seg: int, n: int, v_format: str, step: int, m: Packed, v: Packed,
+                    res: Residual | None = None) -> Future:
         """Start writing a segment into the open transaction's generation (the tensors must not change until
         the Future is done).
 
@@ -719,7 +766,7 @@ class NvmeStore:
         while len(running) >= self.max_pending_writes:
             wait(running, return_when=FIRST_COMPLETED)
             running = [f for f in running if not f.done()]
-        fut = self._pool.submit(self._write, key, seg, n, v_format, step, m, v)
+        fut = self._pool.submit(self._write, key, seg, n, v_format, step, m, v, res)
         self._pending.append(fut)
         return fut
 
@@ -735,12 +782,13 @@ class NvmeStore:
         if err is not None:
             raise err
 
-    def read(self, key: str, seg: int, n: int, v_format: str) -> tuple[Packed, Packed]:
+    def read(self, key: str, seg: int, n: int, v_format: str) -> tuple[Packed, Packed, Residual | None]:
         """Read a segment now; the tensors are the caller's (copies on the aio engine)."""
         return self._read(key, seg, n, v_format, copy=True)
 
-    def write(self, key: str, seg: int, n: int, v_format: str, step: int, m: Packed, v: Packed) -> int:
-        return self._write(key, seg, n, v_format, step, m, v)
+    def write(self, key: str, seg: int, n: int, v_format: str, step: int, m: Packed, v: Packed,
+              res: Residual | None = None) -> int:
+        return self._write(key, seg, n, v_format, step, m, v, res)
 
     def bytes_on_disk(self) -> int:
         return sum(f.stat().st_size for f in self.dir.glob("*.fp4s"))

@@ -8,10 +8,10 @@ The file is fp4offload's container laid out for direct I/O: the JSON header is p
 payload starts at 4096, each tensor starts on a 64-byte boundary (zero gaps), and a trailing zero tensor
 ``_pad`` (checksummed like the others) makes the file a whole number of 4096-byte blocks, so read_container
 still reads it. A read takes the whole file into a page-locked buffer in one request and checks it in memory
-(the same checks as read_container, plus: the gaps must be zero); the six tensors are views of that buffer,
-which the step updates in place and the write sends back as it is (no copy). A write preallocates the
-temporary file (posix_fallocate: a full disk fails there, before any byte is written), lets aio fill it,
-checks its size, then (fsync and) renames it in Python. The temporary is created exclusively (O_EXCL,
+(the same checks as read_container, plus: the gaps must be zero); the tensors (six, eight with split's residual)
+are views of that buffer, which the step updates in place and the write sends back as it is (no copy). A write
+preallocates the temporary file (posix_fallocate: a full disk fails there, before any byte is written), lets aio
+fill it, checks its size, then (fsync and) renames it in Python. The temporary is created exclusively (O_EXCL,
 O_NOFOLLOW: a name planted in the folder is never written through). A file whose size is not a whole number of blocks (a
 thread-engine file, or a damaged one) is left to read_container. DeepSpeed's handle does not report failed
 requests of a transfer; a silently failed write shows up as a CorruptionError when the segment is next read,
@@ -35,7 +35,7 @@ import torch
 from ..errors import CorruptionError
 from ..formats.container import MAGIC, VERSION
 from .reference_step import SEGMENT, packed_sizes
-from .state import PACKED_KEYS
+from .state import PACKED_KEYS, RESIDUAL_KEYS, residual_sizes
 
 _PREFIX = len(MAGIC) + 8 + 4  # the container's magic, header length (u64), header CRC32 (u32)
 ALIGN = 4096  # direct-I/O block: header region, payload start and file size are multiples of it
@@ -194,10 +194,13 @@ def parse_image(path: Path, buf: torch.Tensor) -> tuple[dict, dict[str, torch.Te
     return meta, out
 
 
-def locked_bytes(buffers: int) -> int:
-    """Page-locked bytes of `buffers` buffers, each the file of a whole segment."""
+def locked_bytes(buffers: int, residual: bool = False) -> int:
+    """Page-locked bytes of `buffers` buffers, each the file of a whole segment (with split's residual)."""
     c, s, t = packed_sizes(SEGMENT)
-    return buffers * (ALIGN + aio_layout(dict(zip(PACKED_KEYS, (c, s, t) * 2)))[1])
+    sizes = dict(zip(PACKED_KEYS, (c, s, t) * 2))
+    if residual:
+        sizes.update(zip(RESIDUAL_KEYS, residual_sizes(SEGMENT)))
+    return buffers * (ALIGN + aio_layout(sizes)[1])
 
 
 def probe(handle, pool: LockedPool, folder: Path) -> str | None:

@@ -13,10 +13,17 @@ Smaller parameters hold fp32 ``exp_avg`` and ``exp_avg_sq`` shaped like the para
 A parameter that is not fp32 or not contiguous, or on the GPU with states on the host, also holds ``master``:
 its fp32 master copy, flat. On the NVMe tier the six packed tensors live in files and only ``step`` (and
 ``master``) stay in ``optimizer.state``; ``state_dict()`` reads them back, so its form is the same on every tier.
+
+``master="split"`` adds ``master_lo`` (int16, one per element) and ``master_odd`` (sorted int64 positions); with
+``master_device="nvme"`` a packed parameter's residual lives in its segment files instead (:class:`Residual`),
+and its state-dict form is the same bytes.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import numpy as np
 import torch
 
 from ..errors import ConfigError
@@ -24,6 +31,41 @@ from ..formats import reference
 from . import reference_step as R
 
 PACKED_KEYS = ("m_codes", "m_scales", "m_tscale", "v_codes", "v_scales", "v_tscale")
+#: split's residual of one segment in its NVMe file: lo as bytes, and the odd positions as a bitmap
+RESIDUAL_KEYS = ("master_lo", "master_odd_bits")
+_BIT = np.array([1, 2, 4, 8, 16, 32, 64, 128], dtype=np.uint8)
+
+
+def residual_sizes(n: int) -> tuple[int, int]:
+    """Bytes of RESIDUAL_KEYS for a segment of n elements."""
+    return 2 * n, -(-n // 8)
+
+
+class Residual(NamedTuple):
+    """Split's residual of one segment of n elements as its NVMe file holds it: ``lo`` (int16, n) and ``bits``
+    (uint8, ceil(n / 8); bit ``i % 8`` of byte ``i // 8`` set where ``i`` is an odd position). A bitmap and not a
+    list of positions, so that the file's size is fixed: a step reserves its disk space exactly, and the aio
+    engine writes the segment back from the buffer it was read into. Both are updated in place."""
+
+    lo: torch.Tensor
+    bits: torch.Tensor
+
+    @classmethod
+    def zeros(cls, n: int) -> Residual:
+        return cls(torch.zeros(n, dtype=torch.int16), torch.zeros(residual_sizes(n)[1], dtype=torch.uint8))
+
+    def odd(self) -> torch.Tensor:
+        """The odd positions (sorted int64, relative to the segment)."""
+        # numpy: torch's intra-op threads cost more to wake than these small passes take
+        b = self.bits.numpy()
+        at = np.flatnonzero(b)  # bytes with a bit set: few
+        hit = (b[at, None] & _BIT) != 0
+        return torch.from_numpy((at[:, None] * 8 + np.arange(8))[hit])
+
+    def set_odd(self, odd: torch.Tensor) -> None:
+        o = odd.to(device="cpu", dtype=torch.int64).numpy()
+        # distinct positions: the sum of their bits in a byte is their bitwise or
+        self.bits.numpy()[:] = np.bincount(o >> 3, weights=_BIT[o & 7], minlength=self.bits.numel())
 
 
 def as_u8(t: torch.Tensor, key: str, size: int) -> torch.Tensor:

@@ -13,12 +13,14 @@ What the optimizer asks of a tier (``st`` is ``optimizer.state[p]``, whose ``"v_
 
 - ``compute_device(p)``, ``pinned(p)`` (host buffers of p are page-locked), ``segmented(p)`` (the step goes
   through :meth:`HostTier.step_segments` instead of one pass over :meth:`~DeviceTier.states`);
-- ``put(st, p, m=None, v=None)``: make p's storage and fill it with (m, v) (whole packed states, CPU), or zeros;
+- ``put(st, p, m=None, v=None, res=None)``: make p's storage and fill it with (m, v) (whole packed states, CPU),
+  or zeros; ``res``: split's whole residual ``(lo, odd)`` on a tier that keeps it in its files (zeros if None);
 - ``states(st, p)``: p's whole (m, v): the live tensors on the RAM tiers (the step updates them in place),
-  copies read from the files on the NVMe tier;
-- ``step_segments(st, p, compute, new_values)``: ``compute(s0, s1, g, m, v)`` for each segment, m and v
-  updated in place and handed back to the tier; for a GPU parameter each segment of ``new_values`` (flat,
-  on the host) is copied into p once computed;
+  copies read from the files on the NVMe tier; ``states_and_residual(st, p)`` adds that residual (or None);
+- ``step_segments(st, p, compute, new_values)``: ``compute(s0, s1, g, m, v, res)`` for each segment, m and v
+  (and the segment's state.Residual ``res`` where the files keep it, else None) updated in place and handed
+  back to the tier; for a GPU parameter each segment of ``new_values`` (flat, on the host) is copied into p
+  once computed;
 - ``end_step()``, ``sync()`` (pending writes done), ``disk_bytes()``, ``close()``;
 - the step as one transaction (``transactional`` tiers, the NVMe one): ``begin_step(write_bytes, undo_bytes)``
   before anything changes (checks and reserves the disk space, CapacityError with nothing changed),
@@ -42,10 +44,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import metrics
 from ..errors import ConfigError
+from . import master as MW
 from . import reference_step as R
-from .state import PACKED_KEYS, step_of
+from .state import PACKED_KEYS, Residual, step_of
 
-SegmentFn = Callable[[int, int, torch.Tensor, R.Packed, R.Packed], None]
+SegmentFn = Callable[[int, int, torch.Tensor, R.Packed, R.Packed, Residual | None], None]
 
 
 UNDO_RAM_BYTES = 256 << 20  # host RAM an NVMe step's undo log may use before it writes to the state disk
@@ -121,7 +124,9 @@ class DeviceTier:
     def segmented(self, p) -> bool:
         return False
 
-    def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None) -> None:
+    def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None, res=None) -> None:
+        if res is not None:
+            raise ValueError(f"the {self.name} tier keeps no residual in its storage")
         n, dev = p.numel(), self.compute_device(p)
         new = (*R.empty_packed(n, dev), *R.empty_packed(n, dev))
         if self.pinned(p):
@@ -131,6 +136,9 @@ class DeviceTier:
 
     def states(self, st: dict, p) -> tuple[R.Packed, R.Packed]:
         return R.Packed(*(st[k] for k in PACKED_KEYS[:3])), R.Packed(*(st[k] for k in PACKED_KEYS[3:]))
+
+    def states_and_residual(self, st: dict, p) -> tuple[R.Packed, R.Packed, tuple | None]:
+        return (*self.states(st, p), None)
 
     def step_segments(self, st: dict, p, compute: SegmentFn, new_values: torch.Tensor | None) -> None:
         raise NotImplementedError("the device tier steps a parameter in one pass")
@@ -166,10 +174,10 @@ class _RamSegments:
     def __init__(self, m: R.Packed, v: R.Packed):
         self.m, self.v = m, v
 
-    def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed]:
-        return R.segment_view(self.m, s0, s1), R.segment_view(self.v, s0, s1)
+    def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed, None]:
+        return R.segment_view(self.m, s0, s1), R.segment_view(self.v, s0, s1), None
 
-    def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed) -> None:
+    def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed, res=None) -> None:
         pass
 
     def abandon(self) -> None:
@@ -242,9 +250,9 @@ class HostTier(DeviceTier):
         try:
             for s, (s0, s1) in enumerate(ranges):
                 g = grads.get(s) if gpu else g_all[s0:s1]
-                m, v = states.get(s0, s1)
-                compute(s0, s1, g, m, v)
-                states.put(s0, s1, m, v)
+                m, v, res = states.get(s0, s1)
+                compute(s0, s1, g, m, v, res)
+                states.put(s0, s1, m, v, res)
                 if gpu:
                     src = new_values[s0:s1]
                     with torch.cuda.stream(cs):
@@ -260,7 +268,8 @@ class HostTier(DeviceTier):
 
 class _FileSegments:
     """Segments of states in the NVMe store: segment s+1 is read while s is updated, s written behind (into the
-    step's generation, with the tensor's new step count)."""
+    step's generation, with the tensor's new step count). Split's residual, where the files keep it, travels
+    with its segment's states."""
 
     def __init__(self, store, key: str, n: int, v_format: str, step: int):
         self.store, self.key, self.n, self.v_format, self.step = store, key, n, v_format, step
@@ -270,16 +279,16 @@ class _FileSegments:
     def _read(self, s0: int):
         return self.store.read_async(self.key, s0 // R.SEGMENT, min(self.n, s0 + R.SEGMENT) - s0, self.v_format)
 
-    def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed]:
+    def get(self, s0: int, s1: int) -> tuple[R.Packed, R.Packed, Residual | None]:
         cur, self.reading = self.reading, (self._read(s1) if s1 < self.n else None)
         with metrics.timer("optim.time.nvme_read_wait"):
-            m, v = cur.result()
+            m, v, res = cur.result()
         self.held = m
-        return m, v
+        return m, v, res
 
-    def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed) -> None:
+    def put(self, s0: int, s1: int, m: R.Packed, v: R.Packed, res: Residual | None = None) -> None:
         self.held = None
-        self.store.write_async(self.key, s0 // R.SEGMENT, s1 - s0, self.v_format, self.step, m, v)
+        self.store.write_async(self.key, s0 // R.SEGMENT, s1 - s0, self.v_format, self.step, m, v, res)
 
     def abandon(self) -> None:
         """After an error: wait for the read ahead and hand back the buffers of segments that will not be
@@ -287,8 +296,7 @@ class _FileSegments:
         fut, self.reading = self.reading, None
         if fut is not None:
             try:
-                m, _ = fut.result()
-                self.store.release(m)
+                self.store.release(fut.result()[0])
             except BaseException:
                 pass
         if self.held is not None:
@@ -298,7 +306,9 @@ class _FileSegments:
 
 class NvmeTier(HostTier):
     """Packed states in files of an NvmeStore (optim/nvme.py), named by each tensor's key; only ``step`` and
-    ``master`` stay in ``optimizer.state``.
+    ``master`` stay in ``optimizer.state``. A store made with ``residuals`` keeps split's residual of each
+    tensor in its files too (FP4AdamW's ``master_device="nvme"``): a step's new residual goes to the step's
+    generation with its states, so, like them, it needs no undo.
 
     A step is one store transaction: the space of all its files (and of the undo log beyond
     ``undo_ram_bytes``, default UNDO_RAM_BYTES) is reserved first, its segments go to a new generation, and
@@ -355,25 +365,37 @@ class NvmeTier(HostTier):
         self._owner[key] = weakref.ref(p)
         return key
 
-    def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None) -> None:
-        """p's states: zeros (a fresh tensor: no file until its first step writes one) or (m, v), written as a
-        transaction of their own (or inside the open step's)."""
+    def put(self, st: dict, p, m: R.Packed | None = None, v: R.Packed | None = None, res=None) -> None:
+        """p's states: zeros (a fresh tensor: no file until its first step writes one) or (m, v), and in a store
+        that keeps residuals split's `res` (``(lo, odd)``, whole; None: zeros), written as a transaction of their
+        own (or inside the open step's)."""
         from .nvme import Record, tensor_disk_bytes
 
         key, v_format, n = self.key(p), st["v_format"], p.numel()
         step = step_of(st.get("step", 0))
         store = self.store
-        if m is None:
+        if res is not None and not store.residuals:
+            raise ValueError("this NVMe store keeps no residuals in its files")
+        if m is None and res is None:
             if not store.in_transaction:
                 store.remove(key)  # a dead tensor's files under a key now reused
             store.set_record(key, Record(0, step, n, v_format))
             return
+        if m is None:  # a residual to keep beside zero states
+            m, v = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
         own = not store.in_transaction
         if own:
-            store.begin(tensor_disk_bytes(n), f"tensor {key}")
+            store.begin(tensor_disk_bytes(n, store.residuals), f"tensor {key}")
         try:
             for s, (s0, s1) in enumerate(R.segment_ranges(n)):
-                store.write(key, s, s1 - s0, v_format, step, R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
+                r = None
+                if store.residuals:
+                    r = Residual.zeros(s1 - s0)
+                    if res is not None:
+                        r.lo.copy_(res[0].reshape(-1)[s0:s1])
+                        r.set_odd(MW.odd_in(res[1], s0, s1))
+                store.write(key, s, s1 - s0, v_format, step, R.segment_view(m, s0, s1), R.segment_view(v, s0, s1),
+                            r)
             store.set_record(key, Record(store.generation, step, n, v_format))
             if own:
                 store.commit()
@@ -383,9 +405,19 @@ class NvmeTier(HostTier):
             raise
 
     def states(self, st: dict, p) -> tuple[R.Packed, R.Packed]:
+        return self.states_and_residual(st, p)[:2]
+
+    def states_and_residual(self, st: dict, p) -> tuple[R.Packed, R.Packed, tuple | None]:
+        """p's whole (m, v) and, where the files keep it, split's whole residual ``(lo, odd)`` (else None)."""
         key, v_format = self.key(p), st["v_format"]
-        parts = [self.store.read(key, s, s1 - s0, v_format) for s, (s0, s1) in enumerate(R.segment_ranges(p.numel()))]
-        return tuple(R.Packed(*(torch.cat([pt[j][i] for pt in parts]) for i in range(3))) for j in range(2))
+        ranges = R.segment_ranges(p.numel())
+        parts = [self.store.read(key, s, s1 - s0, v_format) for s, (s0, s1) in enumerate(ranges)]
+        m, v = (R.Packed(*(torch.cat([pt[j][i] for pt in parts]) for i in range(3))) for j in range(2))
+        if not self.store.residuals:
+            return m, v, None
+        lo = torch.cat([pt[2].lo for pt in parts])
+        odd = torch.cat([pt[2].odd() + s0 for pt, (s0, _) in zip(parts, ranges)])
+        return m, v, (lo, odd)
 
     def _segments(self, st: dict, p):
         return _FileSegments(self.store, self.key(p), p.numel(), st["v_format"], step_of(st["step"]))
@@ -464,9 +496,10 @@ def _keep_from_env(nvme_keep):
 
 def make_tier(state_device: str, *, nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
               nvme_io: str = "auto", tensor_key: Callable | None = None,
-              has_states: Callable[[torch.Tensor], bool] = lambda t: False, nvme_keep: bool | None = None
-              ) -> DeviceTier:
-    """The tier of ``state_device`` (arguments as FP4AdamW's; `nvme_keep` None reads FP4OFFLOAD_NVME_KEEP)."""
+              has_states: Callable[[torch.Tensor], bool] = lambda t: False, nvme_keep: bool | None = None,
+              residuals: bool = False) -> DeviceTier:
+    """The tier of ``state_device`` (arguments as FP4AdamW's; `nvme_keep` None reads FP4OFFLOAD_NVME_KEEP;
+    `residuals`: the NVMe files keep split's residuals, FP4AdamW's ``master_device="nvme"``)."""
     if state_device == "same":
         return DeviceTier()
     if state_device == "cpu":
@@ -474,5 +507,5 @@ def make_tier(state_device: str, *, nvme_path=None, nvme_threads: int = 4, nvme_
     from .nvme import NvmeStore
 
     store = NvmeStore(nvme_path, threads=nvme_threads, reserve_bytes=nvme_reserve_bytes, io=nvme_io,
-                      keep=_keep_from_env(nvme_keep))
+                      keep=_keep_from_env(nvme_keep), residuals=residuals)
     return NvmeTier(store, tensor_key, has_states)

@@ -358,13 +358,13 @@ def run_check(args: argparse.Namespace) -> int:
     arms = []
     plain = copy.deepcopy(raw)
     plain.pop(BLOCK_KEY, None)
-    arms.append(("without the block", plain, None))
-    if prepared is not None:
-        arms.append(("with the block", prepared.ds_config, prepared.host))
+    arms.append(("without the block", plain, None, None))
+    if prepared is not None:  # its placement says what the rewritten config no longer does (DeepSpeed's NVMe offload)
+        arms.append(("with the block", prepared.ds_config, prepared.host, prepared.states))
     out, fits_all = [], True
-    for label, cfg, host in arms:
+    for label, cfg, host, states in arms:
         x = host_model.inputs_from_config(cfg, params, world=world, local_ranks=local, accelerator=accelerator,
-                                          host=host)
+                                          host=host, states=states)
         est = host_model.estimate_host(x, runtime)
         fits = ds_preflight.fits(est, lim, 0)
         fits_all = fits_all and (fits or label == "without the block")

@@ -47,8 +47,9 @@ def fp4offload_block(strategy: Strategy, nvme_path: str | None = None, monitor_e
         if dev == "nvme" and nvme_path is None:
             raise ConfigError("--nvme-path", None, "a directory on an NVMe drive", f"strategy {s.name} keeps "
                               "optimizer states on NVMe")
+        # master_device "nvme": split's residual in the state files (the strategy puts the states on NVMe too)
         opt = OptimizerStatesConfig(format="nvfp4", device=dev, nvme_path=nvme_path if dev == "nvme" else None,
-                                    master=s.master.format)
+                                    master=s.master.format, master_device="nvme" if s.residual_on_nvme else "same")
     acts = None
     a = s.activations
     if a.device != "gpu" or a.format != "bf16":

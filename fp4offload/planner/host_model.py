@@ -4,11 +4,12 @@
 parameter count, the accelerator and the world, and returns each consumer's bytes for one rank: what
 DeepSpeed allocates for the ZeRO stage and offload targets (fp32 master, gradient partition, Adam's m and
 v, the bf16 copy-back buffer, NVMe swap buffers), what the block changes in it (packed states, states on
-its own NVMe tier, bf16 gradient partition, shared bf16 staging, packed ZeRO-3 weights), and, on the CPU
-accelerator, the device-side buffers too (the bf16 parameters, gradient buckets, gathered ZeRO-3
-parameters), since there the "device" is host RAM. The process's own bytes (Python, torch, DeepSpeed, the
-data) are not modelled: the caller measures them (``runtime_bytes``: the RSS before initialize, less the
-model's parameters, which DeepSpeed's flattening replaces).
+its own NVMe tier, compact masters and split's residual in that tier's files, bf16 gradient partition, shared
+bf16 staging, packed ZeRO-3 weights), and, on the CPU accelerator, the device-side buffers too (the bf16
+parameters, gradient buckets, gathered ZeRO-3 parameters), since there the "device" is host RAM. The
+process's own bytes (Python, torch, DeepSpeed, the data) are not modelled: the caller measures them
+(``runtime_bytes``: the RSS before initialize, less the model's parameters, which DeepSpeed's flattening
+replaces).
 
 Byte sizes per element come from :mod:`fp4offload.planner.sizes`. What each term is in DeepSpeed (the
 attribute holding it, 0.19.8) is written beside it; docs/design.md section 9 ("Host preflight") has the
@@ -20,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from fp4offload.planner.sizes import BF16_BYTES, FP32_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
+from fp4offload.planner.sizes import BF16_BYTES, FP32_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
 
 __all__ = ["Inputs", "HostEstimate", "estimate_host", "inputs_from_config", "alternatives"]
 
@@ -56,7 +57,9 @@ class Inputs:
         DeepSpeed keys of the same names. master: the master partition's form: ``"fp32"``, ``"bf16"``
         (DeepSpeed's ``bf16_master_weights_and_grads``, or the block's bf16 master) or ``"split"`` (the
         block's: a bf16 partition and a 16-bit residual); with the block's compact masters the bf16 copy-back
-        buffer is the master itself. ds_bf16_states: DeepSpeed's ``bf16_optimizer_states`` (bf16 m and v).
+        buffer is the master itself. master_device: the block's ``optimizer_states.master_device``; ``"nvme"``
+        (with split and the states on NVMe) keeps split's residual in the NVMe state files, not in host RAM.
+        ds_bf16_states: DeepSpeed's ``bf16_optimizer_states`` (bf16 m and v).
     """
 
     params: int
@@ -80,11 +83,18 @@ class Inputs:
     max_live: int = DS_DEFAULTS["stage3_max_live_parameters"]
     buffer_count: int = DS_DEFAULTS["buffer_count"]
     master: str = "fp32"
+    master_device: str = "same"
     ds_bf16_states: bool = False
 
     @property
     def block(self) -> bool:
         return self.states is not None or self.packed_weights
+
+    @property
+    def residual_on_nvme(self) -> bool:
+        """Split's residual in the NVMe state files (the rule config.py enforces: split, states on NVMe)."""
+        return (self.master_device == "nvme" and self.master == "split" and self.states is not None
+                and self.states[1] == "nvme")
 
 
 @dataclass(frozen=True)
@@ -123,12 +133,15 @@ def _zero_key(zero: Mapping[str, Any], key: str) -> int:
 
 
 def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, local_ranks: int = 1,
-                       accelerator: str = "gpu", host: Any = None) -> Inputs:
+                       accelerator: str = "gpu", host: Any = None, states: Any = None) -> Inputs:
     """:class:`Inputs` from a DeepSpeed config dict with the block's rewrites applied (as
     ``fp4offload.integrations.deepspeed.prepare_config`` returns it) or a plain one.
 
     ``host``: the block's effective host settings (``ds_host.HostSettings``), None for DeepSpeed's own
-    behaviour."""
+    behaviour. ``states``: the states' placement as prepare_config resolved it (``Prepared.states``: format,
+    device, master, master_device), which wins over the block's keys: once it has turned DeepSpeed's NVMe
+    offload into its own tier, the rewritten config says ``offload_optimizer.device "cpu"`` and no longer shows
+    that the states (and split's residual) go to NVMe."""
     zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), Mapping) else {}
     stage = int(zero.get("stage", 0) or 0)
 
@@ -139,25 +152,32 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
 
     mixed = any(isinstance(ds.get(k), Mapping) and ds[k].get("enabled") is True for k in ("bf16", "fp16"))
     block = ds.get("fp4offload") if isinstance(ds.get("fp4offload"), Mapping) else {}
-    states = None
     st = block.get("optimizer_states") if isinstance(block.get("optimizer_states"), Mapping) else None
+    if states is not None:
+        st = {"format": states.format, "device": states.device, "master": states.master,
+              "master_device": states.master_device}
+    offload_opt = device("offload_optimizer")
+    placed = None
     if st is not None:
         fmt = st.get("format", "nvfp4")
         dev = st.get("device", "same")
+        if offload_opt == "nvme":  # not rewritten yet: the block keeps the master on the host, the states in its tier
+            offload_opt = "cpu"
+            dev = "nvme" if dev == "same" else dev
         if dev == "same":
-            dev = "cpu" if device("offload_optimizer") != "none" else "device"
-        states = (fmt, dev)
+            dev = "cpu" if offload_opt != "none" else "device"
+        placed = (fmt, dev)
     weights = block.get("weights") if isinstance(block.get("weights"), Mapping) else None
     off = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), Mapping) else {}
     grad_accum = ds.get("gradient_accumulation_steps", 1)
     grad_accum = grad_accum if isinstance(grad_accum, int) and grad_accum > 0 else 1
     bf16_grads = share = False
     allocator, cache = "glibc", 0.0
-    if states is not None and host is not None:  # the host settings apply with optimizer_states
+    if placed is not None and host is not None:  # the host settings apply with optimizer_states
         if host.mmap_threshold.value != "off":
             allocator = "fixed"
         cache = 0.0 if host.allocator_cache.value == "off" else float(host.allocator_cache.value)
-        if stage in (1, 2) and device("offload_optimizer") == "cpu":
+        if stage in (1, 2) and offload_opt == "cpu":
             bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
             share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
     buffers = off.get("buffer_count", DS_DEFAULTS["buffer_count"])
@@ -165,12 +185,14 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
     master = st.get("master", "fp32") if st is not None else "fp32"
     if master == "fp32" and bf16.get("bf16_master_weights_and_grads") is True:
         master = "bf16"
-    ds_bf16_states = states is None and master == "bf16" and bf16.get("bf16_optimizer_states") is True
+    ds_bf16_states = placed is None and master == "bf16" and bf16.get("bf16_optimizer_states") is True
+    master_device = "nvme" if st is not None and st.get("master_device") == "nvme" else "same"
     return Inputs(master=master if master in ("fp32", "bf16", "split") else "fp32", ds_bf16_states=ds_bf16_states,
+        master_device=master_device,
         params=int(params), world=max(1, int(world)), local_ranks=max(1, int(local_ranks)), accelerator=accelerator,
         stage=stage, compute_bytes=BF16_BYTES if mixed else FP32_BYTES,
-        offload_optimizer=device("offload_optimizer"), offload_param=device("offload_param") if stage == 3 else "none",
-        grad_accum=grad_accum, states=states, bf16_grads=bf16_grads, share_staging=share, allocator=allocator,
+        offload_optimizer=offload_opt, offload_param=device("offload_param") if stage == 3 else "none",
+        grad_accum=grad_accum, states=placed, bf16_grads=bf16_grads, share_staging=share, allocator=allocator,
         cache_fraction=cache,
         packed_weights=weights is not None and weights.get("format", "nvfp4") == "nvfp4" and stage == 3,
         reduce_bucket=_zero_key(zero, "reduce_bucket_size"), sub_group=_zero_key(zero, "sub_group_size"),
@@ -221,10 +243,15 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         pass  # pure fp32 without offload: the parameters are the master
     else:
         mb, label = (FP32_BYTES, "fp32") if x.master == "fp32" else (BF16_BYTES, "bf16")
+        if on_cpu_accel and x.states is not None and x.master != "fp32" and e == BF16_BYTES and offload_opt \
+                and x.offload_param == "none":
+            mb = 0  # the block's compact master is the model's bf16 partition here (ds_host.master_is_device_partition)
         where = {"host": "host", "nvme": "nvme"}.get(master_where)
-        for key, nbytes in ((f"{label} master partition", mb * part),
-                            ("split master residual", BF16_BYTES * part if x.master == "split" else 0)):
+        residual = BF16_BYTES * part if x.master == "split" and not x.residual_on_nvme else 0
+        for key, nbytes in ((f"{label} master partition", mb * part), ("split master residual", residual)):
             put(key, nbytes, where) if where else device(key, nbytes)
+        if x.residual_on_nvme:  # in the state files beside m and v, with a bitmap of its tie positions
+            put("split master residual", RESIDUAL_NVME_BYTES * part, "nvme")
 
     sub = min(x.sub_group, part)  # ZeRO-3 steps one sub-group at a time
     if offload_opt and x.stage < 3:  # ZeRO-1/2: the host gradient partition the optimizer reads
@@ -256,7 +283,8 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         b = STATE_BYTES.get(fmt, STATE_BYTES["fp32"])
         if where == "nvme":
             put(f"optimizer states ({fmt})", b * part, "nvme")
-            put("NVMe state segments in flight", NVME_SEGMENTS_IN_FLIGHT * b * min(NVME_SEGMENT, part))
+            seg = b + (RESIDUAL_NVME_BYTES if x.residual_on_nvme else 0)  # a segment's residual travels with it
+            put("NVMe state segments in flight", NVME_SEGMENTS_IN_FLIGHT * seg * min(NVME_SEGMENT, part))
         elif where == "cpu":
             put(f"optimizer states ({fmt})", b * part)
         else:
@@ -285,6 +313,10 @@ def alternatives(x: Inputs) -> list[tuple[str, Inputs]]:
     if x.states is not None and x.states[1] != "nvme" and x.offload_optimizer != "none":
         out.append(('fp4offload.optimizer_states.device "nvme" (with nvme_path)',
                     replace(x, states=(x.states[0], "nvme"))))
+    if x.master == "split" and not x.residual_on_nvme and x.states is not None and x.offload_optimizer != "none":
+        also = "" if x.states[1] == "nvme" else ' and device "nvme" (with nvme_path)'
+        out.append((f'fp4offload.optimizer_states.master_device "nvme"{also} (split\'s residual in the state files)',
+                    replace(x, states=(x.states[0], "nvme"), master_device="nvme")))
     if x.states is None and x.offload_optimizer == "cpu" and x.stage == 3:
         sub = min(x.sub_group, 100_000_000)  # DeepSpeed's swap buffers: buffer_count x the sub-group, in fp32
         out.append((f'zero_optimization.offload_optimizer.device "nvme" with sub_group_size {sub:.0e}',

@@ -10,7 +10,8 @@ fragmentation margin of the caching allocator.
 Byte sizes per element come from sizes.py, which derives them from the formats' size functions: bf16 2;
 fp32 4; NVFP4 1x16 0.5625 (4-bit code + E4M3 scale per 16); NVFP4 16x16 weights 0.50390625; MXFP4
 0.53125; MXFP8 1.03125; packed Adam states (m NVFP4 + sqrt(v) ufp4, one fp32 scale per 1024-element
-chunk each) 1.1328125 per parameter.
+chunk each) 1.1328125 per parameter; split's residual in the NVMe state files (16-bit half + a bitmap of tie
+positions) 2.125 per parameter.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from dataclasses import dataclass, field
 
 from fp4offload.errors import ConfigError
 from fp4offload.planner.hardware import Cluster
+from fp4offload.planner.host_model import NVME_SEGMENT, NVME_SEGMENTS_IN_FLIGHT
 from fp4offload.planner.models import ModelSpec
-from fp4offload.planner.sizes import ACT_BYTES, MASTER_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
+from fp4offload.planner.sizes import (ACT_BYTES, BF16_BYTES, MASTER_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES,
+                                      WEIGHT_PACKED_BYTES)
 from fp4offload.planner.strategies import Strategy
 
 __all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "ACT_BYTES", "STATE_BYTES", "WEIGHT_PACKED_BYTES",
@@ -40,7 +43,7 @@ class TrainSetup:
         compute_bytes: bytes of the compute dtype: 2 (bf16 mixed precision, default) or 4 (pure
             fp32 training, where the weights are the master; used to check the model on CPU).
         reduce_bucket / allgather_bucket / prefetch_bucket: DeepSpeed bucket sizes, elements.
-        sub_group_size: ZeRO-3 optimizer sub-group, elements (sets NVMe staging buffers).
+        sub_group_size: ZeRO-3 optimizer sub-group, elements (sets DeepSpeed's NVMe swap buffers).
         nvme_buffer_count: DeepSpeed's NVMe swap buffers per rank.
         act_window_layers: blocks of saved activations in flight on the GPU when they are offloaded.
         cuda_runtime_bytes: CUDA context, cuBLAS and NCCL workspaces per GPU. Default 1.5 GiB.
@@ -162,11 +165,16 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
     else:
         put("gpu", "weights", e * P)
 
-    # fp32 master (pure fp32 training: the weights are the master) and Adam states.
+    # fp32 master (pure fp32 training: the weights are the master) and Adam states. Split's residual in the NVMe
+    # state files leaves the master's device with only the bf16 half, and is stored there with its tie bitmap.
+    residual = s.residual_on_nvme
+    master_bytes = MASTER_BYTES[s.master.format] - (BF16_BYTES if residual else 0)
     if fsdp and s.master.format != "fp32":  # the bf16 shard is the master's upper half
-        put(s.master.device, "master", (MASTER_BYTES[s.master.format] - 2) / N * P)
+        put(s.master.device, "master", (master_bytes - BF16_BYTES) / N * P)
     elif fsdp or not pure_fp32 or s.master.device != "gpu":
-        put(s.master.device, "master", MASTER_BYTES[s.master.format] * P / shard_o)
+        put(s.master.device, "master", master_bytes * P / shard_o)
+    if residual:
+        put("nvme", "master_residual", RESIDUAL_NVME_BYTES * P / shard_o)
     put(s.optimizer_states.device, "optimizer_states", STATE_BYTES[s.optimizer_states.format] * P / shard_o)
 
     # Gradients: resident per-parameter bytes on the GPU, and their host copy when offloaded.
@@ -274,8 +282,10 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
     if s.optimizer_states.device == "nvme":
         if s.optimizer_states.format == "fp32":
             host["staging"] = host.get("staging", 0) + t.nvme_buffer_count * t.sub_group_size * 4
-        else:
-            host["staging"] = host.get("staging", 0) + 2 * t.sub_group_size * STATE_BYTES["nvfp4"]
+        else:  # FP4AdamW's tier reads and writes segments, as the preflight counts them; a residual rides along
+            per_elem = STATE_BYTES["nvfp4"] + (RESIDUAL_NVME_BYTES if residual else 0)
+            host["staging"] = host.get("staging", 0) + NVME_SEGMENTS_IN_FLIGHT * per_elem * min(
+                NVME_SEGMENT, P / shard_o)
 
     return MemoryEstimate(
         device={k: int(v) for k, v in device.items() if v > 0},

@@ -31,8 +31,9 @@ RISKS: dict[tuple[str, str], tuple[str, str]] = {
     ("activations", "mxfp4"): ("medium", "as nvfp4 activations, with coarser power-of-two block scales"),
     ("activations", "mxfp8"): ("low", "8-bit saved activations with a power-of-two scale per 32"),
     ("master", "split"): ("none", "the fp32 master held as the bf16 weight and a 16-bit residual: exactly the fp32 "
-                                  "master, training is bit for bit the fp32-master run (ZeRO-3: DeepSpeed's bf16 "
-                                  "master mode also rounds the gradient partition to bf16)"),
+                                  "master, training is bit for bit the fp32-master run (ZeRO-3 too: FP4AdamW applies "
+                                  "DeepSpeed's clipping factor in fp32); the residual is kept as its bits, in host RAM "
+                                  "or in the NVMe state files, so where it lives changes nothing"),
     ("master", "bf16"): ("low", "the bf16 weight is the master, updated with stochastic rounding (unbiased): "
                                 "benchmarks/RESULTS.md compares it with fp32 AdamW; use split where every "
                                 "update must land"),

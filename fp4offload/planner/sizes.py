@@ -3,18 +3,20 @@
 Owns the planner's byte sizes: :data:`STATE_BYTES`, :data:`ACT_BYTES`, :data:`WEIGHT_PACKED_BYTES` (the
 memory model, memory.py) and :func:`step_bytes_per_param` (the memory traffic of one optimizer step:
 hardware.py's CPU rate cap, timing.py's GPU step). No packed size is typed in here: each comes from
-:func:`fp4offload.formats.layout.bytes_per_element`, the function the codecs' own sizes come from, so the
-planner cannot disagree with what is allocated. Imports nothing else of the planner (memory, hardware and
+:func:`fp4offload.formats.layout.bytes_per_element`, the function the codecs' own sizes come from (and split's
+NVMe residual from :func:`fp4offload.optim.state.residual_sizes`, what the state files hold), so the planner
+cannot disagree with what is allocated. Imports nothing else of the planner (memory, hardware and
 timing all import it).
 """
 
 from __future__ import annotations
 
 from fp4offload.formats.layout import bytes_per_element
-from fp4offload.optim import CHUNK
+from fp4offload.optim import CHUNK, SEGMENT
+from fp4offload.optim.state import residual_sizes
 
-__all__ = ["FP32_BYTES", "BF16_BYTES", "STATE_BYTES", "MASTER_BYTES", "ACT_BYTES", "WEIGHT_PACKED_BYTES",
-           "step_bytes_per_param"]
+__all__ = ["FP32_BYTES", "BF16_BYTES", "STATE_BYTES", "MASTER_BYTES", "RESIDUAL_NVME_BYTES", "ACT_BYTES",
+           "WEIGHT_PACKED_BYTES", "step_bytes_per_param"]
 
 FP32_BYTES = 4
 BF16_BYTES = 2
@@ -29,6 +31,10 @@ STATE_BYTES: dict[str, float] = {
 #: Bytes per parameter of the master weight in each form (FP4AdamW's ``master``): fp32; split = the bf16
 #: partition (which is also the copy that goes to the device) plus a 16-bit residual; bf16.
 MASTER_BYTES: dict[str, float] = {"fp32": float(FP32_BYTES), "split": 2.0 * BF16_BYTES, "bf16": float(BF16_BYTES)}
+#: Bytes per parameter of split's residual in the NVMe state files (``master_device="nvme"``): the 16-bit low
+#: half and a bitmap of the tie positions (the files keep a bitmap, not RAM's sparse list, so their size is
+#: fixed), 2.125. Exact for whole segments; a tensor's last one rounds its bitmap up to a byte.
+RESIDUAL_NVME_BYTES: float = sum(residual_sizes(SEGMENT)) / SEGMENT
 #: Bytes per element of a saved activation in each packed format (default block, one tensor scale).
 ACT_BYTES: dict[str, float] = {fmt: bytes_per_element(fmt) for fmt in ("nvfp4", "mxfp4", "mxfp8")}
 #: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (docs/design.md 3.3, 3.8).

@@ -16,6 +16,10 @@ and where each tensor class lives and in which format::
       activations:      {device: gpu, format: bf16, checkpointing: auto}
     summary: one paragraph for the plan's output
 
+A split master may keep its 16-bit residual apart from its bf16 half: ``master: {device: cpu, format: split,
+residual: nvme}`` puts it in the NVMe state files beside m and v (the block's ``optimizer_states.master_device:
+"nvme"``), so it needs ``optimizer_states.device: nvme``. Without ``residual`` it lives with the master.
+
 The files live in the top-level ``strategies/`` folder, which setuptools installs as the package
 ``fp4offload._strategies``; a source checkout reads the folder directly.
 """
@@ -41,15 +45,21 @@ TENSOR_CLASSES: dict[str, tuple[str, ...]] = {
     "optimizer_states": ("fp32", "nvfp4"),
     "activations": ("bf16", "nvfp4", "mxfp8", "mxfp4"),
 }
+#: keys of a tensor class besides device and format
+_CLASS_KEYS = {"master": ("residual",), "activations": ("checkpointing",)}
 _TOP_KEYS = ("name", "title", "engine", "zero_stage", "fsdp", "tensors", "summary")
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one tensor class lives (``gpu``, ``cpu`` = host RAM, ``nvme``) and in which format."""
+    """Where one tensor class lives (``gpu``, ``cpu`` = host RAM, ``nvme``) and in which format.
+
+    ``residual`` (master only): where split's 16-bit residual lives, ``None`` for beside the master or ``"nvme"``
+    for FP4AdamW's NVMe state files (``master_device: "nvme"``); the bf16 half stays on ``device``."""
 
     device: str
     format: str
+    residual: str | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +88,11 @@ class Strategy:
     @property
     def optimizer_on_host(self) -> bool:
         return self.master.device != "gpu"
+
+    @property
+    def residual_on_nvme(self) -> bool:
+        """Split's residual in the NVMe state files beside m and v rather than with its bf16 half."""
+        return self.master.residual == "nvme"
 
     @property
     def activation_offload(self) -> bool:
@@ -136,15 +151,21 @@ def parse_strategy(doc: Any, source: str = "<strategy>") -> Strategy:
         t = tensors.get(cls)
         if not isinstance(t, Mapping):
             raise _err(source, f"tensors.{cls}", t, "a mapping {device, format}")
-        extra = set(t) - {"device", "format"} - ({"checkpointing"} if cls == "activations" else set())
+        keys = ("device", "format", *_CLASS_KEYS.get(cls, ()))
+        extra = set(t) - set(keys)
         if extra:
-            raise _err(source, f"tensors.{cls}.{sorted(extra)[0]}", t[sorted(extra)[0]], "device, format",
+            raise _err(source, f"tensors.{cls}.{sorted(extra)[0]}", t[sorted(extra)[0]], ", ".join(keys),
                        "unknown key")
         if t.get("device") not in DEVICES:
             raise _err(source, f"tensors.{cls}.device", t.get("device"), ", ".join(DEVICES))
         if t.get("format") not in formats:
             raise _err(source, f"tensors.{cls}.format", t.get("format"), ", ".join(formats))
-        places[cls] = Placement(t["device"], t["format"])
+        residual = t.get("residual")
+        if "residual" in t and residual not in DEVICES:
+            raise _err(source, f"tensors.{cls}.residual", residual, ", ".join(DEVICES), "or leave it out (with the "
+                       "master)")
+        # a residual stated where the master is says nothing more: stored as None, the one form of "with the master"
+        places[cls] = Placement(t["device"], t["format"], None if residual == t["device"] else residual)
         if cls == "activations":
             ckpt = t.get("checkpointing", "auto")
             if ckpt not in (True, False, "auto"):
@@ -166,6 +187,17 @@ def _check_consistent(s: Strategy) -> None:
     """Combinations the engines cannot run."""
     src = s.source
     w, m, o, g = s.weights, s.master, s.optimizer_states, s.grads
+    if m.residual is not None:  # split's residual apart from its bf16 half: FP4AdamW's NVMe state files only
+        if m.format != "split":
+            raise _err(src, "tensors.master.residual", m.residual, f"absent with format {m.format}",
+                       "only a split master has a residual; use format split, or drop residual")
+        if m.residual != "nvme":
+            raise _err(src, "tensors.master.residual", m.residual, f"nvme, or {m.device} (with the master)",
+                       "the residual goes either with the bf16 half or into the NVMe state files")
+        if o.device != "nvme":
+            raise _err(src, "tensors.master.residual", "nvme", "absent unless optimizer_states.device is nvme",
+                       "the residual is kept in the NVMe state files beside m and v: put optimizer_states on "
+                       "nvme, or drop residual")
     if m.format != "fp32":  # the block's compact master: FP4AdamW's, on DeepSpeed's bf16 master mode or FSDP2
         if o.format != "nvfp4":
             raise _err(src, "tensors.master.format", m.format, "fp32 with fp32 optimizer states",
