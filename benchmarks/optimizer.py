@@ -10,8 +10,14 @@ master; ``fp4adamw_norm``: the engine's gradient norm given, so the non-finite p
 skipped, as under DeepSpeed),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
 
+``--residual-numel``: the split master with its residual in RAM (``master_device="same"``) against the residual
+in the state files (``"nvme"``), NVMe tier for both, each in its own process so that each has its own peak RSS:
+seconds per step, bytes moved per step, host bytes held for the master, RSS between and during steps; the two
+must end on the same parameter, bit for bit.
+
     python benchmarks/optimizer.py --numel 64M --threads 2 --rounds 15 [--json] [--nvme-path /tmp/x]
         [--nvme-io aio,threads]
+    python benchmarks/optimizer.py --optimizers none --nvme-numel 0 --residual-numel 64M --nvme-io threads,aio
 """
 
 from __future__ import annotations
@@ -202,6 +208,74 @@ def bench_nvme(n: int, rounds: int, path: str | None, io: str = "auto") -> list[
              "bytes_per_param_written": written / n}]
 
 
+def residual_child(n: int, steps: int, folder: str, io: str, where: str) -> dict:
+    """One run of the split master with its residual ``where`` ("same": RAM, "nvme": the state files)."""
+    import hashlib
+    import threading
+
+    from fp4offload import FP4AdamW, metrics
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(torch.bfloat16))
+    grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
+    p.grad = grad
+    opt = FP4AdamW([p], lr=1e-3, master="split", state_device="nvme", nvme_path=folder, nvme_io=io,
+                   master_device=where, metrics_every=0)
+    opt.step()  # the first step allocates the states and writes the files
+    opt.step()
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    between, peak, stop = rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            stop.wait(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    keys = ("optim.nvme.bytes_written", "optim.nvme.bytes_read")
+    c0 = {k: metrics.counter(k).value for k in keys}
+    wall, cpu = [], []
+    for _ in range(steps):
+        t, c = time.perf_counter(), time.process_time()
+        opt.step()
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    stop.set()
+    sampler.join()
+    moved = {k.rsplit("_", 1)[1]: (metrics.counter(k).value - c0[k]) / steps / n for k in keys}
+    out = {"bench": "residual", "numel": n, "io": opt.nvme_io, "master_device": where,
+           "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
+           "written_B_per_param": moved["written"], "read_B_per_param": moved["read"],
+           "files_bytes": opt._tier.disk_bytes(), "master_bytes": opt.master_bytes(),
+           "rss_between_steps": between, "rss_peak_in_steps": max(peak[0], between),
+           "param_sha256": hashlib.sha256(p.detach().view(torch.int16).numpy().tobytes()).hexdigest()}
+    opt.close()
+    return out
+
+
+def bench_residual(n: int, rounds: int, path: str | None, io: str) -> list[dict]:
+    """residual_child for "same" and "nvme", each in a fresh process; asserts they end on the same parameter."""
+    import subprocess
+
+    rows = []
+    for where in ("same", "nvme"):
+        with tempfile.TemporaryDirectory(prefix="fp4-residual-bench-", dir=path) as folder:
+            cmd = [sys.executable, __file__, "--residual-child", where, "--residual-numel", str(n), "--rounds",
+                   str(rounds), "--nvme-io", io, "--nvme-path", folder, "--threads", str(torch.get_num_threads())]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"residual child ({where}, {io}) failed:\n{done.stderr[-4000:]}")
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    if rows[0]["param_sha256"] != rows[1]["param_sha256"]:
+        raise AssertionError("the residual in RAM and in the state files gave different parameters")
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--numel", default="64M", help="parameters in the flat fp32 tensor (default 64M = 2^26)")
@@ -213,19 +287,31 @@ def main(argv=None) -> None:
     ap.add_argument("--nvme-path", default=None, help="folder for the NVMe tier (default: a temporary folder)")
     ap.add_argument("--nvme-io", default="auto", help="I/O engine(s) of the NVMe tier, comma-separated: auto, aio, "
                                                       "threads (default auto: aio when DeepSpeed's async_io loads)")
+    ap.add_argument("--residual-numel", default="0",
+                    help="parameters for the split master's residual in RAM against in the state files (0: skip)")
+    ap.add_argument("--residual-child", choices=("same", "nvme"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    rows = bench_step(_numel(a.numel), a.rounds, a.optimizers.split(","))
+    if a.residual_child:
+        print(json.dumps(residual_child(_numel(a.residual_numel), a.rounds, a.nvme_path, a.nvme_io,
+                                        a.residual_child)))
+        return
+    which = [w for w in a.optimizers.split(",") if w and w != "none"]
+    rows = bench_step(_numel(a.numel), a.rounds, which) if which else []
     if _numel(a.nvme_numel):
         for io in a.nvme_io.split(","):
             rows += bench_nvme(_numel(a.nvme_numel), max(3, a.rounds // 3), a.nvme_path, io.strip())
+    if _numel(a.residual_numel):
+        for io in a.nvme_io.split(","):
+            rows += bench_residual(_numel(a.residual_numel), max(3, a.rounds // 3), a.nvme_path, io.strip())
     if a.json:
         for r in rows:
             print(json.dumps(r))
         return
-    print("| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam | m+v bytes/param |")
-    print("|---|---|---|---|---|---|---|")
+    if any(r["bench"] == "step" for r in rows):
+        print("| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam | m+v bytes/param |")
+        print("|---|---|---|---|---|---|---|")
     for r in rows:
         if r["bench"] == "step":
             vs = f"{r['vs_deepspeed']:.2f}x" if r["vs_deepspeed"] else "-"
@@ -239,6 +325,16 @@ def main(argv=None) -> None:
                   f"in RAM ({r['slowdown']:.2f}x); {r['bytes_written_per_step'] / 2**20:.1f} MiB written and "
                   f"{r['bytes_read_per_step'] / 2**20:.1f} MiB read per step "
                   f"({r['bytes_per_param_written']:.3f} B/param)")
+    res = [r for r in rows if r["bench"] == "residual"]
+    if res:
+        print("\n| split's residual | io | params | s/step | CPU s/step | written = read B/param | master host bytes "
+              "| RSS between steps | peak RSS in steps |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in res:
+            print(f"| {'RAM' if r['master_device'] == 'same' else 'state files'} | {r['io']} | {r['numel']} | "
+                  f"{r['step_s']:.3f} | {r['cpu_s']:.3f} | {r['written_B_per_param']:.3f} | "
+                  f"{r['master_bytes']['host']:,} | {r['rss_between_steps'] / 2**20:.0f} MiB | "
+                  f"{r['rss_peak_in_steps'] / 2**20:.0f} MiB |")
 
 
 if __name__ == "__main__":

@@ -96,6 +96,8 @@ def test_zero2_split_is_the_fp32_master_run_bit_for_bit_over_200_steps(long_runs
     # on the CPU accelerator the bf16 master is the model's own bf16 partition: no second bf16 copy
     assert split["master"]["master_is_partition"] == [True] and bf16["master"]["master_is_partition"] == [True]
     assert f32["master"]["master_is_partition"] == [False]
+    # ... and DeepSpeed's fragments of it are relinked to that partition: after 200 steps they read the live master
+    assert split["master"]["hp_live"] and bf16["master"]["hp_live"] and f32["master"]["hp_live"]
     assert split["inner"] == "FP4AdamW" and split["master"]["form"] == "split"
     held = split["master"]["held"]["host"]
     assert 2 * n <= held < 2 * n + 8 * n // 1000  # the residual, and a few odd positions
@@ -117,6 +119,7 @@ def test_two_ranks_split_is_the_fp32_run(tmp_path):
     assert res["z2_split"]["master"]["master_sha"] == res["z2_fp32"]["master"]["master_sha"]
     assert res["z2_split"]["master"]["master_is_partition"] == [True]
     assert res["z2_split"]["master"]["dtypes"] == ["torch.bfloat16"]
+    assert res["z2_split"]["master"]["hp_live"] and res["z2_fp32"]["master"]["hp_live"]
 
 
 @pytest.fixture(scope="module")

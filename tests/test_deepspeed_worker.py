@@ -221,12 +221,20 @@ def _probe_master(engine, att) -> dict:
         hm.update(x.detach().contiguous().numpy().tobytes())
     for prm in engine.module.parameters():
         hw.update((prm.ds_tensor if z3 else prm).detach().float().contiguous().numpy().tobytes())
+    # ZeRO-1/2: DeepSpeed's own view of each master fragment (what safe_get_full_fp32_param and checkpoint
+    # conversion read) is the master the steps update, so rounded to bf16 it is the model's weight
+    hp_live = None
+    if not z3:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        hp_live = all(torch.equal(safe_get_full_fp32_param(prm).to(prm.dtype), prm.detach())
+                      for prm in engine.module.parameters())
     return {"dtypes": [str(m.dtype) for m in masters], "numel": sum(m.numel() for m in masters),
             "form": getattr(inner, "master", None),
             "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
             "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],
             "master_is_partition": [d is not None and d.data_ptr() == m.data_ptr() for d, m in zip(device, masters)],
-            "master_sha": hm.hexdigest(), "weights_sha": hw.hexdigest(),
+            "master_sha": hm.hexdigest(), "weights_sha": hw.hexdigest(), "hp_live": hp_live,
             "rewrites": list(att.prepared.rewrites) if att else [],
             "skipped": getattr(inner, "skipped_steps", None),
             "norm_source": getattr(inner, "_grad_norm_fn", None) is not None}

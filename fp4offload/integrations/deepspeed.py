@@ -299,10 +299,6 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if compact:
         shared = ds_host.staging_is_master(engine)
         master_shared = ds_host.master_is_device_partition(engine)
-        if master_shared:  # the masters' own storage just went back to the host cache: unmap it, not keep it
-            from fp4offload import host_allocator
-
-            host_allocator.empty_cache()
         ds_host.fp32_clip(engine)
     else:
         shared = ds_host.share_bf16_staging(engine, host) if states else 0

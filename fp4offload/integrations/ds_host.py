@@ -468,6 +468,12 @@ def master_is_device_partition(engine: Any) -> int:
                               f"partition {i} differs from DeepSpeed's bf16 copy of it; use master 'fp32'")
         freed += m.numel() * m.element_size()
         m.data = dev.data.view(-1)  # the same tensor object (the optimizer's key, its .grad, its ds_id)
+    if freed and dsi.read(zo, "single_partition_of_fp32_groups", None):
+        # ZeRO-1/2's parameters hold views of their master fragments (``_hp_mapping``, what
+        # safe_get_full_fp32_param and checkpoint conversion read): made at initialize on the old storage, they
+        # would read the initial master for ever and keep its 2 B/param alive. DeepSpeed relinks the same way
+        # after it moves the masters itself (reload_states). ZeRO-3 looks its partitions up at each call.
+        dsi.require(zo, "_link_all_hp_params")()
     if freed:
         log.info("fp4offload: %d bytes of bf16 master partitions are the model's own bf16 partitions", freed)
     return freed

@@ -104,6 +104,9 @@ TABLE: tuple[Internal, ...] = (
              _STAGING + _MASTER),
     Internal(_Z12, "parallel_partitioned_bit16_groups", "attribute", "read: this rank's bf16 partitions",
              _STAGING + _MASTER),
+    Internal(_Z12, "_link_all_hp_params", "callable",
+             "called once a compact master is the model's bf16 partition: each parameter's view of its master "
+             "fragment (safe_get_full_fp32_param, checkpoints) is rebuilt on the tensor the step updates", _MASTER),
     Internal(_Z12, "real_dp_process_group", "attribute", "read: the data-parallel group of each partition",
              _STAGING + _MASTER),
     # ZeRO-3 (stage3.py)

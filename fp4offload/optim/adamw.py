@@ -338,32 +338,33 @@ class FP4AdamW(Optimizer):
                 raise ConfigError("grad", "a sparse gradient", "dense gradients", "FP4AdamW has no sparse path")
         for _, p, _ in todo:
             self._copies.clear_results(p)
-        pending = self._pending_scales()
-        self._scale_now = {id(p): pending.pop(p) for _, p, _ in todo if p in pending}
-        pending.clear()
+        scales = self._pending_scales()  # read by _step_param, dropped when this step ends however it ends
         if self.master == "fp32":  # the fp32 step scales the gradient in place: exact for fp32 gradients only
             for _, p, _ in todo:
-                if id(p) in self._scale_now and p.grad.dtype != torch.float32:
-                    self._scale_now = {}
+                if p in scales and p.grad.dtype != torch.float32:
+                    scales.clear()
                     raise ConfigError("set_grad_scale", f"a {p.grad.dtype} gradient", "fp32 gradients with "
                                       "master='fp32'", "scale the gradient yourself, or use master='split'")
-        with metrics.timer("optim.time.step"):
-            finite = self._finite_from_norm(grad_norm) if self.skip_nonfinite and todo else True
-            if finite is None:
-                finite = self._grads_finite([p.grad for _, p, _ in todo])
-            if not finite:
-                self.skipped_steps += 1
-                metrics.counter("optim.skipped_steps").add(1)
-                return loss
-            self._steps_taken += 1
-            sample = self.metrics_every > 0 and self._steps_taken % self.metrics_every == 0
-            if self._tier.transactional:
-                self._step_all_or_nothing(todo, sample)
-            else:
-                for group, p, pid in todo:
-                    sample = self._step_param(group, p, pid, sample) and sample
-                self._tier.end_step()
-            metrics.counter("optim.steps").add(1)
+        try:
+            with metrics.timer("optim.time.step"):
+                finite = self._finite_from_norm(grad_norm) if self.skip_nonfinite and todo else True
+                if finite is None:
+                    finite = self._grads_finite([p.grad for _, p, _ in todo])
+                if not finite:
+                    self.skipped_steps += 1
+                    metrics.counter("optim.skipped_steps").add(1)
+                    return loss
+                self._steps_taken += 1
+                sample = self.metrics_every > 0 and self._steps_taken % self.metrics_every == 0
+                if self._tier.transactional:
+                    self._step_all_or_nothing(todo, sample)
+                else:
+                    for group, p, pid in todo:
+                        sample = self._step_param(group, p, pid, sample) and sample
+                    self._tier.end_step()
+                metrics.counter("optim.steps").add(1)
+        finally:
+            scales.clear()
         if self.metrics_every > 0 and self._steps_taken % self.metrics_every == 0:
             self.state_bytes()  # refreshes the optim.state_bytes.* gauges
         return loss
@@ -445,7 +446,7 @@ class FP4AdamW(Optimizer):
         st["step"] = torch.tensor(float(t))
         sc = self._scalars(group, t)
         undo = self._tier.undo  # a transactional tier's log of what changes in place (None on the RAM tiers)
-        scale = self._scale_now.get(id(p)) if getattr(self, "_scale_now", None) else None
+        scale = self._pending_scales().get(p)
         if self.master != "fp32":
             self._step_compact(group, p, pid, st, sc, t, undo, fresh, scale)
             return sample
@@ -886,7 +887,7 @@ class FP4AdamW(Optimizer):
                     self._tier.put(st, p, *self._tier.states(st, p))
 
 
-_NOT_COPIED = ("_tier", "_copies", "_grad_norm_fn", "_grad_scales", "_scale_now", "_optimizer_step_pre_hooks",
+_NOT_COPIED = ("_tier", "_copies", "_grad_norm_fn", "_grad_scales", "_optimizer_step_pre_hooks",
                "_optimizer_step_post_hooks",
                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
