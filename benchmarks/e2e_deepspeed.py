@@ -86,6 +86,7 @@ kills it when its RSS passes ``--budget`` (default 20 GiB) or the machine's avai
     python benchmarks/e2e_deepspeed.py --json         # one JSON object per line
     python benchmarks/e2e_deepspeed.py --configs z2_cpu --arms baseline,ds_bf16,block   # three arms
     python benchmarks/e2e_deepspeed.py --search --budget 3GiB      # largest model, with and without the block
+    python benchmarks/e2e_deepspeed.py --search --search-arms ds_bf16_jemalloc,block_split,block_bf16   # 20 GiB
 """
 
 from __future__ import annotations
@@ -523,35 +524,54 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
 
 
 def search(a) -> list[dict]:
-    """Largest number of layers (at a.hidden / a.intermediate) that trains 2 steps of z2_cpu under a.budget."""
+    """Largest number of layers (at a.hidden / a.intermediate) that trains a step of z2_cpu under a.budget, for
+    each arm of a.search_arms (names of ARMS; "baseline" runs with --baseline-allocator)."""
     results = []
     a = argparse.Namespace(**{**vars(a), "steps": 1, "bf16_build": True})
+    names = [n.strip() for n in a.search_arms.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ARMS]
+    if unknown:
+        raise SystemExit(f"--search-arms: unknown arm(s) {unknown}; choose from {', '.join(ARMS)}")
+    jemalloc, jemalloc_why = (find_jemalloc(a.jemalloc) if any(ARMS[n].get("jemalloc") for n in names)
+                              else (None, ""))
 
-    def attempt(fp4: bool, layers: int) -> dict:
+    def label(name: str) -> str:
+        return VARIANT_LABELS.get(ARMS[name]["variant"], name)
+
+    def attempt(name: str, kw: dict, layers: int) -> dict:
         t = time.perf_counter()
+        spec = ARMS[name]
         try:
-            r = run_child("z2_cpu", fp4, argparse.Namespace(**{**vars(a), "layers": layers}), budget=a.budget,
-                          min_available=a.min_available, allocator="default" if fp4 else a.baseline_allocator)
-            row = {"fp4": fp4, "layers": layers, "params": r["params"], "fits": True,
-                   "peak_rss": max(r["peak_rss_incl_init"], r["watchdog_peak_rss"]), "s_per_step": r["s_per_step"]}
+            r = run_child("z2_cpu", spec.get("fp4", False), argparse.Namespace(**{**vars(a), "layers": layers}),
+                          budget=a.budget, min_available=a.min_available, **kw)
+            row = {"arm": name, "fp4": spec.get("fp4", False), "layers": layers, "params": r["params"],
+                   "fits": True, "peak_rss": max(r["peak_rss_incl_init"], r["watchdog_peak_rss"]),
+                   "s_per_step": r["s_per_step"], "allocator": r["allocator"]}
         except Exceeds as e:
-            row = {"fp4": fp4, "layers": layers, "params": None, "fits": False, "peak_rss": e.peak, "why": e.why}
+            row = {"arm": name, "fp4": spec.get("fp4", False), "layers": layers, "params": None, "fits": False,
+                   "peak_rss": e.peak, "why": e.why}
         row["wall_s"] = time.perf_counter() - t
         results.append(row)
         if a.json:
             print(json.dumps({"search_try": row}), flush=True)
         else:
-            print(f"  block={'yes' if fp4 else 'no ':3} layers={layers:4d} "
+            print(f"  {label(name)}: layers={layers:4d} "
                   + (f"fits, peak {row['peak_rss'] / 2**30:.2f} GiB, {row['params'] / 1e9:.3f}B params"
                      if row["fits"] else f"exceeds ({row['why']})") + f"  [{row['wall_s']:.0f} s]", flush=True)
         return row
 
     summary = []
-    for fp4 in [arm == "block" for arm in a.search_arms.split(",")]:
+    for name in names:
+        kw, why = arm_child_args(name, "z2_cpu", jemalloc, jemalloc_why)
+        if name == "baseline":
+            kw["allocator"] = a.baseline_allocator
+        if why:
+            summary.append({"arm": name, "largest_layers": None, "note": f"skipped: {why}"})
+            continue
         lo_l, hi_l = a.probe_layers
-        lo, hi = attempt(fp4, lo_l), attempt(fp4, hi_l)
+        lo, hi = attempt(name, kw, lo_l), attempt(name, kw, hi_l)
         if not lo["fits"]:
-            summary.append({"fp4": fp4, "largest_layers": None, "note": f"{lo_l} layers already exceed the budget"})
+            summary.append({"arm": name, "largest_layers": None, "note": f"{lo_l} layers already exceed the budget"})
             continue
         if not hi["fits"]:
             best, bad = lo, hi
@@ -560,37 +580,41 @@ def search(a) -> list[dict]:
             fixed = lo["peak_rss"] - per_layer * lo_l
             guess = max(hi_l + 1, int((a.budget - fixed) / max(per_layer, 1)))
             if a.json:
-                print(json.dumps({"search_projection": {"fp4": fp4, "rss_per_layer": per_layer, "fixed": fixed,
+                print(json.dumps({"search_projection": {"arm": name, "rss_per_layer": per_layer, "fixed": fixed,
                                                         "projected_layers": guess}}), flush=True)
             else:
-                print(f"  block={'yes' if fp4 else 'no '} projection: {per_layer / 2**20:.0f} MiB/layer + "
+                print(f"  {label(name)} projection: {per_layer / 2**20:.0f} MiB/layer + "
                       f"{fixed / 2**30:.2f} GiB -> {guess} layers", flush=True)
             best, bad = hi, None
-            r = attempt(fp4, guess)
+            r = attempt(name, kw, guess)
             if r["fits"]:
                 best, stepsz = r, max(1, guess // 16)
                 while bad is None:  # step out until a size exceeds
-                    r = attempt(fp4, best["layers"] + stepsz)
+                    r = attempt(name, kw, best["layers"] + stepsz)
                     best, bad = (r, bad) if r["fits"] else (best, r)
                     stepsz *= 2
             else:
                 bad = r
         while bad is not None and bad["layers"] - best["layers"] > 1:  # bisect
-            r = attempt(fp4, (best["layers"] + bad["layers"]) // 2)
+            r = attempt(name, kw, (best["layers"] + bad["layers"]) // 2)
             best, bad = (r, bad) if r["fits"] else (best, r)
-        summary.append({"fp4": fp4, "baseline_allocator": None if fp4 else a.baseline_allocator,
+        summary.append({"arm": name, "allocator": best.get("allocator"),
                         "largest_layers": best["layers"], "largest_params": best["params"],
                         "peak_rss": best["peak_rss"], "first_exceeding_layers": bad["layers"] if bad else None,
                         "budget": a.budget, "hidden": a.hidden, "intermediate": a.intermediate})
-    for s in summary:
+    ref = next((x for x in summary if x.get("largest_params")), None)
+    for x in summary:
+        if ref is not None and x.get("largest_params"):
+            x["largest_params_ratio_to_first"] = x["largest_params"] / ref["largest_params"]
         if a.json:
-            print(json.dumps({"search_result": s}), flush=True)
-        elif s.get("largest_layers") is None:
-            print(f"largest z2_cpu model (block={'yes' if s['fp4'] else 'no'}): none ({s['note']})")
+            print(json.dumps({"search_result": x}), flush=True)
+        elif x.get("largest_layers") is None:
+            print(f"largest z2_cpu model ({label(x['arm'])}): none ({x['note']})")
         else:
-            print(f"largest z2_cpu model (block={'yes' if s['fp4'] else 'no'}) under {a.budget / 2**30:.2f} GiB: "
-                  f"{s['largest_layers']} layers x hidden {a.hidden} = {s['largest_params'] / 1e9:.3f}B params "
-                  f"(peak {s['peak_rss'] / 2**30:.2f} GiB; {s['first_exceeding_layers']} layers exceed)")
+            print(f"largest z2_cpu model ({label(x['arm'])}) under {a.budget / 2**30:.2f} GiB: "
+                  f"{x['largest_layers']} layers x hidden {a.hidden} = {x['largest_params'] / 1e9:.3f}B params "
+                  f"(peak {x['peak_rss'] / 2**30:.2f} GiB; {x['first_exceeding_layers']} layers exceed; "
+                  f"{x['largest_params_ratio_to_first']:.2f}x {label(ref['arm'])})")
     return summary
 
 
@@ -614,6 +638,22 @@ ARMS = {
 }
 DEFAULT_ARMS = ("baseline", "same_allocator", "baseline_jemalloc", "ds_bf16", "ds_bf16_same_allocator",
                 "ds_bf16_jemalloc", "block", "block_split", "block_bf16")
+
+
+def arm_child_args(name: str, config: str, jemalloc: str | None, jemalloc_why: str = "") -> tuple[dict, str]:
+    """run_child's keyword arguments for arm ``name`` in ``config``, or why it cannot run there ('' when it can)."""
+    spec = ARMS[name]
+    env = dict(spec.get("env", {}))
+    why = ds_bf16_unsupported(config) if spec.get("ds_bf16") else ""
+    if spec.get("configs") and config not in spec["configs"]:
+        why = f"runs with {', '.join(spec['configs'])} only (its residual goes to the NVMe state files)"
+    if spec.get("jemalloc") and not why:
+        if jemalloc is None:
+            why = jemalloc_why or "jemalloc not found"
+        else:
+            env.update(LD_PRELOAD=jemalloc, MALLOC_CONF=JEMALLOC_CONF)
+    return {"allocator": spec.get("allocator", "default"), "host": spec.get("host"), "env_extra": env or None,
+            "ds_bf16": spec.get("ds_bf16", False), "master": spec.get("master", "fp32")}, why
 
 
 def _ran_ds_bf16(r: dict) -> bool:
@@ -769,7 +809,9 @@ def main() -> None:
                     help="--search: also kill a try when the machine's available memory falls below this")
     ap.add_argument("--probe-layers", type=lambda t: tuple(int(x) for x in t.split(",")), default=(2, 4),
                     help="--search: the two sizes (layers) the projection is fitted on (default 2,4)")
-    ap.add_argument("--search-arms", default="baseline,block", help="--search: which runs (baseline, block)")
+    ap.add_argument("--search-arms", default="baseline,block",
+                    help="--search: the arms searched, comma-separated names of --arms (ratios against the first), "
+                         "e.g. ds_bf16_jemalloc,block_split,block_bf16")
     ap.add_argument("--baseline-allocator", choices=("default", "fixed"), default="default",
                     help="--search: run the baseline with glibc's default (plain DeepSpeed) or with the block's "
                          "allocator setting")
@@ -814,22 +856,11 @@ def main() -> None:
         done = {}
         for name in arms:
             spec = ARMS[name]
-            env = dict(spec.get("env", {}))
-            why, r = "", None
-            if spec.get("ds_bf16"):
-                why = ds_bf16_unsupported(config)
-            if spec.get("configs") and config not in spec["configs"]:
-                why = f"runs with {', '.join(spec['configs'])} only (its residual goes to the NVMe state files)"
-            if spec.get("jemalloc") and not why:
-                if jemalloc is None:
-                    why = jemalloc_why
-                else:
-                    env.update(LD_PRELOAD=jemalloc, MALLOC_CONF=JEMALLOC_CONF)
+            kw, why = arm_child_args(name, config, jemalloc, jemalloc_why)
+            r = None
             if not why:
                 try:
-                    r = run_child(config, spec.get("fp4", False), a, allocator=spec.get("allocator", "default"),
-                                  host=spec.get("host"), env_extra=env or None, ds_bf16=spec.get("ds_bf16", False),
-                                  master=spec.get("master", "fp32"))
+                    r = run_child(config, spec.get("fp4", False), a, **kw)
                 except RuntimeError as e:  # a newer DeepSpeed that still fails as 0.19.8 does: skipped, said why
                     if not (spec.get("ds_bf16") and config == "z3_nvme" and "dtype == self.dtype" in str(e)):
                         raise
