@@ -33,7 +33,10 @@ Arms (``--arms``, run in this order, each configuration; the default is all but 
 - ``ds_bf16_same_allocator``, ``ds_bf16_jemalloc``: DeepSpeed's bf16 mode with the block's host settings, and
   with jemalloc preloaded as above.
 - ``block``: the "fp4offload" block (its own defaults); ``block_no_host_cache`` and ``block_no_host_cache_env``
-  are the host-cache ablations (``--without-host-cache``, ``--host-env-arm``).
+  are the host-cache ablations (``--without-host-cache``, ``--host-env-arm``). ``block_split``, ``block_bf16``:
+  the compact masters; ``block_split_nvme`` (``z3_nvme`` only): split with its residual in the NVMe state files.
+  ``block_fp32_grads``: the fp32-master block with ``host.bf16_gradient_partition`` off, which under ZeRO-3 is
+  the block before its master gradient became DeepSpeed's bf16 gradient partition (an fp32 copy, 4 B/param).
 
 jemalloc is an optional extra of this benchmark (never of the tests): the library is found by ``ldconfig -p``
 or the usual lib folders, or given by ``--jemalloc PATH``. When it is missing the jemalloc arms are skipped
@@ -227,10 +230,18 @@ def buffer_account(engine, model) -> dict[str, dict]:
             getattr(zo, "fp16_partitioned_groups_flat", []) or [])
         masters = getattr(zo, "fp32_partitioned_groups_flat", []) or []
         add(f"{_kind(masters)} master partition", "host", masters, again=True)
-        add("gradient partition", "host", [getattr(zo, "grad_partitions_flat_buffer", None)]
-            + list(getattr(zo, "fp32_partitioned_groups_flat_grad", []) or []))
+        # the flat gradient partition, and the master's gradient (counted once when it is a slice of it)
+        add("gradient partition", "host", [getattr(zo, "grad_partitions_flat_buffer", None)])
+        add(f"{_kind([m.grad for m in masters])} master gradient", "host", [m.grad for m in masters])
         add("bf16 params outside partitions", "device", [p.data for p in model.parameters()])
-        # ZeRO-3's gradient bucket is not counted (not found as one attribute): device_side is a lower bound
+        # the reduce bucket (allocated at reduce_bucket_size, touched as far as backward fills it)
+        for dtype, b in (getattr(zo, "ipg_buckets", None) or {}).items():
+            if getattr(b, "buffer", None) is not None and b.buffer.device.type == "cpu":
+                size = b.buffer.element_size() * min(b.buffer.numel(), n_model)
+                out[f"{str(dtype).replace('torch.', '')} gradient bucket (ipg, during backward)"] = \
+                    {"bytes": size, "side": "device"}
+        # parameters ZeRO-3 gathers for forward and backward (device memory on a GPU) are released by the end of
+        # the step, when this is counted: device_side is a lower bound, the host side an upper bound
     if inner is not None:
         add("optimizer states (" + type(inner).__name__ + ")", "host",
             [t for st in inner.state.values() for t in st.values() if isinstance(t, torch.Tensor)])
@@ -632,6 +643,9 @@ ARMS = {
     "block_bf16": {"variant": "block, bf16 master", "fp4": True, "master": "bf16"},
     "block_split_nvme": {"variant": "block, split master, residual on NVMe", "fp4": True, "master": "split_nvme",
                          "configs": ("z3_nvme",)},
+    # the fp32-master block as it was before ZeRO-3's master gradient became DeepSpeed's bf16 gradient partition
+    "block_fp32_grads": {"variant": "block, fp32 master gradient", "fp4": True,
+                         "host": {"bf16_gradient_partition": False}},
     "block_no_host_cache": {"variant": "block, host cache off", "fp4": True, "host": {"allocator_cache": "off"}},
     "block_no_host_cache_env": {"variant": "block, host cache off by FP4OFFLOAD_HOST_CACHE", "fp4": True,
                                 "env": {"FP4OFFLOAD_HOST_CACHE": "off"}},
@@ -706,6 +720,8 @@ VARIANT_LABELS = {"baseline": "plain DeepSpeed", "baseline, same allocator": "De
                   "ds bf16 mode, jemalloc": "DeepSpeed bf16 mode, jemalloc",
                   "block": "fp4offload block", "block, split master": "block, split master",
                   "block, bf16 master": "block, bf16 master", "block, host cache off": "block, host cache off",
+                  "block, fp32 master gradient": "block, fp32 master gradient",
+                  "block, split master, residual on NVMe": "block, split master, residual on NVMe",
                   "block, host cache off by FP4OFFLOAD_HOST_CACHE": "block, host cache off (env)"}
 
 

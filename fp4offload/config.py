@@ -621,7 +621,9 @@ class HostConfig:
             into the bf16 partition instead of through a second bf16 copy (2 B/param). Default true.
             Override: ``FP4OFFLOAD_SHARE_STAGING`` (0/1).
         bf16_gradient_partition: with one micro-batch per step, ZeRO-1/2 offload's host gradient partition
-            is bf16 instead of fp32 (2 B/param). Default true. Override: ``FP4OFFLOAD_BF16_GRADS`` (0/1).
+            is bf16 instead of fp32 (2 B/param); under ZeRO-3 offload the fp32 master's gradient is DeepSpeed's
+            own bf16 gradient partition instead of an fp32 copy of it (4 B/param), clipped in fp32 by FP4AdamW.
+            Default true. Override: ``FP4OFFLOAD_BF16_GRADS`` (0/1).
         preflight: before DeepSpeed allocates, initialize estimates the host RAM this rank and the node's
             local ranks will hold and compares it with what the process may use (available memory, the
             cgroup limit). ``"error"`` (default) raises CapacityError when it does not fit, ``"warn"``

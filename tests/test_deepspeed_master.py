@@ -80,8 +80,10 @@ Z3_STEPS = int(os.environ.get("FP4OFFLOAD_MASTER_STEPS", "16"))
 def long_runs(tmp_path_factory):
     """One launch for the long runs: ZeRO-2 for 200 steps and ZeRO-3 for Z3_STEPS, fp32 and split (bf16 for
     40 steps, or Z3_STEPS when fewer)."""
-    return _launch(_cases(2, 200, bf16_steps=40) + _cases(3, Z3_STEPS, bf16_steps=min(40, Z3_STEPS)), 1,
-                   tmp_path_factory.mktemp("long"), timeout=900)["cases"]
+    own = ds_config(3, "cpu", {**_block("fp32"), "host": {"bf16_gradient_partition": False}})
+    own_grad = {"name": "z3_fp32_own_grad", "config": own, "steps": Z3_STEPS, "probe": "master"}
+    return _launch(_cases(2, 200, bf16_steps=40) + _cases(3, Z3_STEPS, bf16_steps=min(40, Z3_STEPS)) + [own_grad],
+                   1, tmp_path_factory.mktemp("long"), timeout=900)["cases"]
 
 
 def test_zero2_split_is_the_fp32_master_run_bit_for_bit_over_200_steps(long_runs):
@@ -177,6 +179,24 @@ def test_zero3_split_is_the_fp32_run_with_bf16_master_partitions(long_runs):
     assert f32["master"]["master_is_partition"] == [False]
     assert res["z3_bf16"]["losses"] != f32["losses"][:n]
     assert f32["mem"]["master"] == 4 * f32["mem"]["numel"]
+
+
+def test_zero3_master_gradient_is_deepspeeds_gradient_partition(long_runs):
+    """ZeRO-3 offload keeps a flat gradient partition and, before this, a second host copy of it as the master's
+    gradient. The master's gradient is now its slice of the partition (ds_host.zero3_gradient_partition): for
+    a compact master the same bf16 numbers once, for the fp32 master a bf16 gradient (4 B/param less) whose
+    clipping FP4AdamW applies in fp32. Training is the run with its own fp32 gradient buffer, bit for bit."""
+    res = long_runs
+    f32, own = res["z3_fp32"], res["z3_fp32_own_grad"]
+    for name in ("z3_fp32", "z3_split", "z3_bf16"):
+        assert res[name]["master"]["grad_in_partition"] == [True], name
+        assert res[name]["master"]["grad_dtypes"] == ["torch.bfloat16"], name
+    assert own["master"]["grad_in_partition"] == [False] and own["master"]["grad_dtypes"] == ["torch.float32"]
+    n = f32["mem"]["numel"]
+    assert own["mem"]["grad"] == 4 * n and f32["mem"]["grad"] == 2 * n
+    assert f32["losses"] == own["losses"] and len(own["losses"]) == Z3_STEPS
+    assert f32["master"]["master_sha"] == own["master"]["master_sha"]
+    assert f32["master"]["weights_sha"] == own["master"]["weights_sha"]
 
 
 def test_nonfinite_step_is_skipped_from_deepspeeds_norm(one_rank_runs):

@@ -229,7 +229,15 @@ def _probe_master(engine, att) -> dict:
 
         hp_live = all(torch.equal(safe_get_full_fp32_param(prm).to(prm.dtype), prm.detach())
                       for prm in engine.module.parameters())
+    # ZeRO-3: whether each master's gradient lies inside DeepSpeed's flat gradient partition (one copy, not two)
+    gbuf = getattr(zo, "grad_partitions_flat_buffer", None) if z3 else None
+    grad_in_partition = None
+    if gbuf is not None:
+        lo, hi = gbuf.data_ptr(), gbuf.data_ptr() + gbuf.numel() * gbuf.element_size()
+        grad_in_partition = [m.grad is not None and lo <= m.grad.data_ptr() < hi for m in masters]
     return {"dtypes": [str(m.dtype) for m in masters], "numel": sum(m.numel() for m in masters),
+            "grad_dtypes": [str(m.grad.dtype) if m.grad is not None else None for m in masters],
+            "grad_in_partition": grad_in_partition,
             "form": getattr(inner, "master", None),
             "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
             "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],

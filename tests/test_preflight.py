@@ -70,13 +70,18 @@ def test_partitions_shrink_with_the_world_and_local_ranks_add_up():
 def test_zero3_nvme_terms_deepspeed_swapper_and_the_blocks_tier():
     plain = _est(_cfg(stage=3, offload="nvme"), accel="gpu")
     assert plain.nvme == {"fp32 master partition": 4 * P, "optimizer states (fp32 m, v)": 8 * P}
-    assert plain.consumers == {"gradient partition": 2 * P, "fp32 gradient of a sub-group": 4 * P,
+    assert plain.consumers == {"gradient partition": 2 * P, "fp32 master gradient": 4 * P,
                                "NVMe swap buffers": 4 * 4 * P, "freed, kept in glibc's heap": (2 + 4) * P,
                                INIT: host_model.INIT_BYTES}
     fp4 = _est(_cfg(stage=3, offload="cpu", block={"optimizer_states": {"device": "nvme", "nvme_path": "/x"}}),
                accel="gpu")
     assert fp4.nvme == {"optimizer states (nvfp4)": int(STATE_BYTES["nvfp4"] * P)}
     assert fp4.consumers["fp32 master partition"] == 4 * P
+    # the master's gradient is DeepSpeed's bf16 gradient partition (ds_host.zero3_gradient_partition) ...
+    assert fp4.consumers["gradient partition"] == 2 * P and "fp32 master gradient" not in fp4.consumers
+    own = _est(_cfg(stage=3, offload="cpu", block={"optimizer_states": {"device": "nvme", "nvme_path": "/x"},
+                                                   "host": {"bf16_gradient_partition": False}}), accel="gpu")
+    assert own.consumers["fp32 master gradient"] == 4 * P  # ... unless host.bf16_gradient_partition is off
     seg = host_model.NVME_SEGMENTS_IN_FLIGHT * STATE_BYTES["nvfp4"] * host_model.NVME_SEGMENT
     assert fp4.consumers["NVMe state segments in flight"] == int(seg)
 

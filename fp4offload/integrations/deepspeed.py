@@ -304,6 +304,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         shared = ds_host.share_bf16_staging(engine, host) if states else 0
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
     if states:
+        bf16_grads += ds_host.zero3_gradient_partition(engine, host)
+    if states:
         _norm_source(engine)
         _close_on_destroy(engine)
     if allocator is not None and allocator.get("mmap_threshold"):
@@ -373,7 +375,8 @@ def features(prepared: Prepared) -> tuple[str, ...]:
     stage = _zero(prepared.ds_config).get("stage", 0)
     if block.optimizer_states is not None:
         out.append("optimizer_states")
-        if stage in (1, 2) and prepared.host.bf16_gradient_partition.value:
+        # ZeRO-3 shares its gradient partition whenever the dtypes agree (ds_host.zero3_gradient_partition)
+        if stage in (1, 2, 3) and (prepared.host.bf16_gradient_partition.value or stage == 3):
             out.append("bf16_gradient_partition")
         if stage in (1, 2) and prepared.host.share_bf16_staging.value:
             out.append("share_bf16_staging")

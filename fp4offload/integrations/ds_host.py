@@ -37,7 +37,7 @@ from . import ds_internals as dsi
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["ENV", "Setting", "HostSettings", "resolve", "control_host_allocator", "share_bf16_staging",
-           "bf16_gradient_partition", "bf16_grads_at_init", "release_free_host_memory"]
+           "bf16_gradient_partition", "bf16_grads_at_init", "zero3_gradient_partition", "release_free_host_memory"]
 
 #: the environment override of each ``host`` key
 ENV = {"mmap_threshold": "FP4OFFLOAD_MMAP_THRESHOLD", "allocator_cache": "FP4OFFLOAD_HOST_CACHE",
@@ -399,8 +399,9 @@ def staging_is_master(engine: Any) -> int:
     return freed
 
 
-def fp32_clip(engine: Any) -> bool:
-    """ZeRO-3 with a compact master: the clipping and loss-scale factor goes to FP4AdamW
+def fp32_clip(engine: Any, any_master: bool = False) -> bool:
+    """ZeRO-3 with a compact master (or, ``any_master``, an fp32 master whose gradient is DeepSpeed's bf16
+    gradient partition, :func:`zero3_gradient_partition`): the clipping and loss-scale factor goes to FP4AdamW
     (``set_grad_scale``), which applies it in fp32 as it reads each gradient segment, instead of DeepSpeed's
     multiply in place. DeepSpeed's bf16 master mode keeps ZeRO-3's gradient partition in bf16, so its own
     multiply would round every clipped gradient to bf16; the fp32-master run multiplies an fp32 partition
@@ -415,7 +416,7 @@ def fp32_clip(engine: Any) -> bool:
     zo = getattr(engine, "optimizer", None)
     inner = dsi.read(zo, "optimizer", None)
     flats = dsi.read(zo, "fp32_partitioned_groups_flat", None)
-    if not (isinstance(inner, FP4AdamW) and inner.master != "fp32" and flats
+    if not (isinstance(inner, FP4AdamW) and (any_master or inner.master != "fp32") and flats
             and callable(dsi.read(zo, "unscale_and_clip_grads", None))):
         return False
 
@@ -476,4 +477,71 @@ def master_is_device_partition(engine: Any) -> int:
         dsi.require(zo, "_link_all_hp_params")()
     if freed:
         log.info("fp4offload: %d bytes of bf16 master partitions are the model's own bf16 partitions", freed)
+    return freed
+
+
+def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None) -> int:
+    """ZeRO-3 offload with FP4AdamW: each sub-group's master gradient (``fp32_partitioned_groups_flat[i].grad``)
+    becomes its slice of DeepSpeed's flat gradient partition (``grad_partitions_flat_buffer``) instead of a
+    buffer of its own. Returns the host bytes freed.
+
+    Under ``offload_optimizer`` ZeRO-3 reduces each gradient into its partition buffer (accumulating there across
+    micro-batches) and, at the accumulation boundary, copies the buffer into the master's gradient: two host
+    copies of the same numbers. The sub-groups' parameters lie in the buffer in the order and at the offsets of
+    the sub-group's flat master (both are laid out from ``fp16_groups`` by ``partition_numel``), so the master's
+    gradient can be that slice: the boundary copy becomes a copy onto itself.
+
+    - Master and buffer of one dtype (a compact master in DeepSpeed's bf16 master mode; an fp32 master with
+      ``data_types.grad_accum_dtype`` fp32): the same numbers in one tensor, always applied.
+    - An fp32 master over DeepSpeed's default bf16 partition buffer (``host.bf16_gradient_partition``, default
+      on): the master's gradient becomes bf16, 4 B/param less. Every value it held was a bf16 value copied up,
+      and FP4AdamW reads bf16 gradients, converting to fp32 as it reads. DeepSpeed's clipping would multiply the
+      gradient in place, which in bf16 would round it, so the factor goes to FP4AdamW instead (:func:`fp32_clip`)
+      and the steps see the fp32 gradients of the run without this, bit for bit.
+
+    Not applied with DeepSpeed's own NVMe optimizer swapper (its sub-groups swap their gradients), or when the
+    layout does not match (logged)."""
+    import torch
+
+    from fp4offload.optim import FP4AdamW
+
+    settings = resolve(None) if settings is None else settings
+    zo = getattr(engine, "optimizer", None)
+    inner = dsi.read(zo, "optimizer", None)
+    flats = dsi.read(zo, "fp32_partitioned_groups_flat", None)
+    buf = dsi.read(zo, "grad_partitions_flat_buffer", None)
+    if not (isinstance(inner, FP4AdamW) and flats and buf is not None and dsi.read(zo, "offload_optimizer", False)):
+        return 0
+    groups = dsi.require(zo, "fp16_groups")
+    swappable = dsi.require(zo, "_swappable_optimizer_subgroup")
+    plan, offset = [], 0
+    for i, group in enumerate(groups):
+        numel = sum(int(p.partition_numel()) for p in group)
+        flat, grad = flats[i], flats[i].grad
+        if (swappable(i) or grad is None or grad.numel() != numel or flat.numel() != numel
+                or offset + numel > buf.numel() or grad.device != buf.device):
+            log.info("fp4offload: ZeRO-3 sub-group %d keeps its own gradient buffer (layout or swapping differs)", i)
+            return 0
+        plan.append((flat, grad, buf.narrow(0, offset, numel)))
+        offset += numel
+    if offset != buf.numel():
+        log.info("fp4offload: ZeRO-3 gradient partitions not laid out as the sub-groups; not shared")
+        return 0
+    narrowing = any(grad.dtype != part.dtype for _, grad, part in plan)
+    if narrowing and not (settings.bf16_gradient_partition.value and inner.master == "fp32"
+                          and all(part.dtype == torch.bfloat16 and flat.dtype == torch.float32
+                                  for flat, _, part in plan)):
+        return 0
+    freed = 0
+    for flat, grad, part in plan:
+        if grad.data_ptr() == part.data_ptr():
+            continue
+        freed += grad.numel() * grad.element_size()
+        _set_grad(flat, part)
+    if narrowing and freed:
+        if not fp32_clip(engine, any_master=True):
+            raise RuntimeError("fp4offload: ZeRO-3's clipping could not be moved into FP4AdamW")
+    if freed:
+        log.info("fp4offload: ZeRO-3 master gradients are DeepSpeed's gradient partition, %d bytes less (%s)", freed,
+                 "bf16 gradients for the fp32 master" if narrowing else "one copy")
     return freed

@@ -297,8 +297,9 @@ class FP4AdamW(Optimizer):
     def set_grad_scale(self, p, scale) -> None:
         """The next step multiplies p's gradient by `scale` (a float or a 0-d tensor) in fp32, as it reads each
         segment: what an engine's clipping does to an fp32 gradient partition, kept exact for a bf16 gradient,
-        which a multiply in place would round to bf16. DeepSpeed ZeRO-3 with a compact master clips this way
-        (integrations/ds_host.fp32_clip), so its steps see the gradients of the fp32-master run. A step that is
+        which a multiply in place would round to bf16 (an fp32 gradient is multiplied in place). DeepSpeed ZeRO-3
+        clips this way when the master's gradient is its bf16 gradient partition (integrations/ds_host.fp32_clip),
+        so its steps see the gradients of the run with an fp32 gradient buffer. A step that is
         skipped drops the scale. `p` need not be in param_groups yet (ZeRO-3 points them at each sub-group only
         for its step)."""
         if not torch.is_tensor(p):
@@ -339,12 +340,6 @@ class FP4AdamW(Optimizer):
         for _, p, _ in todo:
             self._copies.clear_results(p)
         scales = self._pending_scales()  # read by _step_param, dropped when this step ends however it ends
-        if self.master == "fp32":  # the fp32 step scales the gradient in place: exact for fp32 gradients only
-            for _, p, _ in todo:
-                if p in scales and p.grad.dtype != torch.float32:
-                    scales.clear()
-                    raise ConfigError("set_grad_scale", f"a {p.grad.dtype} gradient", "fp32 gradients with "
-                                      "master='fp32'", "scale the gradient yourself, or use master='split'")
         try:
             with metrics.timer("optim.time.step"):
                 finite = self._finite_from_norm(grad_norm) if self.skip_nonfinite and todo else True
@@ -450,7 +445,9 @@ class FP4AdamW(Optimizer):
         if self.master != "fp32":
             self._step_compact(group, p, pid, st, sc, t, undo, fresh, scale)
             return sample
-        if scale is not None:
+        # an fp32 gradient is scaled in place (exact); a bf16 one in fp32, segment by segment as it is read
+        seg_scale = scale if scale is not None and p.grad.dtype != torch.float32 else None
+        if scale is not None and seg_scale is None:
             p.grad.mul_(scale)
         master = st.get("master")
         w = master if master is not None else p.data.view(-1)
@@ -459,6 +456,8 @@ class FP4AdamW(Optimizer):
                 undo.save(kept)
         if not self._packed(group, p):
             g = p.grad.reshape(-1).to(w.device)
+            if seg_scale is not None:
+                g = g.to(torch.float32, copy=True).mul_(seg_scale)
             bf = torch.empty(w.numel(), dtype=torch.bfloat16, device=w.device) if "bf16" in self._copies.wanted \
                 else None
             R.fp32_step(w, g, st["exp_avg"], st["exp_avg_sq"], sc, maximize=group["maximize"], bf16_out=bf)
@@ -470,7 +469,7 @@ class FP4AdamW(Optimizer):
         bf = self._copies.bf16_out(p, w, p.is_cuda and w.device.type == "cpu" and p.dtype == torch.bfloat16,
                                    self._tier.pinned(p))
         stream = self._stream_id(p, pid)
-        if not self._tier.segmented(p):
+        if not self._tier.segmented(p) and seg_scale is None:
             m, v = self._tier.states(st, p)
             check = self._sampler(w, p.grad.reshape(-1), m, v, args) if sample else None
             regions, own = self._copies.fused_regions(p, w, self._cpu_ext() is not None)
@@ -489,6 +488,8 @@ class FP4AdamW(Optimizer):
 
         def segment(s0, s1, g, m, v, res=None):
             nonlocal sample
+            if seg_scale is not None:
+                g = g.to(torch.float32, copy=True).mul_(seg_scale)
             if undo is not None:  # what this segment changes in place, just before it changes
                 if master is None or not fresh:
                     undo.save(w, s0, s1)
@@ -502,7 +503,13 @@ class FP4AdamW(Optimizer):
                 check(m, v)
                 sample = False
 
-        self._tier.step_segments(st, p, segment, bf if p.dtype == torch.bfloat16 else w)
+        if self._tier.segmented(p):
+            self._tier.step_segments(st, p, segment, bf if p.dtype == torch.bfloat16 else w)
+        else:  # states in RAM, a scaled bf16 gradient: the segments one after another, as a segmented tier's
+            m, v = self._tier.states(st, p)
+            g_all = p.grad.reshape(-1)
+            for s0, s1 in R.segment_ranges(p.numel()):
+                segment(s0, s1, g_all[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
         if not p.is_cuda:  # a GPU parameter got its segments as they were computed
             self._write_back(p, master, bf)
         self._copies.finish(p, w, bf)

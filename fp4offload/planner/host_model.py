@@ -180,6 +180,8 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
         if stage in (1, 2) and offload_opt == "cpu":
             bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
             share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
+        elif stage == 3 and offload_opt == "cpu":  # the fp32 master's gradient is the bf16 gradient partition
+            bf16_grads = bool(host.bf16_gradient_partition.value) and mixed
     buffers = off.get("buffer_count", DS_DEFAULTS["buffer_count"])
     bf16 = ds.get("bf16") if isinstance(ds.get("bf16"), Mapping) else {}
     master = st.get("master", "fp32") if st is not None else "fp32"
@@ -261,9 +263,13 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         block_compact = x.states is not None and x.master != "fp32"  # the copy-back buffer is the master
         if not x.share_staging and not block_compact:
             put("bf16 copy-back buffer", e * part)  # param_buffer_of_bit16_for_cpu_offload_groups
-    elif offload_opt:  # ZeRO-3: the partition in the compute dtype, and the sub-group's fp32 copy at its step
+    elif offload_opt:  # ZeRO-3: the partition in the compute dtype, and the master's gradient in the master's dtype
         put("gradient partition", e * part)  # grad_partitions_flat_buffer
-        put("fp32 gradient of a sub-group", FP32_BYTES * sub)
+        # with the block the master's gradient is a slice of that partition when the dtypes agree, or when the fp32
+        # master takes the bf16 partition (bf16_grads): ds_host.zero3_gradient_partition
+        if not (x.states is not None and (x.bf16_grads or (x.master != "fp32") == (e == BF16_BYTES))):
+            label, gb = ("fp32", FP32_BYTES) if x.master == "fp32" else ("bf16", BF16_BYTES)
+            put(f"{label} master gradient", gb * sub)
     else:
         device("gradients", e * (part if x.stage >= 2 else P))
     device("gradient bucket", e * min(x.reduce_bucket, P))

@@ -184,9 +184,11 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
     else:
         g_per_param = 0.0
         # the DeepSpeed block keeps ZeRO-1/2's host gradient partition in bf16 when FP4AdamW runs the step and
-        # nothing accumulates into it (integrations.deepspeed.bf16_gradient_partition)
-        bf16_grads = ((s.engine == "deepspeed" and stage in (1, 2) and s.optimizer_states.format == "nvfp4"
-                       and t.grad_accum == 1 and e == 2) or s.master.format != "fp32")
+        # nothing accumulates into it (ds_host.bf16_gradient_partition); under ZeRO-3 the master's gradient is
+        # DeepSpeed's bf16 gradient partition (ds_host.zero3_gradient_partition)
+        block_bf16 = (s.engine == "deepspeed" and s.optimizer_states.format == "nvfp4" and e == 2
+                      and (stage == 3 or (stage in (1, 2) and t.grad_accum == 1)))
+        bf16_grads = block_bf16 or s.master.format != "fp32"
         host_grads = (2 if bf16_grads else 4) * P / shard_o
         put("cpu", "grads", host_grads)
         if s.engine == "deepspeed" and stage in (1, 2) and s.master.format == "fp32":
