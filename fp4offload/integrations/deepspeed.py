@@ -304,7 +304,8 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         shared = ds_host.share_bf16_staging(engine, host) if states else 0
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
     if states:
-        bf16_grads += ds_host.zero3_gradient_partition(engine, host)
+        fused = block.weights is not None and block.weights.format == "nvfp4"
+        bf16_grads += ds_host.zero3_gradient_partition(engine, host, fused_weights=fused)
     if states:
         _norm_source(engine)
         _close_on_destroy(engine)

@@ -480,7 +480,7 @@ def master_is_device_partition(engine: Any) -> int:
     return freed
 
 
-def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None) -> int:
+def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None, fused_weights: bool = False) -> int:
     """ZeRO-3 offload with FP4AdamW: each sub-group's master gradient (``fp32_partitioned_groups_flat[i].grad``)
     becomes its slice of DeepSpeed's flat gradient partition (``grad_partitions_flat_buffer``) instead of a
     buffer of its own. Returns the host bytes freed.
@@ -500,7 +500,9 @@ def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None) 
       and the steps see the fp32 gradients of the run without this, bit for bit.
 
     Not applied with DeepSpeed's own NVMe optimizer swapper (its sub-groups swap their gradients), or when the
-    layout does not match (logged)."""
+    layout does not match (logged). With ``fused_weights`` (the ZeRO-3 weights block, whose NVFP4 shards FP4AdamW
+    encodes inside its fused step over the whole sub-group) an fp32 master keeps its fp32 gradient: the step
+    over a scaled bf16 gradient goes segment by segment, outside that fusion."""
     import torch
 
     from fp4offload.optim import FP4AdamW
@@ -528,7 +530,7 @@ def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None) 
         log.info("fp4offload: ZeRO-3 gradient partitions not laid out as the sub-groups; not shared")
         return 0
     narrowing = any(grad.dtype != part.dtype for _, grad, part in plan)
-    if narrowing and not (settings.bf16_gradient_partition.value and inner.master == "fp32"
+    if narrowing and not (settings.bf16_gradient_partition.value and inner.master == "fp32" and not fused_weights
                           and all(part.dtype == torch.bfloat16 and flat.dtype == torch.float32
                                   for flat, _, part in plan)):
         return 0

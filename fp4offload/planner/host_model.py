@@ -181,7 +181,8 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
             bf16_grads = bool(host.bf16_gradient_partition.value) and grad_accum == 1 and mixed
             share = bool(host.share_bf16_staging.value) and accelerator == "cpu"
         elif stage == 3 and offload_opt == "cpu":  # the fp32 master's gradient is the bf16 gradient partition
-            bf16_grads = bool(host.bf16_gradient_partition.value) and mixed
+            fused = weights is not None and weights.get("format", "nvfp4") == "nvfp4"  # (not with the weights block)
+            bf16_grads = bool(host.bf16_gradient_partition.value) and mixed and not fused
     buffers = off.get("buffer_count", DS_DEFAULTS["buffer_count"])
     bf16 = ds.get("bf16") if isinstance(ds.get("bf16"), Mapping) else {}
     master = st.get("master", "fp32") if st is not None else "fp32"

@@ -187,7 +187,7 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
         # nothing accumulates into it (ds_host.bf16_gradient_partition); under ZeRO-3 the master's gradient is
         # DeepSpeed's bf16 gradient partition (ds_host.zero3_gradient_partition)
         block_bf16 = (s.engine == "deepspeed" and s.optimizer_states.format == "nvfp4" and e == 2
-                      and (stage == 3 or (stage in (1, 2) and t.grad_accum == 1)))
+                      and ((stage == 3 and s.weights.format != "nvfp4") or (stage in (1, 2) and t.grad_accum == 1)))
         bf16_grads = block_bf16 or s.master.format != "fp32"
         host_grads = (2 if bf16_grads else 4) * P / shard_o
         put("cpu", "grads", host_grads)
