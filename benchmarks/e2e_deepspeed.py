@@ -119,9 +119,19 @@ ALL_CONFIGS = CONFIGS + ("z3_cpu",)
 DS_BF16 = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
 
+def trainer_zero3_buckets(hidden: int) -> dict:
+    """The ZeRO-3 bucket sizes transformers' Trainer writes for ``"auto"`` (integrations/deepspeed.py): reduce
+    bucket hidden^2, prefetch bucket 0.9 hidden^2, parameters under 10 hidden elements kept gathered. DeepSpeed's
+    own defaults (reduce bucket 5e8 elements) are sized for a GPU, where the bucket is device memory; on the
+    CPU accelerator it is host RAM, resident from the first backward, in every arm alike."""
+    return {"reduce_bucket_size": hidden * hidden, "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
+            "stage3_param_persistence_threshold": 10 * hidden}
+
+
 def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None, ds_bf16: bool = False,
-              master: str = "fp32") -> dict:
-    """The DeepSpeed config of one arm: plain DeepSpeed, DeepSpeed's bf16 mode (``ds_bf16``) or the block."""
+              master: str = "fp32", zero3_buckets: dict | None = None) -> dict:
+    """The DeepSpeed config of one arm: plain DeepSpeed, DeepSpeed's bf16 mode (``ds_bf16``) or the block;
+    ``zero3_buckets`` (ZeRO-3 configurations): bucket sizes set over DeepSpeed's defaults."""
     if fp4 and ds_bf16:
         raise ValueError("the block and DeepSpeed's bf16 mode are separate arms")
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
@@ -147,6 +157,8 @@ def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None, ds_
         block = {"optimizer_states": {"format": "nvfp4", "device": "nvme", "nvme_path": nvme_dir}}
     else:
         raise SystemExit(f"unknown config {name!r}; choose from {ALL_CONFIGS}")
+    if zero3_buckets and name.startswith("z3"):
+        cfg["zero_optimization"].update(zero3_buckets)
     if host:
         block["host"] = host
     if master != "fp32":  # "split", "bf16", or "split_nvme" (split with its residual in the NVMe state files)
@@ -327,7 +339,8 @@ def child(args) -> dict:
     torch.set_default_dtype(torch.float32)
     nparams = sum(p.numel() for p in model.parameters())
     cfg = ds_config(args.config, args.fp4, args.nvme_dir, json.loads(args.host) if args.host else None,
-                    ds_bf16=args.ds_bf16, master=args.master)
+                    ds_bf16=args.ds_bf16, master=args.master,
+                    zero3_buckets=trainer_zero3_buckets(args.hidden) if args.zero3_buckets == "trainer" else None)
     t0 = time.perf_counter()
     allocator = None
     if not args.fp4 and args.allocator == "fixed":  # the baseline with the block's allocator setting
@@ -412,6 +425,7 @@ def child(args) -> dict:
     buffers = buffer_account(engine, model)
     device_side = sum(b["bytes"] for b in buffers.values() if b["side"] == "device")
     return {"config": args.config, "fp4": args.fp4, "params": nparams, "init_s": init_s,
+            "zero3_buckets": args.zero3_buckets,
             "mode": "block" if args.fp4 else "ds_bf16" if args.ds_bf16 else "plain", "master": args.master,
             # what the engine really runs (a bf16-mode row whose master is fp32 ran plain DeepSpeed)
             "master_dtype": master_dtype.replace("torch.", ""), "optimizer_state_dtypes": state_dtypes,
@@ -494,6 +508,7 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
                "--allocator", allocator,
                "--port", str(_child_port(f"{config}/{int(fp4)}/{allocator}/{int(ds_bf16)}/{master}/"
                                          f"{sorted(env_extra or {})}")), "--master", master,
+               "--zero3-buckets", getattr(a, "zero3_buckets", "deepspeed"),
                ] + (["--fp4"] if fp4 else []) + (["--ds-bf16"] if ds_bf16 else []) + \
               (["--bf16-build"] if getattr(a, "bf16_build", False) else []) + \
               (["--host", json.dumps(host)] if host else [])
@@ -832,6 +847,9 @@ def main() -> None:
                     help="--search: run the baseline with glibc's default (plain DeepSpeed) or with the block's "
                          "allocator setting")
     ap.add_argument("--nvme-root", default=None, help="folder on the disk to test (default: the temp dir)")
+    ap.add_argument("--zero3-buckets", choices=("deepspeed", "trainer"), default="deepspeed",
+                    help="ZeRO-3 bucket sizes: DeepSpeed's defaults, or what transformers' Trainer fills for 'auto' "
+                         "(reduce bucket hidden^2; the same in every arm)")
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="draw peak RSS and s/step of the runs into this PNG")
