@@ -188,6 +188,10 @@ def test_zero3_master_gradient_is_deepspeeds_gradient_partition(long_runs):
     clipping FP4AdamW applies in fp32. Training is the run with its own fp32 gradient buffer, bit for bit."""
     res = long_runs
     f32, own = res["z3_fp32"], res["z3_fp32_own_grad"]
+    for name in ("z3_fp32", "z3_split", "z3_bf16", "z3_fp32_own_grad"):
+        # initialize allocated the master gradients without zero-filling them (ds_host.zero3_grads_at_init); the
+        # run that keeps its own fp32 gradient had them zero-filled afterwards, and is still the same run
+        assert res[name]["master"]["grads_at_init"] is True and res[name]["grads_zero_at_start"] is True, name
     for name in ("z3_fp32", "z3_split", "z3_bf16"):
         assert res[name]["master"]["grad_in_partition"] == [True], name
         assert res[name]["master"]["grad_dtypes"] == ["torch.bfloat16"], name

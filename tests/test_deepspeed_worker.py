@@ -127,6 +127,9 @@ def _run_case(case: dict, spec: dict, train) -> dict:
         for k, v in saved_env.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     init_s = time.perf_counter() - t0
+    # ZeRO-3: the master gradients start at zero, as DeepSpeed's initialize leaves them, shared or not
+    z3_flats = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None) or []
+    grads_zero_at_start = all(m.grad is None or not bool(m.grad.any()) for m in z3_flats) if z3_flats else None
     if case.get("install"):
         fds.uninstall()
     start = 0
@@ -154,7 +157,7 @@ def _run_case(case: dict, spec: dict, train) -> dict:
     step_s = (time.perf_counter() - t0) / max(1, steps)
     print(f"[worker] {case['name']}: {steps} steps, {step_s:.3f}s/step", flush=True)
     mem = ds_monitor.optimizer_host_bytes(engine)
-    out = {"losses": losses, "mem": mem, "init_s": init_s, "step_s": step_s,
+    out = {"losses": losses, "mem": mem, "init_s": init_s, "step_s": step_s, "grads_zero_at_start": grads_zero_at_start,
            "inner": type(engine.basic_optimizer).__name__, "zero": type(engine.optimizer).__name__,
            "config_seen": {k: engine._config._param_dict.get(k)
                            for k in ("zero_force_ds_cpu_optimizer", "zero_allow_untested_optimizer")}}
@@ -238,6 +241,7 @@ def _probe_master(engine, att) -> dict:
     return {"dtypes": [str(m.dtype) for m in masters], "numel": sum(m.numel() for m in masters),
             "grad_dtypes": [str(m.grad.dtype) if m.grad is not None else None for m in masters],
             "grad_in_partition": grad_in_partition,
+            "grads_at_init": getattr(att, "zero3_grads_at_init", None),
             "form": getattr(inner, "master", None),
             "held": inner.master_bytes() if hasattr(inner, "master_bytes") else None,
             "staging_is_master": [b.data_ptr() == m.data_ptr() for b, m in zip(bufs, masters)],

@@ -289,7 +289,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                 setattr(args, name, None)
     try:
         compact = states and prepared.states.master != "fp32"
-        with ds_host.bf16_grads_at_init(states, host) as at_init, ds_host.compact_master_at_init(compact):
+        stage3 = _zero(prepared.ds_config).get("stage", 0) == 3
+        with ds_host.bf16_grads_at_init(states, host) as at_init, ds_host.compact_master_at_init(compact), \
+                ds_host.zero3_grads_at_init(states and stage3) as at_init3:
             result = _original_initialize()(config=prepared.ds_config, **kwargs)
     finally:
         for name, v in saved.items():
@@ -305,7 +307,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     bf16_grads = ds_host.bf16_gradient_partition(engine, host) if states else 0
     if states:
         fused = block.weights is not None and block.weights.format == "nvfp4"
-        bf16_grads += ds_host.zero3_gradient_partition(engine, host, fused_weights=fused)
+        shared3 = ds_host.zero3_gradient_partition(engine, host, fused_weights=fused)
+        if at_init3.applied and not shared3:
+            at_init3.zero_fill(engine)  # kept as DeepSpeed's own: zero-filled, as DeepSpeed leaves them
+        bf16_grads += shared3
     if states:
         _norm_source(engine)
         _close_on_destroy(engine)
@@ -314,6 +319,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
                         master_shared_bytes=master_shared,
                         bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0,
+                        zero3_grads_at_init=at_init3.applied > 0,
                         preflight=preflight)
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import ds_weights
@@ -403,6 +409,7 @@ class Attached:
     master_shared_bytes: int = 0  # a compact master that is the model's own bf16 partition (CPU accelerator)
     bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
     bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (ds_host.bf16_grads_at_init)
+    zero3_grads_at_init: bool = False  # ZeRO-3's master gradients allocated unfilled (ds_host.zero3_grads_at_init)
     preflight: Any = None  # the host-memory estimate (planner.host_model.HostEstimate); None when off
 
 

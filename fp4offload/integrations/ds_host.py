@@ -37,7 +37,8 @@ from . import ds_internals as dsi
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["ENV", "Setting", "HostSettings", "resolve", "control_host_allocator", "share_bf16_staging",
-           "bf16_gradient_partition", "bf16_grads_at_init", "zero3_gradient_partition", "release_free_host_memory"]
+           "bf16_gradient_partition", "bf16_grads_at_init", "zero3_grads_at_init", "zero3_gradient_partition",
+           "release_free_host_memory"]
 
 #: the environment override of each ``host`` key
 ENV = {"mmap_threshold": "FP4OFFLOAD_MMAP_THRESHOLD", "allocator_cache": "FP4OFFLOAD_HOST_CACHE",
@@ -478,6 +479,65 @@ def master_is_device_partition(engine: Any) -> int:
     if freed:
         log.info("fp4offload: %d bytes of bf16 master partitions are the model's own bf16 partitions", freed)
     return freed
+
+
+class zero3_grads_at_init:
+    """While ``deepspeed.initialize`` runs, ZeRO-3 offload with FP4AdamW allocates each sub-group master's gradient
+    without zero-filling it (``DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states``, which under offload
+    does nothing else for FP4AdamW; restored on exit). DeepSpeed zero-fills them, and a sub-group-sized scratch
+    besides, so their pages are resident at initialize's peak, although :func:`zero3_gradient_partition` replaces
+    them right after by slices of the gradient partition: 4 (fp32 master) or 2 B/param, twice, at that peak.
+    Where that function then keeps them, :meth:`zero_fill` does what DeepSpeed did. Pinned gradients, DeepSpeed's
+    NVMe swapper and parameters on NVMe keep DeepSpeed's method. ``applied`` counts the optimizers it served."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.applied = enabled, 0
+        self._patch = None
+
+    @staticmethod
+    def _fits(zo) -> bool:
+        from fp4offload.optim import FP4AdamW
+
+        groups = dsi.read(zo, "fp16_groups", None) or []
+        return (isinstance(dsi.read(zo, "optimizer", None), FP4AdamW) and bool(dsi.read(zo, "offload_optimizer", False))
+                and not dsi.read(zo, "offload_optimizer_pin_memory", False)
+                and all(dsi.require(zo, "fp16_partitioned_groups_flat")[i] is not None
+                        and not dsi.require(zo, "_swappable_optimizer_subgroup")(i) for i in range(len(groups))))
+
+    def _make(self, orig):
+        outer = self
+
+        def initialize_optimizer_states(zo):
+            if not outer._fits(zo):
+                return orig(zo)
+            import torch
+
+            flats = dsi.require(zo, "fp32_partitioned_groups_flat")
+            for i, n in enumerate(dsi.require(zo, "fp16_partitioned_groups_flat_numel")):
+                flats[i].grad = torch.empty(int(n), dtype=flats[i].dtype, device=flats[i].device)
+            outer.applied += 1
+
+        return initialize_optimizer_states
+
+    @staticmethod
+    def zero_fill(engine: Any) -> None:
+        """The master gradients zero-filled, as DeepSpeed's initialize leaves them (where they were not shared)."""
+        for m in dsi.read(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat", None) or []:
+            if m.grad is not None:
+                m.grad.zero_()
+
+    def __enter__(self):
+        if self.enabled:
+            self._patch = dsi.patch_class("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
+                                          "initialize_optimizer_states", self._make)
+            self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._patch is not None:
+            self._patch.__exit__(*exc)
+            self._patch = None
+        return False
 
 
 def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None, fused_weights: bool = False) -> int:

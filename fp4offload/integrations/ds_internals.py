@@ -125,6 +125,13 @@ TABLE: tuple[Internal, ...] = (
     Internal(_Z3, "_reassign_or_swap_out_partitioned_parameters", "callable",
              "wrapped per optimizer: packs the new weights after each sub-group's step", _WEIGHTS),
     Internal(_Z3, "fp16_groups", "attribute", "read: the parameters of each sub-group", _WEIGHTS + _GRADS),
+    Internal(_Z3, "initialize_optimizer_states", "callable",
+             "replaced while deepspeed.initialize runs: the master gradients are allocated, not zero-filled, when "
+             "they will become slices of the gradient partition", _GRADS),
+    Internal(_Z3, "fp16_partitioned_groups_flat_numel", "attribute", "read: elements of each sub-group's partition",
+             _GRADS),
+    Internal(_Z3, "offload_optimizer_pin_memory", "attribute", "read: whether DeepSpeed pins the master gradients",
+             _GRADS),
     Internal(_Z3, "grad_partitions_flat_buffer", "attribute",
              "read: the flat gradient partition; each sub-group's master gradient becomes its slice", _GRADS),
     Internal(_Z3, "offload_optimizer", "attribute", "read: whether offload_optimizer is on", _GRADS),
