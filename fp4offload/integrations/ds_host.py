@@ -487,11 +487,12 @@ class zero3_grads_at_init:
     does nothing else for FP4AdamW; restored on exit). DeepSpeed zero-fills them, and a sub-group-sized scratch
     besides, so their pages are resident at initialize's peak, although :func:`zero3_gradient_partition` replaces
     them right after by slices of the gradient partition: 4 (fp32 master) or 2 B/param, twice, at that peak.
-    Where that function then keeps them, :meth:`zero_fill` does what DeepSpeed did. Pinned gradients, DeepSpeed's
-    NVMe swapper and parameters on NVMe keep DeepSpeed's method. ``applied`` counts the optimizers it served."""
+    Where that function then keeps them, :meth:`zero_fill` does what DeepSpeed did (zero-filled, pinned when
+    DeepSpeed pins them; a shared gradient is the partition, which DeepSpeed pins itself). DeepSpeed's NVMe swapper
+    and parameters on NVMe keep DeepSpeed's method. ``applied`` counts the optimizers it served."""
 
     def __init__(self, enabled: bool):
-        self.enabled, self.applied = enabled, 0
+        self.enabled, self.applied, self.pinned = enabled, 0, False
         self._patch = None
 
     @staticmethod
@@ -500,7 +501,6 @@ class zero3_grads_at_init:
 
         groups = dsi.read(zo, "fp16_groups", None) or []
         return (isinstance(dsi.read(zo, "optimizer", None), FP4AdamW) and bool(dsi.read(zo, "offload_optimizer", False))
-                and not dsi.read(zo, "offload_optimizer_pin_memory", False)
                 and all(dsi.require(zo, "fp16_partitioned_groups_flat")[i] is not None
                         and not dsi.require(zo, "_swappable_optimizer_subgroup")(i) for i in range(len(groups))))
 
@@ -515,15 +515,24 @@ class zero3_grads_at_init:
             flats = dsi.require(zo, "fp32_partitioned_groups_flat")
             for i, n in enumerate(dsi.require(zo, "fp16_partitioned_groups_flat_numel")):
                 flats[i].grad = torch.empty(int(n), dtype=flats[i].dtype, device=flats[i].device)
+            outer.pinned = outer.pinned or bool(dsi.read(zo, "offload_optimizer_pin_memory", False))
             outer.applied += 1
 
         return initialize_optimizer_states
 
-    @staticmethod
-    def zero_fill(engine: Any) -> None:
-        """The master gradients zero-filled, as DeepSpeed's initialize leaves them (where they were not shared)."""
+    def zero_fill(self, engine: Any) -> None:
+        """The master gradients zero-filled (and pinned where DeepSpeed pins them), as DeepSpeed's initialize leaves
+        them: for gradients that were not shared."""
+        import torch
+
         for m in dsi.read(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat", None) or []:
-            if m.grad is not None:
+            if m.grad is None:
+                continue
+            if self.pinned:
+                from deepspeed.accelerator import get_accelerator
+
+                m.grad = get_accelerator().pin_memory(torch.zeros_like(m.grad))
+            else:
                 m.grad.zero_()
 
     def __enter__(self):
