@@ -223,7 +223,7 @@ def buffer_account(engine, model) -> dict[str, dict]:
         if b:
             out[name] = {"bytes": b, "side": side}
 
-    n_model = sum(p.numel() for p in model.parameters())
+    n_model = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 empties p.data
     if hasattr(zo, "bit16_groups_flat"):  # ZeRO-1/2
         add("bf16 params (bit16_groups_flat)", "device", zo.bit16_groups_flat)
         masters = zo.single_partition_of_fp32_groups  # bf16 in DeepSpeed's bf16 mode, despite the name
