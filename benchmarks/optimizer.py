@@ -7,7 +7,9 @@ the host's memory bandwidth hits them alike; the table reports the median over r
 Also reports the host bytes per parameter each optimizer holds for m and v (measured from its tensors) and,
 for FP4AdamW, for the master weight (``fp4adamw_bf16_*``: a bf16 parameter with an fp32, split or bf16
 master; ``fp4adamw_norm``: the engine's gradient norm given, so the non-finite pass over the gradients is
-skipped, as under DeepSpeed),
+skipped, as under DeepSpeed; ``fp4adamw_clip_g32`` / ``fp4adamw_clip_g16``: an fp32 master with a clipping factor
+handed over, as under DeepSpeed ZeRO-3, its gradient fp32 or the bf16 gradient partition; ``fp4adamw_noclip_g16``
+the same at factor 1, no clipping),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
 
 ``--residual-numel``: the split master with its residual in RAM (``master_device="same"``) against the residual
@@ -75,6 +77,22 @@ class _StepThenEncode:
         self.copy = quantize(self.p.detach(), "nvfp4", block="16x16")
 
 
+class _Clipped:
+    """A step with the engine's gradient scale handed to FP4AdamW (``set_grad_scale``), as DeepSpeed ZeRO-3's
+    clipping is under the block: `scale` 1 is the factor when no clipping happens (no pass over the gradient)."""
+
+    def __init__(self, opt, p, scale: float):
+        self.opt, self.p, self.scale = opt, p, scale
+        self.state = opt.state
+
+    def step(self):
+        self.opt.set_grad_scale(self.p, self.scale)
+        self.opt.step()
+
+    def master_bytes(self):
+        return self.opt.master_bytes()
+
+
 def make_optimizers(n: int, lr: float, which: list[str]):
     """name -> (optimizer, param) with its own copy of the same data."""
     out = {}
@@ -120,6 +138,18 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 master = {"fp4adamw_bf16_m32": "fp32", "fp4adamw_bf16_split": "split",
                           "fp4adamw_bf16_mbf16": "bf16"}[name]
                 out[name] = (FP4AdamW([p], lr=lr, backend="fused", master=master), p)
+            elif name in ("fp4adamw_clip_g32", "fp4adamw_clip_g16", "fp4adamw_noclip_g16"):
+                # ZeRO-3's fp32 master under the block: its gradient an fp32 buffer (scaled in place) or DeepSpeed's
+                # bf16 gradient partition (scaled in fp32 segment by segment as it is read); clipping at 0.999
+                # (the in-place multiply leaves the fp32 gradient near its size over the rounds), or none
+                from fp4offload import FP4AdamW
+                from fp4offload.integrations.ds_host import _set_grad
+
+                p = param()
+                if name.endswith("g16"):
+                    _set_grad(p, grad.to(torch.bfloat16))
+                scale = 1.0 if "noclip" in name else 0.999
+                out[name] = (_Clipped(FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p, scale), p)
             elif name == "fp4adamw_wcopy":  # + the NVFP4 16x16 working copy, written inside the fused step
                 from fp4offload import FP4AdamW
 

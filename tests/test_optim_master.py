@@ -408,3 +408,7 @@ def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(ext):
     assert torch.equal(pmix[0].grad, grads[0])  # ... and left the bf16 gradient as it was
     with pytest.raises(ConfigError, match="scale"):
         o16.set_grad_scale(p16[0], float("nan"))
+    # a factor of 1 (DeepSpeed's when it does not clip) changes no value: nothing is pending, no pass is made
+    o32.set_grad_scale(p32[0], 0.5)
+    o32.set_grad_scale(p32[0], torch.tensor(1.0))
+    assert p32[0] not in o32._pending_scales()

@@ -307,6 +307,9 @@ class FP4AdamW(Optimizer):
         v = float(scale.item() if torch.is_tensor(scale) else scale)
         if not (math.isfinite(v) and v > 0):
             raise ConfigError("scale", v, "a finite positive gradient scale")
+        if v == 1.0:  # x * 1 is x for every float: no pass over the gradient (DeepSpeed's factor when not clipping)
+            self._pending_scales().pop(p, None)
+            return
         self._pending_scales()[p] = scale
 
     def _pending_scales(self):
