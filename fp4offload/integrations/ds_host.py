@@ -528,7 +528,7 @@ class zero3_grads_at_init:
         for m in dsi.read(getattr(engine, "optimizer", None), "fp32_partitioned_groups_flat", None) or []:
             if m.grad is None:
                 continue
-            if self.pinned:
+            if self.pinned and m.grad.device.type == "cpu":  # (partial offload keeps some sub-groups on the device)
                 from deepspeed.accelerator import get_accelerator
 
                 m.grad = get_accelerator().pin_memory(torch.zeros_like(m.grad))
