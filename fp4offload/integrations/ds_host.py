@@ -288,17 +288,51 @@ def _set_grad(master, grad) -> None:
     master.grad = grad
 
 
-class bf16_grads_at_init:
+_Z12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
+_Z3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
+
+
+class _WhileInitializing:
+    """A DeepSpeed method (``METHOD`` of each class in ``OWNERS``) replaced by ``self._make(original)`` while
+    ``deepspeed.initialize`` runs, when ``enabled``; restored on exit. ``applied`` counts what it served."""
+
+    OWNERS: tuple[str, ...] = ()
+    METHOD = ""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.applied = enabled, 0
+        self._stack = None
+
+    def _make(self, orig):
+        raise NotImplementedError
+
+    def __enter__(self):
+        if self.enabled:
+            self._stack = contextlib.ExitStack()
+            for owner in self.OWNERS:
+                self._stack.enter_context(dsi.patch_class(owner, self.METHOD, self._make))
+        return self
+
+    def __exit__(self, *exc):
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+        return False
+
+
+class bf16_grads_at_init(_WhileInitializing):
     """While ``deepspeed.initialize`` runs, ZeRO-1/2 allocates its host gradient partition in bf16 when
     :func:`_wants_bf16_grads` says it may (``DeepSpeedZeroOptimizer.initialize_optimizer_states``, which under
     offload does nothing else for FP4AdamW; the method is restored on exit). ``applied`` counts the
     optimizers it served; the tests require it for ZeRO-1/2 with FP4AdamW, so a DeepSpeed that stops calling
     the method fails them instead of silently keeping fp32."""
 
+    OWNERS = (_Z12,)
+    METHOD = "initialize_optimizer_states"
+
     def __init__(self, enabled: bool, settings: HostSettings | None = None):
-        self.enabled, self.applied = enabled, 0
         self.settings = resolve(None) if settings is None else settings
-        self._patch = None
+        super().__init__(enabled and bool(self.settings.bf16_gradient_partition.value))
 
     def _make(self, orig):
         outer = self
@@ -319,30 +353,17 @@ class bf16_grads_at_init:
 
         return initialize_optimizer_states
 
-    def __enter__(self):
-        if self.enabled and self.settings.bf16_gradient_partition.value:
-            self._patch = dsi.patch_class("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
-                                          "initialize_optimizer_states", self._make)
-            self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._patch is not None:
-            self._patch.__exit__(*exc)
-            self._patch = None
-        return False
 
 
-class compact_master_at_init:
+class compact_master_at_init(_WhileInitializing):
     """While ``deepspeed.initialize`` runs with a compact master (``optimizer_states.master`` "split" or
     "bf16"), DeepSpeed's bf16 master mode accepts FP4AdamW: its ``_configure_master_weights`` checks that the
     optimizer is DeepSpeedCPUAdam, which is how that mode gets an optimizer able to step bf16 partitions;
     FP4AdamW with a compact master is one too. The rest of the mode is DeepSpeed's own (bf16 master and gradient
     partitions, their reduction and clipping). ``applied`` counts the optimizers it served."""
 
-    def __init__(self, enabled: bool):
-        self.enabled, self.applied = enabled, 0
-        self._stack = None
+    OWNERS = (_Z12, _Z3)
+    METHOD = "_configure_master_weights"
 
     def _make(self, orig):
         outer = self
@@ -358,20 +379,6 @@ class compact_master_at_init:
             return orig(zo, *args, **kwargs)
 
         return _configure_master_weights
-
-    def __enter__(self):
-        if self.enabled:
-            self._stack = contextlib.ExitStack()
-            for owner in ("deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer",
-                          "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"):
-                self._stack.enter_context(dsi.patch_class(owner, "_configure_master_weights", self._make))
-        return self
-
-    def __exit__(self, *exc):
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
-        return False
 
 
 def staging_is_master(engine: Any) -> int:
@@ -481,7 +488,7 @@ def master_is_device_partition(engine: Any) -> int:
     return freed
 
 
-class zero3_grads_at_init:
+class zero3_grads_at_init(_WhileInitializing):
     """While ``deepspeed.initialize`` runs, ZeRO-3 offload with FP4AdamW allocates each sub-group master's gradient
     without zero-filling it (``DeepSpeedZeroOptimizer_Stage3.initialize_optimizer_states``, which under offload
     does nothing else for FP4AdamW; restored on exit). DeepSpeed zero-fills them, and a sub-group-sized scratch
@@ -491,9 +498,12 @@ class zero3_grads_at_init:
     DeepSpeed pins them; a shared gradient is the partition, which DeepSpeed pins itself). DeepSpeed's NVMe swapper
     and parameters on NVMe keep DeepSpeed's method. ``applied`` counts the optimizers it served."""
 
+    OWNERS = (_Z3,)
+    METHOD = "initialize_optimizer_states"
+
     def __init__(self, enabled: bool):
-        self.enabled, self.applied, self.pinned = enabled, 0, False
-        self._patch = None
+        super().__init__(enabled)
+        self.pinned = False
 
     @staticmethod
     def _fits(zo) -> bool:
@@ -534,19 +544,6 @@ class zero3_grads_at_init:
                 m.grad = get_accelerator().pin_memory(torch.zeros_like(m.grad))
             else:
                 m.grad.zero_()
-
-    def __enter__(self):
-        if self.enabled:
-            self._patch = dsi.patch_class("deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3",
-                                          "initialize_optimizer_states", self._make)
-            self._patch.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._patch is not None:
-            self._patch.__exit__(*exc)
-            self._patch = None
-        return False
 
 
 def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None, fused_weights: bool = False) -> int:

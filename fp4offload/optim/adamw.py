@@ -31,6 +31,11 @@ from .tiers import make_tier
 from .working_copy import WeightRegion, WorkingCopies, copy_amax, region_kernel_args
 
 _NO_ODD = torch.zeros(0, dtype=torch.int64)
+
+
+def _scaled(g: torch.Tensor, scale) -> torch.Tensor:
+    """`g` multiplied by an engine's gradient factor (set_grad_scale) in fp32, as a new tensor; `g` if none."""
+    return g if scale is None else g.to(torch.float32, copy=True).mul_(scale)
 KEYED_STREAM0 = 1 << 15  # stochastic-rounding stream ids of tensors named by tensor_key start here
 #: a gradient element this large or larger skips the step like Inf/NaN: its square overflows fp32 in the v update
 GRAD_LIMIT = 2.0 ** 64
@@ -459,8 +464,7 @@ class FP4AdamW(Optimizer):
                 undo.save(kept)
         if not self._packed(group, p):
             g = p.grad.reshape(-1).to(w.device)
-            if seg_scale is not None:
-                g = g.to(torch.float32, copy=True).mul_(seg_scale)
+            g = _scaled(g, seg_scale)
             bf = torch.empty(w.numel(), dtype=torch.bfloat16, device=w.device) if "bf16" in self._copies.wanted \
                 else None
             R.fp32_step(w, g, st["exp_avg"], st["exp_avg_sq"], sc, maximize=group["maximize"], bf16_out=bf)
@@ -491,8 +495,7 @@ class FP4AdamW(Optimizer):
 
         def segment(s0, s1, g, m, v, res=None):
             nonlocal sample
-            if seg_scale is not None:
-                g = g.to(torch.float32, copy=True).mul_(seg_scale)
+            g = _scaled(g, seg_scale)
             if undo is not None:  # what this segment changes in place, just before it changes
                 if master is None or not fresh:
                     undo.save(w, s0, s1)
@@ -509,10 +512,7 @@ class FP4AdamW(Optimizer):
         if self._tier.segmented(p):
             self._tier.step_segments(st, p, segment, bf if p.dtype == torch.bfloat16 else w)
         else:  # states in RAM, a scaled bf16 gradient: the segments one after another, as a segmented tier's
-            m, v = self._tier.states(st, p)
-            g_all = p.grad.reshape(-1)
-            for s0, s1 in R.segment_ranges(p.numel()):
-                segment(s0, s1, g_all[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
+            self._tier.step_in_place(st, p, segment)
         if not p.is_cuda:  # a GPU parameter got its segments as they were computed
             self._write_back(p, master, bf)
         self._copies.finish(p, w, bf)
@@ -540,9 +540,6 @@ class FP4AdamW(Optimizer):
         a residual in the NVMe files goes to the step's generation like the states); `scale`: set_grad_scale's,
         applied to each segment in fp32."""
         h = p.data.view(-1)
-        g_all = p.grad.reshape(-1)
-        if scale is not None and not self._packed(group, p):
-            g_all = g_all.to(torch.float32, copy=True).mul_(scale)
         split = self.master == "split"
         stream = self._stream_id(p, pid)
         seed = R.sr_seed(group["seed"], t)
@@ -552,7 +549,8 @@ class FP4AdamW(Optimizer):
                 for kept in (h, *(() if fresh else (st[k] for k in ("master_lo", "exp_avg", "exp_avg_sq") if k in st))):
                     undo.save(kept)
             x = MW.join(h, lo_ram, st["master_odd"]) if split else h.float()
-            R.fp32_step(x, g_all, st["exp_avg"], st["exp_avg_sq"], sc, maximize=group["maximize"])
+            R.fp32_step(x, _scaled(p.grad.reshape(-1), scale), st["exp_avg"], st["exp_avg_sq"], sc,
+                        maximize=group["maximize"])
             odd = self._store_compact(h, x, lo_ram, seed, R.sr_stream(stream, 0))
             if split:
                 st["master_odd"] = odd
@@ -574,8 +572,7 @@ class FP4AdamW(Optimizer):
             else:
                 lo = lo_ram[s0:s1] if split else None
                 odd = MW.odd_in(st["master_odd"], s0, s1) if split else _NO_ODD
-            if scale is not None:
-                g = g.to(torch.float32, copy=True).mul_(scale)
+            g = _scaled(g, scale)
             with metrics.timer("optim.time.compute"):
                 if ext is not None:
                     if g.dtype not in (torch.float32, torch.bfloat16):
@@ -596,12 +593,8 @@ class FP4AdamW(Optimizer):
 
         if self._tier.segmented(p):
             self._tier.step_segments(st, p, segment, None)
-        else:
-            m, v = self._tier.states(st, p)
-            # the CUDA kernel takes every segment in one launch (its streams are stream0 + segment), one sync
-            whole = ext is not None and h.is_cuda
-            for s0, s1 in [(0, p.numel())] if whole else R.segment_ranges(p.numel()):
-                segment(s0, s1, g_all[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
+        else:  # the CUDA kernel takes every segment in one launch (its streams are stream0 + segment), one sync
+            self._tier.step_in_place(st, p, segment, [(0, p.numel())] if ext is not None and h.is_cuda else None)
         if split and lo_ram is not None:
             st["master_odd"] = torch.cat(odd_parts) if odd_parts else st["master_odd"][:0]
 

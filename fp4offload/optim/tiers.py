@@ -143,6 +143,14 @@ class DeviceTier:
     def step_segments(self, st: dict, p, compute: SegmentFn, new_values: torch.Tensor | None) -> None:
         raise NotImplementedError("the device tier steps a parameter in one pass")
 
+    def step_in_place(self, st: dict, p, compute: SegmentFn, ranges: list[tuple[int, int]] | None = None) -> None:
+        """`compute` over runs of p's states held whole beside it (views, updated in place) and its gradient;
+        `ranges`: p's segments unless given (a run may span several)."""
+        m, v = self.states(st, p)
+        g = p.grad.reshape(-1)
+        for s0, s1 in R.segment_ranges(p.numel()) if ranges is None else ranges:
+            compute(s0, s1, g[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1))
+
     def end_step(self) -> None:
         pass
 
