@@ -155,6 +155,20 @@ FP4_HD uint8_t ufp4_encode(float y) {  // y >= 0, already scaled
   return (uint8_t)(c > 15 ? 15 : c);
 }
 
+// Stochastic rounding (3.9) of y >= 0 (already scaled) to a ufp4 code: the rule of e2m1_encode_mag_sr above
+// for a >= 1, since ufp4 also keeps one mantissa bit: X = pattern - (120 << 23) holds the code above 22
+// fraction bits, and the top 22 random bits carry into it with probability equal to the fraction. Below 2^-7
+// there is no code (no zero): code 0, as the nearest rule. a = 1.5 has a zero fraction, so the code stays <= 15.
+FP4_HD uint8_t ufp4_encode_sr(float y, uint32_t rnd) {
+  const float a = fmin_(y, kUfp4Max);
+  if (a < kUfp4Min) return 0;
+  return (uint8_t)(((int32_t)(f2u(a) - (120u << 23)) + (int32_t)(rnd >> 10)) >> 22);
+}
+
+// FP4AdamW's sqrt(v) with v_rounding="stochastic" draws its bits as m does (sr_key(seed, stream, 0) of the same
+// step and segment) from the seed XOR this constant, so the two states of an element get independent bits.
+constexpr uint32_t kVSeedXor = 0x2545F491u;
+
 // ---- NVFP4 / ufp4 scales (3.3) ----------------------------------------------------------------------
 
 struct TensorScale {

@@ -42,8 +42,9 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
         raise ConfigError("block", block, f"{_one_of(allowed)} for fmt={fmt!r}")
     if rounding not in ROUNDINGS:
         raise ConfigError("rounding", rounding, _one_of(ROUNDINGS))
-    if rounding == "stochastic" and fmt not in ("nvfp4", "mxfp4"):
-        raise ConfigError("rounding", rounding, f"'nearest' for fmt={fmt!r} (stochastic rounding is for nvfp4, mxfp4)")
+    if rounding == "stochastic" and fmt not in ("nvfp4", "ufp4", "mxfp4"):
+        raise ConfigError("rounding", rounding, f"'nearest' for fmt={fmt!r} (stochastic rounding is for nvfp4, ufp4, "
+                          "mxfp4)")
     if nonfinite not in NONFINITE_MODES:
         raise ConfigError("nonfinite", nonfinite, _one_of(NONFINITE_MODES))
     if scale_mode not in SCALE_MODES:
@@ -69,7 +70,7 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
             ``"mxfp8"`` (E4M3, E8M0 per 32) or ``"ufp4"`` (unsigned, no zero; for sqrt of Adam's v).
         block: ``"1x16"`` or ``"16x16"`` for nvfp4 (default ``"1x16"``), ``"1x32"`` for the MX formats;
             ``None`` takes the format's default.
-        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (nvfp4 and mxfp4).
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (nvfp4, ufp4 and mxfp4).
         seed, stream: select the counter-based random bits of stochastic rounding (docs/design.md 3.9).
         scale_scope: elements per fp32 tensor scale for 1x16 nvfp4/ufp4 (a multiple of 16); ``None``: whole tensor.
         nonfinite: ``"raise"`` (NonFiniteError naming the tensor and the count) or ``"propagate"`` (the block

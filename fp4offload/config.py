@@ -74,6 +74,9 @@ OPTIMIZER_FORMATS = ("nvfp4", "fp32")
 OPTIMIZER_DEVICES = ("same", "cpu", "nvme")
 #: rounding of a codec or of Adam's m (``optimizer_states.rounding``, FP4AdamW's ``m_rounding``)
 ROUNDINGS = ("nearest", "stochastic")
+#: rounding of Adam's sqrt(v) (FP4AdamW's ``v_rounding``, ``optimizer_states.v_rounding``; docs/numerics.md,
+#: "Rounding of the optimizer states")
+V_ROUNDING_DEFAULT = "nearest"
 #: how sqrt(v) or v is stored (FP4AdamW's ``v_format``): ufp4 holds sqrt(v), nvfp4 v itself (ablation)
 V_FORMATS = ("ufp4", "nvfp4")
 #: FP4AdamW's step implementation (``backend``); not the codec backends of fp4offload.ops

@@ -35,7 +35,8 @@ def _eq(a, b):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["nv-1x16", "nv-16x16", "nv-scope", "nv-sr", "nv-16x16-sr", "ufp4", "ufp4-scope"])
+@pytest.mark.parametrize("variant", ["nv-1x16", "nv-16x16", "nv-scope", "nv-sr", "nv-16x16-sr", "ufp4", "ufp4-scope",
+                                     "ufp4-sr", "ufp4-scope-sr", "ufp4-16x16-sr"])
 def test_nvfp4_bytes_equal(shape, dtype, variant, simd):
     x = _data(shape, dtype, (shape, variant))
     if variant.startswith("ufp4"):
@@ -143,7 +144,7 @@ def test_overflowing_block_multiplier_bytes_equal(cpu_ext):
 
 
 @pytest.mark.parametrize("scope", [0, 32, 512])
-@pytest.mark.parametrize("variant", ["nearest", "stochastic", "ufp4"])
+@pytest.mark.parametrize("variant", ["nearest", "stochastic", "ufp4", "ufp4-stochastic"])
 def test_grouped_block_paths_bytes_equal(scope, variant, simd):
     """The CPU encodes whole 1x16 blocks 16 and 4 at a time: groups holding dead (all-zero) blocks, a block
     with NaN (propagated), a tiny block, scopes that cut a group, and the ragged end all match the reference."""
@@ -152,10 +153,10 @@ def test_grouped_block_paths_bytes_equal(scope, variant, simd):
     x[16 * 37:16 * 40] = 0.0  # three dead blocks in one group of 4
     x[16 * 70:16 * 71] *= 1e-30  # a block far below the others: its scale underflows
     x[16 * 200 + 3] = float("nan")  # propagated: that block decodes to NaN, its group goes block by block
-    if variant == "ufp4":
+    if variant.startswith("ufp4"):
         x = x.abs()
     for propagate, amax in ((True, None), (True, torch.full((1 if not scope else -(-x.numel() // scope),), 3.0))):
-        args = (x, 1, x.numel(), 1, scope, variant == "ufp4", variant == "stochastic", 99, 5, propagate)
+        args = (x, 1, x.numel(), 1, scope, variant.startswith("ufp4"), variant.endswith("stochastic"), 99, 5, propagate)
         ref = reference.nvfp4_encode(*args, amax=amax)
         got = cpu.nvfp4_encode(*args, amax=amax)
         for a, b in zip(ref, got):

@@ -23,8 +23,10 @@ def _bits(t):
     return t.view(torch.uint8)
 
 
-def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3, special=None):
-    """Runs `steps` steps both ways on the same data; asserts every byte of p, bf16 copy, m and v agrees."""
+def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3, special=None,
+         v_stochastic=False):
+    """Runs `steps` steps both ways on the same data; asserts every byte of p, bf16 copy, m and v agrees.
+    `stochastic` / `v_stochastic`: m / the second moment rounded stochastically."""
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
     pa, pb = p.clone(), p.clone()
@@ -42,9 +44,10 @@ def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False,
             s1 = min(n, s0 + R.SEGMENT)
             R.packed_step(pa[s0:s1], g[s0:s1], R.segment_view(ma, s0, s1), R.segment_view(va, s0, s1), sc,
                           v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k),
-                          maximize=maximize, bf16_out=bfa[s0:s1])
+                          maximize=maximize, bf16_out=bfa[s0:s1], v_stochastic=v_stochastic)
         ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
-                       sc.weight_decay, maximize, v_format == "nvfp4", stochastic, seed, R.sr_stream(pid, 0), bfb)
+                       sc.weight_decay, maximize, v_format == "nvfp4", stochastic, seed, R.sr_stream(pid, 0), bfb,
+                       v_stochastic=v_stochastic)
         assert torch.equal(_bits(pa), _bits(pb)), f"weights differ at step {t}"
         if special is not None:  # NaN weights: torch's bf16 cast keeps the NaN's sign/payload, the kernel writes 0x7FC0
             nan = pa.isnan()
@@ -58,11 +61,15 @@ def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False,
     assert pa.nan_to_num().abs().sum() > 0 and mb.codes.any()  # something happened
 
 
+ROUNDINGS = [(False, False), (True, False), (True, True), (False, True)]  # (m, v) stochastic
+ROUNDING_IDS = ["m-nearest", "m-sr", "m-sr-v-sr", "v-sr"]
+
+
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
-def test_fused_equals_reference(ext, simd, n, v_format, stochastic):
-    _run(ext, n, v_format, stochastic, torch.float32)
+@pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
+def test_fused_equals_reference(ext, simd, n, v_format, stochastic, v_stochastic):
+    _run(ext, n, v_format, stochastic, torch.float32, v_stochastic=v_stochastic)
 
 
 @pytest.mark.parametrize("maximize,wd", [(False, 0.0), (True, 0.1)])
@@ -96,9 +103,9 @@ def _special(kind):
 
 @pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros", "range"])
 @pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
-@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
-def test_fused_special_values(ext, simd, kind, v_format, stochastic):
-    _run(ext, 5003, v_format, stochastic, torch.float32, special=_special(kind))
+@pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
+def test_fused_special_values(ext, simd, kind, v_format, stochastic, v_stochastic):
+    _run(ext, 5003, v_format, stochastic, torch.float32, special=_special(kind), v_stochastic=v_stochastic)
 
 
 @pytest.mark.parametrize("kind", ["overflow", "zeros"])
@@ -106,9 +113,10 @@ def test_fused_special_values_bf16(ext, simd, kind):
     _run(ext, 3001, "ufp4", False, torch.bfloat16, special=_special(kind), maximize=True)
 
 
-def test_fused_multi_segment(ext):
+@pytest.mark.parametrize("v_stochastic", [False, True], ids=["v-nearest", "v-sr"])
+def test_fused_multi_segment(ext, v_stochastic):
     """More than one segment: the stochastic-rounding stream changes at the segment boundary as specified."""
-    _run(ext, R.SEGMENT + 5000, "ufp4", True, torch.float32, steps=2)
+    _run(ext, R.SEGMENT + 5000, "ufp4", True, torch.float32, steps=2, v_stochastic=v_stochastic)
 
 
 def test_all_finite(ext):

@@ -29,7 +29,7 @@ struct ChunkArgs {
   uint8_t *m_codes, *m_scales, *v_codes, *v_scales;
   float *m_ts, *v_ts;
   Scalars s;
-  bool maximize, v_nvfp4, m_stochastic;
+  bool maximize, v_nvfp4, m_stochastic, v_stochastic;
   uint32_t seed, stream0;
   uint16_t* bf16_out;
 };
@@ -109,7 +109,7 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
         const __m512 y = _mm512_mul_ps(_mm512_load_ps(buf + b * 16), _mm512_set1_ps(kb[j]));
         __m512i c;
         if (unsigned_)
-          c = ufp4_codes16(y);
+          c = stochastic ? fp4cpu::ufp4_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16))) : ufp4_codes16(y);
         else if (stochastic)
           c = fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16)));
         else
@@ -157,7 +157,7 @@ inline const Tables& tables() {
 // has its sign bit clear. Otherwise (only after an overflow or a non-finite gradient) the chunk's state is
 // encoded at once by encode_chunk_avx512 above, which implements every rule of the scalar path.
 
-enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3 };
+enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3, kUfp4SR = 4 };
 
 // ufp4 codes of y >= +0 (finite): 0 below 2^-7 (the rounded code is then <= 0: clamp at 0), else the
 // pattern rounded to one mantissa bit minus (120 << 1); y <= 1.5 keeps it <= 15.
@@ -184,6 +184,7 @@ FP4_INLINE __m512i enc_codes16(const EncJob& j, int b) {
   const __m512 x = _mm512_load_ps(j.buf + b * 16);
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(j.kb[b]));
   if (Kind == kUfp4) return ufp4_codes16_pos(y);
+  if (Kind == kUfp4SR) return fp4cpu::ufp4_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
   if (Kind == kE2M1SR) return fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
   if (Kind == kE2M1Pos)  // y >= +0: the magnitude is the code
     return fp4cpu::e2m1_mag16(_mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A));
@@ -316,11 +317,11 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
   }
 }
 
-// Steps chunks [c0, c1) on one thread.
-template <typename G, bool VNv, bool SR>
+// Steps chunks [c0, c1) on one thread. SR / VSR: m / the second moment rounded stochastically.
+template <typename G, bool VNv, bool SR, bool VSR>
 inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   constexpr int kM = SR ? kE2M1SR : kE2M1;
-  constexpr int kU = VNv ? kE2M1Pos : kUfp4;
+  constexpr int kU = VNv ? (VSR ? kE2M1SR : kE2M1Pos) : (VSR ? kUfp4SR : kUfp4);
   const float u_max = VNv ? fp4::kE2M1Max : fp4::kUfp4Max;
   alignas(64) float mbuf[2][kChunk], ubuf[2][kChunk];
   EncJob jm[2], ju[2];
@@ -363,6 +364,7 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
     // pass 1 of chunk c
     const int64_t seg = i0 / kSegment;
     const uint32_t key = SR ? fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 0u) : 0u;
+    const uint32_t vkey = VSR ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, (uint32_t)(a.stream0 + seg), 0u) : 0u;
     const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
     EncJob &nm = jm[x], &nu = ju[x];
     if (enc_prepare<true>(mbuf[x], nb, fp4::kE2M1Max, a.m_scales + i0 / 16, &a.m_ts[c], nm)) {
@@ -375,11 +377,11 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
     }
     if (enc_prepare<false>(ubuf[x], nb, u_max, a.v_scales + i0 / 16, &a.v_ts[c], nu)) {
       nu.codes = a.v_codes + i0 / 2;
-      nu.key = 0;
-      nu.index0 = 0;
+      nu.key = vkey;
+      nu.index0 = index0;
     } else {
       nu.nb = 0;
-      encode_chunk_avx512(ubuf[x], nb, !VNv, false, 0u, 0u, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+      encode_chunk_avx512(ubuf[x], nb, !VNv, VSR, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
     }
   }
   // the last chunk's pass 2
@@ -391,12 +393,16 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
 template <typename G>
 inline void step_range_avx512(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   if (c0 >= c1) return;
-  if (a.v_nvfp4) {
-    if (a.m_stochastic) step_range_impl<G, true, true>(a, grad, c0, c1);
-    else step_range_impl<G, true, false>(a, grad, c0, c1);
-  } else {
-    if (a.m_stochastic) step_range_impl<G, false, true>(a, grad, c0, c1);
-    else step_range_impl<G, false, false>(a, grad, c0, c1);
+  const int kind = (a.v_nvfp4 ? 4 : 0) | (a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0);
+  switch (kind) {
+    case 0: return step_range_impl<G, false, false, false>(a, grad, c0, c1);
+    case 1: return step_range_impl<G, false, false, true>(a, grad, c0, c1);
+    case 2: return step_range_impl<G, false, true, false>(a, grad, c0, c1);
+    case 3: return step_range_impl<G, false, true, true>(a, grad, c0, c1);
+    case 4: return step_range_impl<G, true, false, false>(a, grad, c0, c1);
+    case 5: return step_range_impl<G, true, false, true>(a, grad, c0, c1);
+    case 6: return step_range_impl<G, true, true, false>(a, grad, c0, c1);
+    default: return step_range_impl<G, true, true, true>(a, grad, c0, c1);
   }
 }
 

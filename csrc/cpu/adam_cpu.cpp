@@ -88,12 +88,11 @@ inline void encode_chunk_scalar(const float* x, int cnt, bool unsigned_, bool st
         continue;
       }
       const float y = x[b * 16 + j] * k;
-      if (unsigned_) {
-        c[j] = fp4::ufp4_encode(fp4::fabs_(y));
-      } else {
-        const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + b * 16 + j)) : 0u;
+      const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + b * 16 + j)) : 0u;
+      if (unsigned_)
+        c[j] = stochastic ? fp4::ufp4_encode_sr(fp4::fabs_(y), rnd) : fp4::ufp4_encode(fp4::fabs_(y));
+      else
         c[j] = fp4::e2m1_encode(y, stochastic, rnd);
-      }
     }
     fp4::pack_codes(c, 16, codes + b * 8);
   }
@@ -128,10 +127,12 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
   for (int j = cnt; j < nb * 16; ++j) mbuf[j] = ubuf[j] = 0.0f;
   const int64_t seg = i0 / kSegment;
   const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 0u) : 0u;
+  const uint32_t vkey = a.v_stochastic ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, (uint32_t)(a.stream0 + seg), 0u) : 0u;
   const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
   encode_chunk_scalar(mbuf, cnt, false, a.m_stochastic, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16,
                       &a.m_ts[c]);
-  encode_chunk_scalar(ubuf, cnt, !a.v_nvfp4, false, 0u, 0u, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+  encode_chunk_scalar(ubuf, cnt, !a.v_nvfp4, a.v_stochastic, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16,
+                      &a.v_ts[c]);
 }
 
 uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
@@ -157,7 +158,7 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
                 bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed, int64_t stream0,
                 c10::optional<torch::Tensor> bf16_out, std::vector<torch::Tensor> w_data,
                 std::vector<torch::Tensor> w_scales, std::vector<int64_t> w_offsets, std::vector<int64_t> w_rows,
-                std::vector<int64_t> w_cols, std::vector<double> w_amax) {
+                std::vector<int64_t> w_cols, std::vector<double> w_amax, bool v_stochastic) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
               "fused_step: param must be a contiguous fp32 CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() &&
@@ -181,6 +182,7 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   a.maximize = maximize;
   a.v_nvfp4 = v_nvfp4;
   a.m_stochastic = m_stochastic;
+  a.v_stochastic = v_stochastic;
   a.seed = (uint32_t)seed;
   a.stream0 = (uint32_t)stream0;
   a.bf16_out = nullptr;
@@ -313,7 +315,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
                                 torch::Tensor v_scales, torch::Tensor v_ts, double b1, double omb1, double b2,
                                 double omb2, double eps, double decay, double step_size, double rsbc2,
                                 bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed,
-                                int64_t stream0, int64_t mode) {
+                                int64_t stream0, int64_t mode, bool v_stochastic) {
   TORCH_CHECK(mode == 1 || mode == 2, "fused_step_master: mode must be 1 (split) or 2 (bf16)");
   TORCH_CHECK(hi.device().is_cpu() && hi.is_contiguous() && hi.scalar_type() == torch::kBFloat16,
               "fused_step_master: the parameter must be a contiguous bf16 CPU tensor");
@@ -350,6 +352,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
   a.maximize = maximize;
   a.v_nvfp4 = v_nvfp4;
   a.m_stochastic = m_stochastic;
+  a.v_stochastic = v_stochastic;
   a.seed = (uint32_t)seed;
   a.stream0 = (uint32_t)stream0;
   uint16_t* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
@@ -485,13 +488,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16_out") = py::none(), py::arg("w_data") = std::vector<torch::Tensor>{},
         py::arg("w_scales") = std::vector<torch::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
         py::arg("w_rows") = std::vector<int64_t>{}, py::arg("w_cols") = std::vector<int64_t>{},
-        py::arg("w_amax") = std::vector<double>{});
+        py::arg("w_amax") = std::vector<double>{}, py::arg("v_stochastic") = false);
   m.def("fused_step_master", &fused_step_master, "fused FP4AdamW step of a bf16 parameter with a compact master",
         py::arg("hi"), py::arg("lo"), py::arg("odd"), py::arg("grad"), py::arg("m_codes"), py::arg("m_scales"),
         py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"), py::arg("v_tscale"), py::arg("b1"),
         py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"), py::arg("decay"), py::arg("step_size"),
         py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"), py::arg("v_nvfp4"), py::arg("m_stochastic"),
-        py::arg("seed"), py::arg("stream0"), py::arg("mode"));
+        py::arg("seed"), py::arg("stream0"), py::arg("mode"), py::arg("v_stochastic") = false);
   m.def("split_selfcheck", &split_selfcheck, "split master: patterns in [start, stop) that do not rebuild exactly");
   m.def("all_finite", &all_finite, "whether every element is finite");
   m.def("have_avx512", &have_avx512, "whether the AVX-512 path is compiled in and enabled");

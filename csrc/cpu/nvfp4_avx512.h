@@ -270,6 +270,22 @@ static inline __m512i ufp4_codes16(__m512 y) {
   return _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(15));
 }
 
+// Stochastic ufp4 codes of 16 scaled values (fp4::ufp4_encode_sr on every lane): |y| clamped to 1.5, the
+// pattern less (120 << 23) plus the top 22 random bits, shifted down by 22; below 2^-7 code 0.
+static inline __m512i ufp4_codes16_sr(__m512 y, __m512i rnd) {
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(1.5f));
+  const __m512i x = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(120 << 23));
+  const __m512i c = _mm512_srai_epi32(_mm512_add_epi32(x, _mm512_srli_epi32(rnd, 10)), 22);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.0078125f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_epi32((__mmask16)~tiny, c);
+}
+
+// NVFP4 or ufp4 codes of 16 scaled values, nearest or stochastic (bits sr_bits(key, idx0 + j)).
+static inline __m512i nv_codes16(__m512 y, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0) {
+  if (ufp4) return stochastic ? ufp4_codes16_sr(y, sr_bits16(key, idx0)) : ufp4_codes16(y);
+  return stochastic ? e2m1_codes16_sr(y, sr_bits16(key, idx0)) : e2m1_codes16(y);
+}
+
 // E4M3 codes of 16 values (nearest even, saturating at 448, sign kept), as int32 lanes.
 static inline __m512i e4m3_codes16(__m512 y) {
   const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(y), 24), _mm512_set1_epi32(0x80));
@@ -292,12 +308,12 @@ static inline __m512 e4m3_values16(__m512i c) {
 }
 
 // NVFP4 (or ufp4) codes of 16 values times the block multiplier k, packed into 8 bytes; stochastic rounding
-// (NVFP4 only) draws from sr_bits(key, idx0 + j).
+// draws from sr_bits(key, idx0 + j).
 template <typename T>
 static inline void encode_row16(const T* p, int cnt, float k, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0,
                                 uint8_t* out) {
   const __m512 y = _mm512_mul_ps(load16(p, cnt), _mm512_set1_ps(k));
-  const __m512i codes = ufp4 ? ufp4_codes16(y) : (stochastic ? e2m1_codes16_sr(y, sr_bits16(key, idx0)) : e2m1_codes16(y));
+  const __m512i codes = nv_codes16(y, ufp4, stochastic, key, idx0);
   const uint64_t packed = pack16(codes);
   memcpy(out, &packed, 8);
 }

@@ -46,7 +46,8 @@ inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic,
   for (int j = 0; j < 16; ++j) {
     const float y = (j < cnt ? load(p, j) : 0.0f) * k;
     if (ufp4)
-      codes[j] = fp4::ufp4_encode(fp4::fabs_(y));
+      codes[j] = stochastic ? fp4::ufp4_encode_sr(fp4::fabs_(y), fp4::sr_bits(key, index0 + j))
+                            : fp4::ufp4_encode(fp4::fabs_(y));
     else
       codes[j] = fp4::e2m1_encode(y, stochastic, stochastic ? fp4::sr_bits(key, index0 + j) : 0u);
   }
@@ -74,7 +75,7 @@ inline void encode_rows4(const T* p, const float* k, bool ufp4, bool stochastic,
   __m512i c[4];
   for (int q = 0; q < 4; ++q) {
     const __m512 y = _mm512_mul_ps(load16(p + 16 * q, 16), _mm512_set1_ps(k[q]));
-    c[q] = ufp4 ? ufp4_codes16(y) : stochastic ? e2m1_codes16_sr(y, sr_bits16(key, idx0 + 16 * q)) : e2m1_codes16(y);
+    c[q] = nv_codes16(y, ufp4, stochastic, key, idx0 + 16 * q);
   }
   _mm256_storeu_si256((__m256i*)out, pack64(c[0], c[1], c[2], c[3]));
 }

@@ -127,6 +127,15 @@ def ufp4_encode(y: torch.Tensor) -> torch.Tensor:
     return torch.where(a < UFP4_MIN, torch.zeros_like(code), code).clamp_(0, 15)
 
 
+def ufp4_encode_sr(y: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding of y >= 0 (already scaled) to a ufp4 code (fp4_codec.h's ufp4_encode_sr): the fp32
+    pattern less 120 << 23 is the code above 22 fraction bits (one kept mantissa bit, as E2M1 above 1), plus the
+    top 22 random bits; below 2^-7 -> code 0."""
+    a = y.clamp(max=UFP4_MAX)
+    code = ((_bits(a).to(torch.int64) - (120 << 23) + (rand.to(torch.int64) >> 10)) >> 22).to(torch.int32)
+    return torch.where(a < UFP4_MIN, torch.zeros_like(code), code)
+
+
 def ufp4_values(device=None) -> torch.Tensor:
     c = torch.arange(16, dtype=torch.float64)
     val = torch.pow(2.0, torch.div(c, 2, rounding_mode="floor") - 7) * (1 + (c % 2) / 2)

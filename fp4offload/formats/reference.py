@@ -131,7 +131,9 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     s_enc_b = torch.where(live, _div(1.0, torch.where(live, scale_val * s_dec[scope_of_block], 1.0)), 0.0)
     s_enc_b = s_enc_b.clamp(max=B.F32_MAX)  # the reciprocal may overflow when the tensor scale was clamped
     y = blocks * s_enc_b[:, None]
-    if ufp4:
+    if ufp4 and stochastic:
+        codes = B.ufp4_encode_sr(y.abs(), B.random_bits(seed, stream, index))
+    elif ufp4:
         codes = B.ufp4_encode(y.abs())
     else:
         codes = _e2m1_codes(y, stochastic, seed, stream, index)

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import metrics
-from ..config import STATE_MIN_NUMEL
+from ..config import STATE_MIN_NUMEL, V_ROUNDING_DEFAULT
 from ..errors import ConfigError
 from ..ops import backend_for
 from . import convert, fused
@@ -49,6 +49,8 @@ class FP4AdamW(Optimizer):
         lr, betas, eps, weight_decay, maximize: as torch.optim.AdamW (weight_decay default 1e-2).
         m_rounding: ``"stochastic"`` (default) or ``"nearest"`` (benchmarks/RESULTS.md, "Accuracy", compares
             them with fp32 AdamW).
+        v_rounding: rounding of the stored sqrt(v), ``"nearest"`` or ``"stochastic"`` (default
+            config.V_ROUNDING_DEFAULT; docs/numerics.md, "Rounding of the optimizer states", says why).
         v_format: ``"ufp4"`` (default: u = sqrt(v) in the zero-free unsigned code) or ``"nvfp4"`` (v itself in
             NVFP4, the ablation's baseline; it flushes small v to zero).
         min_numel: parameters with fewer elements keep fp32 states (default 4096, config.STATE_MIN_NUMEL).
@@ -112,7 +114,7 @@ class FP4AdamW(Optimizer):
     gradient-norm source are not copied; a ``tensor_key`` that cannot be pickled, e.g. a lambda, makes pickle
     fail with Python's error, deepcopy keeps the same function).
 
-    Per-group options: lr, betas, eps, weight_decay, maximize, m_rounding, v_format, min_numel.
+    Per-group options: lr, betas, eps, weight_decay, maximize, m_rounding, v_rounding, v_format, min_numel.
 
     Metrics (fp4offload.metrics): ``optim.steps``, ``optim.skipped_steps``, timers ``optim.time.step`` /
     ``.compute`` / ``.nvme_read_wait`` / ``.nvme_write_wait`` / ``.d2h_wait``, counters ``optim.nvme.bytes_read``
@@ -134,7 +136,8 @@ class FP4AdamW(Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
-                 m_rounding: str = "stochastic", v_format: str = "ufp4", min_numel: int = STATE_MIN_NUMEL,
+                 m_rounding: str = "stochastic", v_rounding: str = V_ROUNDING_DEFAULT, v_format: str = "ufp4",
+                 min_numel: int = STATE_MIN_NUMEL,
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
                  nvme_io: str = "auto", nvme_keep: bool | None = None,
                  tensor_key: Callable[[torch.Tensor], str | None] | None = None,
@@ -146,6 +149,7 @@ class FP4AdamW(Optimizer):
         check_unsupported(dict(amsgrad=amsgrad, foreach=foreach, fused=fused, capturable=capturable,
                                differentiable=differentiable))
         nvme_path = check_arguments(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, m_rounding=m_rounding,
+                                    v_rounding=v_rounding,
                                     v_format=v_format, min_numel=min_numel, state_device=state_device,
                                     nvme_path=nvme_path, nvme_io=nvme_io, tensor_key=tensor_key, backend=backend,
                                     working_copy=working_copy, master=master, maximize=maximize,
@@ -153,7 +157,8 @@ class FP4AdamW(Optimizer):
                                     skip_nonfinite=skip_nonfinite, metrics_every=metrics_every,
                                     master_device=master_device)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
-                        m_rounding=m_rounding, v_format=v_format, min_numel=int(min_numel), seed=int(seed))
+                        m_rounding=m_rounding, v_rounding=v_rounding, v_format=v_format, min_numel=int(min_numel),
+                        seed=int(seed))
         super().__init__(params, defaults)
         self.state_device = state_device
         self.backend = backend
@@ -472,7 +477,8 @@ class FP4AdamW(Optimizer):
             self._copies.finish(p, w, bf)
             return sample
         args = dict(sc=sc, maximize=group["maximize"], v_format=st["v_format"],
-                    stochastic=group["m_rounding"] == "stochastic", seed=R.sr_seed(group["seed"], t))
+                    stochastic=group["m_rounding"] == "stochastic", v_stochastic=group["v_rounding"] == "stochastic",
+                    seed=R.sr_seed(group["seed"], t))
         bf = self._copies.bf16_out(p, w, p.is_cuda and w.device.type == "cpu" and p.dtype == torch.bfloat16,
                                    self._tier.pinned(p))
         stream = self._stream_id(p, pid)
@@ -556,7 +562,8 @@ class FP4AdamW(Optimizer):
                 st["master_odd"] = odd
             return
         args = dict(sc=sc, maximize=group["maximize"], v_format=st["v_format"],
-                    stochastic=group["m_rounding"] == "stochastic", seed=seed)
+                    stochastic=group["m_rounding"] == "stochastic", v_stochastic=group["v_rounding"] == "stochastic",
+                    seed=seed)
         # the fused step (C++ on the CPU, the CUDA kernel on the GPU: same signature, same bits) or the reference
         ext = self._cpu_ext() if h.device.type == "cpu" else self._cuda_ext() if h.is_cuda else None
         odd_parts: list[torch.Tensor] = []
@@ -581,7 +588,7 @@ class FP4AdamW(Optimizer):
                         h[s0:s1], lo, odd.to(h.device), g.contiguous(), *m, *v,
                         sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, sc.weight_decay,
                         args["maximize"], args["v_format"] == "nvfp4", args["stochastic"], seed,
-                        R.sr_stream(stream, s), 1 if split else 2)
+                        R.sr_stream(stream, s), 1 if split else 2, v_stochastic=args["v_stochastic"])
                 else:  # the reference step (torch ops) on the rebuilt fp32 master of this segment
                     x = MW.join(h[s0:s1], lo, odd) if split else h[s0:s1].float()
                     self._compute(x, g, m, v, args, R.sr_stream(stream, s), h[s0:s1] if split else None)
@@ -633,13 +640,13 @@ class FP4AdamW(Optimizer):
             return ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
                                   sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"],
                                   args["v_format"] == "nvfp4", args["stochastic"], args["seed"], stream0, bf,
-                                  **region_kernel_args(regions))
+                                  **region_kernel_args(regions), v_stochastic=args["v_stochastic"])
         kern = backend_for(w.device)
         for k, (s0, s1) in enumerate(R.segment_ranges(w.numel())):
             R.packed_step(w[s0:s1], g[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1), sc,
                           v_format=args["v_format"], m_stochastic=args["stochastic"], seed=args["seed"],
                           stream=stream0 + k, maximize=args["maximize"], kern=kern,
-                          bf16_out=None if bf is None else bf[s0:s1])
+                          bf16_out=None if bf is None else bf[s0:s1], v_stochastic=args["v_stochastic"])
 
     def _sampler(self, w, g, m: R.Packed, v: R.Packed, args):
         """Snapshot chunk 0 before the step; the returned function measures the stored states' error after it."""

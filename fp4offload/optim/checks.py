@@ -61,7 +61,7 @@ def check_bool(key: str, value: Any) -> None:
 def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: Any) -> None:
     """The per-group options (GROUP_OPTIONS) present in ``hp``: Adam's numbers by
     fp4offload.config.check_adam_hyperparameters (finite, in range, betas a pair; lr may be a one-element tensor),
-    maximize a bool, m_rounding and v_format choices, min_numel an integer >= 1, seed an integer >= 0.
+    maximize a bool, m_rounding, v_rounding and v_format choices, min_numel an integer >= 1, seed an integer >= 0.
     Errors name ``prefix + key`` (``lr``, ``param_groups[1].betas[0]``)."""
     adam = {k: _scalar(prefix + k, hp[k]) for k in ("lr", "betas", "eps", "weight_decay") if k in hp}
     check_adam_hyperparameters(prefix, **adam, defaults=defaults)
@@ -69,6 +69,8 @@ def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: 
         check_bool(prefix + "maximize", hp["maximize"])
     if "m_rounding" in hp:
         check_choice(prefix + "m_rounding", hp["m_rounding"], ROUNDINGS)
+    if "v_rounding" in hp:
+        check_choice(prefix + "v_rounding", hp["v_rounding"], ROUNDINGS)
     if "v_format" in hp:
         check_choice(prefix + "v_format", hp["v_format"], V_FORMATS, "ufp4 stores sqrt(v) and is the default")
     if "min_numel" in hp:
@@ -78,7 +80,8 @@ def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: 
 
 
 #: the options a param group may set (FP4AdamW's docstring, "Per-group options"; seed is a default too)
-GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "maximize", "m_rounding", "v_format", "min_numel", "seed")
+GROUP_OPTIONS = ("lr", "betas", "eps", "weight_decay", "maximize", "m_rounding", "v_rounding", "v_format", "min_numel",
+                 "seed")
 
 
 def check_param_group(group: Any, index: int, defaults: dict | None = None) -> None:
@@ -91,6 +94,7 @@ def check_param_group(group: Any, index: int, defaults: dict | None = None) -> N
 
 def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_numel, state_device, nvme_path,
                     nvme_io, tensor_key, backend, working_copy, master="fp32", maximize=False, nvme_threads=4,
+                    v_rounding="nearest",
                     nvme_reserve_bytes=0, seed=0, skip_nonfinite=True, metrics_every=100, master_device="same"):
     """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one.
 
@@ -99,7 +103,8 @@ def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_n
     resolved, created only under an existing parent). Returns ``nvme_path``: the resolved folder for
     ``state_device="nvme"``, else as given (unused)."""
     check_hyperparameters("", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
-                          m_rounding=m_rounding, v_format=v_format, min_numel=min_numel, seed=seed)
+                          m_rounding=m_rounding, v_rounding=v_rounding, v_format=v_format, min_numel=min_numel,
+                          seed=seed)
     check_choice("state_device", state_device, OPTIMIZER_DEVICES)
     if state_device == "nvme" and nvme_path is None:
         raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")

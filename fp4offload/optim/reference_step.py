@@ -21,7 +21,8 @@ Per element, fp32, each line one correctly rounded operation (no fused multiply-
 7. ``d = (u * rsbc2) + eps``
 8. ``p = p - ((m / d) * step_size)``
 9. store: m -> NVFP4 1x16 with one fp32 scale per chunk of ``CHUNK`` elements (docs/design.md 3.3), nearest or
-   stochastic rounding; u -> ufp4 1x16 per chunk (3.7), nearest; or v -> NVFP4 nearest for the ablation.
+   stochastic rounding; u -> ufp4 1x16 per chunk (3.7), nearest or stochastic (``v_rounding``); or v -> NVFP4
+   for the ablation.
    The update of step 8 uses the unquantized m and v of this step; only what is stored is rounded.
 10. optional working copies of the new weight: bf16 (round to nearest even, as ``Tensor.to(torch.bfloat16)``)
     and/or NVFP4 16x16 with one tensor scale (a second pass: the tensor scale needs the new amax of the
@@ -40,7 +41,8 @@ parameter with stream id ``pid`` (its position in the optimizer's parameter orde
 ``random_bits(seed, stream, i - s * SEGMENT)`` with ``seed = (base_seed * 0x01000193 + t) mod 2**32`` and
 ``stream = (pid * 2**16 + s) mod 2**32``. Every input is saved in the state dict (``step``, the base seed,
 the parameter order; named tensors are numbered in the order they are first stepped, which a resumed run
-repeats), so a resumed run draws the same bits.
+repeats), so a resumed run draws the same bits. The second moment, when rounded stochastically, draws its bits by
+the same rule from ``seed ^ V_SEED_XOR``: the same stream and index, independent bits.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from ..formats.layout import packed_sizes as layout_sizes
 
 CHUNK = 1024
 SEGMENT = 1 << 20
+V_SEED_XOR = 0x2545F491  # v's stochastic rounding: m's rule with seed ^ V_SEED_XOR (fp4_codec.h's kVSeedXor)
 BLOCK = 16
 
 
@@ -189,8 +192,9 @@ def adamw_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 
 def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, sc: StepScalars, *, v_format: str,
                 m_stochastic: bool, seed: int, stream: int, maximize: bool = False, kern=reference,
-                bf16_out: torch.Tensor | None = None) -> None:
+                bf16_out: torch.Tensor | None = None, v_stochastic: bool = False) -> None:
     """One AdamW step of a flat fp32 segment `param` (updated in place) with packed states m, v (updated in place).
+    `v_stochastic`: the second moment is stored with stochastic rounding (bits from ``seed ^ V_SEED_XOR``).
 
     `kern` is a codec backend (default: the torch reference); every backend gives the same bytes.
     `bf16_out`, when given, receives the new weight rounded to bf16.
@@ -207,10 +211,11 @@ def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, s
     if bf16_out is not None:
         bf16_out.copy_(p_new.to(torch.bfloat16))
     encode_into(kern, m_new, m, False, m_stochastic, seed, stream)
+    v_seed = (seed ^ V_SEED_XOR) if v_stochastic else 0
     if v_format == "ufp4":
-        encode_into(kern, u_new, v, True, False, 0, 0)
+        encode_into(kern, u_new, v, True, v_stochastic, v_seed, stream if v_stochastic else 0)
     else:
-        encode_into(kern, v_new, v, False, False, 0, 0)
+        encode_into(kern, v_new, v, False, v_stochastic, v_seed, stream if v_stochastic else 0)
 
 
 def fp32_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

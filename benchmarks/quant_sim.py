@@ -1,0 +1,120 @@
+"""AdamW with its moments stored through a 4-bit codec between steps, in plain torch ops: which state's rounding
+costs accuracy, and what a rounding rule does, before it goes into the kernels.
+
+The codec is FP4AdamW's layout (docs/design.md 3.3, 3.7): one fp32 scale per 1024-element chunk, one E4M3 scale
+per block of 16, and E2M1 codes (m, signed) or ufp4 codes (u = sqrt(v), unsigned, no zero). The arithmetic is
+fp32 AdamW (torch's formulas). Each state is stored with one of these rules:
+
+- ``none``: kept in fp32 (not quantized);
+- ``rn``: round to nearest;
+- ``sr``: stochastic rounding (up with probability equal to the position between the two grid neighbours);
+- ``dither``: subtractive dither. The same codes as ``sr`` (a code is ``floor(t + r)`` for the position ``t`` on
+  the code grid and a uniform ``r``), but the decoder, which can replay ``r`` from the seed, returns the
+  position ``k + 1/2 - r`` instead of the grid point ``k``: the stored value is then off by a uniform error
+  of half the variance of stochastic rounding's, independent of the value, and need not lie on the grid.
+
+This is a model of the kernels for ablations, not a second implementation: the block scales follow the
+codec's rules, but random bits come from torch's generator.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fp4offload.formats import bits as B
+
+CHUNK, BLOCK = 1024, 16
+RULES = ("none", "rn", "sr", "dither")
+
+
+def _position(a: torch.Tensor, unsigned: bool) -> torch.Tensor:
+    """The piecewise-linear position of magnitudes `a` on the code grid (grid point k at position k), clamped to
+    the grid's ends. E2M1: 0, 0.5, ..., 2 at 0-4, then steps of 1 to 4 and of 2 to 6. ufp4: the binade
+    [2^e, 2^(e+1)) holds 2^e and 1.5 * 2^e at positions 2(e+7) and 2(e+7)+1, e = -7..0."""
+    if unsigned:
+        a = a.clamp(min=2.0 ** -7, max=1.5)
+        mant, exp = torch.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1)
+        return 2.0 * (exp - 1 + 7).float() + 2.0 * (2.0 * mant - 1.0)
+    a = a.clamp(max=6.0)
+    return torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, 0.5 * a + 4))
+
+
+def _value(t: torch.Tensor, unsigned: bool) -> torch.Tensor:
+    """Inverse of _position, extended linearly past the ends (a dithered position may lie half a step outside)."""
+    if unsigned:
+        k = torch.floor(t / 2).clamp(0, 7)
+        return torch.ldexp(1.0 + (t - 2 * k) / 2, (k - 7).to(torch.int32))
+    return torch.where(t < 4, t / 2, torch.where(t < 6, t - 2, 2 * t - 8))
+
+
+def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator) -> torch.Tensor:
+    """x (flat fp32) stored with `rule` and read back."""
+    if rule == "none":
+        return x
+    n = x.numel()
+    pad = (-n) % CHUNK
+    X = torch.nn.functional.pad(x, (0, pad)).view(-1, CHUNK // BLOCK, BLOCK)
+    emax = 1.5 if unsigned else 6.0
+    top = 15 if unsigned else 7
+    amax_c = X.abs().amax(dim=(1, 2), keepdim=True)
+    s_enc = torch.where(amax_c > 0, emax * 448.0 / amax_c.clamp(min=1e-38), torch.zeros_like(amax_c))
+    s_dec = torch.where(s_enc > 0, 1.0 / s_enc.clamp(min=1e-38), torch.zeros_like(s_enc))
+    amax_b = X.abs().amax(dim=2, keepdim=True)
+    sb = B.e4m3_table()[B.e4m3_encode((amax_b / emax * s_enc).clamp(max=448.0)).long()]
+    step = sb * s_dec  # the value of grid unit 1 in this block
+    y = torch.where(step > 0, X / step.clamp(min=1e-38), torch.zeros_like(X))
+    t = _position(y.abs(), unsigned)
+    if rule == "rn":
+        q = _value(torch.floor(t + 0.5), unsigned)
+    else:
+        r = torch.rand(t.shape, generator=gen)
+        k = torch.floor(t + r).clamp(max=top)
+        q = _value(k, unsigned) if rule == "sr" else _value(k + 0.5 - r, unsigned)
+    q = q if unsigned else torch.copysign(q, y)
+    out = (q * step).flatten()[:n]
+    return out.clamp(min=0) if unsigned else out
+
+
+class QuantSimAdamW(torch.optim.Optimizer):
+    """torch AdamW (decoupled weight decay) whose m and sqrt(v) are stored with `m_rule` / `v_rule` after every
+    step (see the module docstring). Tensors under 4096 elements keep fp32 states, as in FP4AdamW."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 m_rule: str = "sr", v_rule: str = "rn", seed: int = 0, min_numel: int = 4096):
+        if m_rule not in RULES or v_rule not in RULES:
+            raise ValueError(f"rules must be in {RULES}, got m_rule={m_rule!r}, v_rule={v_rule!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.m_rule, self.v_rule, self.min_numel = m_rule, v_rule, min_numel
+        self.gen = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["m"] = torch.zeros(p.numel())
+                    st["v"] = torch.zeros(p.numel())
+                st["step"] += 1
+                t = st["step"]
+                g = p.grad.detach().float().flatten()
+                m = st["m"].mul(b1).add_(g, alpha=1 - b1)
+                v = st["v"].mul(b2).addcmul_(g, g, value=1 - b2)
+                w = p.detach().float().flatten()
+                w.mul_(1 - group["lr"] * group["weight_decay"])
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(group["eps"])
+                w.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
+                p.copy_(w.view_as(p))
+                quantize = p.numel() >= self.min_numel
+                st["m"] = roundtrip(m, self.m_rule, False, self.gen) if quantize else m
+                if quantize and self.v_rule != "none":
+                    u = roundtrip(v.sqrt(), self.v_rule, True, self.gen)
+                    st["v"] = u * u
+                else:
+                    st["v"] = v
