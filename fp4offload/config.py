@@ -9,7 +9,7 @@ DeepSpeed JSON::
 
     "fp4offload": {
       "optimizer_states": {"format": "nvfp4", "device": "cpu", "nvme_path": null,
-                           "rounding": "stochastic", "min_numel": 4096},
+                           "rounding": "stochastic", "v_rounding": "stochastic", "min_numel": 4096},
       "activations": {"format": "nvfp4", "device": "cpu", "nvme_path": null, "min_numel": 65536,
                       "modules": ["*.mlp"], "exclude": []},
       "weights": {"format": "nvfp4", "device": "cpu",
@@ -465,7 +465,9 @@ class OptimizerStatesConfig:
             ``offload_optimizer.device`` is ``"cpu"``). ``"cpu"``: pinned host RAM. ``"nvme"``:
             files under ``nvme_path``, staged through pinned host buffers.
         nvme_path: directory for the state files; required when device is ``"nvme"``. Default None.
-        rounding: rounding of m, ``"stochastic"`` (default) or ``"nearest"``; v always rounds to nearest.
+        rounding: rounding of m, ``"stochastic"`` (default) or ``"nearest"``.
+        v_rounding: rounding of the stored sqrt(v), ``"nearest"`` or ``"stochastic"`` (default
+            :data:`V_ROUNDING_DEFAULT`; docs/numerics.md, "Rounding of the optimizer states").
         min_numel: tensors with fewer elements keep fp32 states. Elements; default 4096.
         master: how the master weight is held (FP4AdamW's ``master``, docs/numerics.md "Master weights"):
             ``"fp32"`` (default: DeepSpeed's fp32 partition), ``"split"`` (a bf16 partition plus a 16-bit
@@ -482,6 +484,7 @@ class OptimizerStatesConfig:
     device: str = "same"
     nvme_path: str | None = None
     rounding: str = "stochastic"
+    v_rounding: str = V_ROUNDING_DEFAULT
     min_numel: int = STATE_MIN_NUMEL
     master: str = "fp32"
     master_device: str = "same"
@@ -491,6 +494,7 @@ class OptimizerStatesConfig:
         _check_choice("optimizer_states.device", self.device, OPTIMIZER_DEVICES)
         _check_path("optimizer_states.nvme_path", self.nvme_path)
         _check_choice("optimizer_states.rounding", self.rounding, ROUNDINGS)
+        _check_choice("optimizer_states.v_rounding", self.v_rounding, ROUNDINGS)
         _check_choice("optimizer_states.master", self.master, MASTER_FORMS)
         if self.master != "fp32" and self.format != "nvfp4":
             raise _error("optimizer_states.master", self.master, "'fp32' with format 'fp32'",
