@@ -7,6 +7,8 @@ values. Non-finite values compare by position (a GPU's NaN payload differs from 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _codec_data import codec_data, rows_cols
@@ -19,7 +21,7 @@ SHAPES = [(0,), (1,), (7,), (16,), (17,), (33,), (1000,), (4097,), (3, 5), (16, 
           (64, 48), (130, 257), (3, 1000003 // 3), (257, 1031)]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 NV_VARIANTS = ["nv-1x16", "nv-16x16", "nv-scope64", "nv-scope48", "nv-scope4096", "nv-sr", "nv-16x16-sr", "ufp4",
-               "ufp4-scope64"]
+               "ufp4-scope64", "ufp4-sr", "ufp4-scope1024-sr", "ufp4-16x16-sr"]
 MX_VARIANTS = ["mxfp4", "mxfp4-floor", "mxfp4-sr", "mxfp8", "mxfp8-floor"]
 
 
@@ -60,7 +62,7 @@ def _nv_args(variant, shape, dtype):
         x = x.abs()
     rows, cols = _rows_cols(shape)
     tile = 16 if "16x16" in variant else 1
-    scope = int(variant.split("scope")[1]) if "scope" in variant else 0
+    scope = int(re.search(r"scope(\d+)", variant).group(1)) if "scope" in variant else 0
     return x, rows, cols, tile, scope, variant.startswith("ufp4"), variant.endswith("sr")
 
 
@@ -170,12 +172,16 @@ def test_amax_override(tile, scope, cu):
     assert not torch.equal(ref[2], reference.nvfp4_encode(*args)[2])
 
 
-def test_stochastic_rounding_depends_on_seed_and_stream(cu):
+@pytest.mark.parametrize("ufp4", [False, True], ids=["e2m1", "ufp4"])
+def test_stochastic_rounding_depends_on_seed_and_stream(cu, ufp4):
     x = _data((4096,), torch.float32, 1).cuda()
-    a = cu.nvfp4_encode(x, 1, 4096, 1, 0, False, True, 1, 0, False)[0]
-    assert torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, False, True, 1, 0, False)[0])
-    assert not torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, False, True, 2, 0, False)[0])
-    assert not torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, False, True, 1, 1, False)[0])
+    if ufp4:
+        x = x.abs()
+    a = cu.nvfp4_encode(x, 1, 4096, 1, 0, ufp4, True, 1, 0, False)[0]
+    assert torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, ufp4, True, 1, 0, False)[0])
+    assert not torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, ufp4, True, 2, 0, False)[0])
+    assert not torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, ufp4, True, 1, 1, False)[0])
+    assert not torch.equal(a, cu.nvfp4_encode(x, 1, 4096, 1, 0, ufp4, False, 1, 0, False)[0])
 
 
 def test_extremes_bytes_equal(cu):

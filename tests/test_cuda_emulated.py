@@ -6,7 +6,8 @@ ctypes on CPU tensors. This proves the work split, the index arithmetic of every
 reductions (including that every shuffle is warp-uniform), the scope reduction modes, the vector and
 scalar load/store paths and the launch sequence; the GPU itself is tested by tests/test_cuda_backend.py.
 The fused CUDA FP4AdamW step (csrc/cuda/adam_kernels.cu) runs the same way against the reference step,
-through tests/test_optim_fused.py's checks (the GPU run is tests/test_optim_cuda.py).
+through tests/test_optim_fused.py's checks, and against the reference and the CPU step together for the
+compact masters and for sqrt(v)'s stochastic rounding (the GPU run is tests/test_optim_cuda.py).
 """
 
 from __future__ import annotations
@@ -179,10 +180,12 @@ def _nonfinite(x, variant, nan_at, inf_at, inf):
     return prop
 
 
-# (shape, variant): 1x16 with whole/per-warp/per-block scopes, tiles with ragged edges, SR, ufp4, non-finite
+# (shape, variant): 1x16 with whole/per-warp/per-block scopes, tiles with ragged edges, SR, ufp4 (nearest and SR),
+# non-finite
 NV_CASES = [((0,), "nv"), ((17,), "nv"), ((33, 7), "nv-16x16"), ((130, 257), "nv"), ((130, 257), "nv-16x16"),
             ((5000,), "nv-scope48"), ((5000,), "nv-scope256"), ((40, 100), "nv-scope4096"), ((2, 3, 50), "nv-sr"),
-            ((37, 41), "nv-16x16-sr"), ((1000,), "ufp4-scope64"), ((600,), "nv-nonfinite"),
+            ((37, 41), "nv-16x16-sr"), ((1000,), "ufp4-scope64"), ((2, 3, 50), "ufp4-sr"),
+            ((5000,), "ufp4-scope256-sr"), ((37, 41), "ufp4-16x16-sr"), ((600,), "nv-nonfinite"),
             ((20, 30), "nv-16x16-nonfinite")]
 MX_CASES = [((0,), "mxfp4"), ((33,), "mxfp4"), ((130, 257), "mxfp4-floor"), ((4097,), "mxfp4-sr"),
             ((1000,), "mxfp8"), ((2, 3, 50), "mxfp8-floor"), ((600,), "mxfp4-nonfinite"), ((600,), "mxfp8-nonfinite")]
@@ -254,6 +257,26 @@ def test_amax_override_matches_reference(tile, scope, emu):
     assert not torch.equal(ref[2], reference.nvfp4_encode(*args)[2])
 
 
+@pytest.mark.parametrize("n", [1000, 4096 + 17])
+def test_ufp4_stochastic_encode_matches_reference(n, emu):
+    """ufp4 with stochastic rounding (the second moment's codec): the reference's bytes for several seeds and
+    streams (its bits are E2M1's: sr_key(seed, stream, index >> 32), sr_bits at the element's index), different
+    from the nearest codes, with the same scales; another seed or stream draws other bits."""
+    x = _data((n,), torch.float32, n).abs()
+    near = reference.nvfp4_encode(x, 1, n, 1, 1024, True, False, 0, 0, False)
+    codes = {}
+    for seed, stream in ((1, 0), (0x2545F491, 7), (12345, 65536 * 3 + 1)):
+        ref = reference.nvfp4_encode(x, 1, n, 1, 1024, True, True, seed, stream, False)
+        got = nv_encode(emu, x, 1, n, 1, 1024, True, True, seed, stream, False)
+        _eq_each(ref, got, "ufp4 sr", seed, stream)
+        _eq_each(near[1:], got[1:], "ufp4 sr scales", seed, stream)
+        assert not torch.equal(got[0], near[0])
+        codes[(seed, stream)] = got[0]
+    a, b, c = codes.values()
+    assert not torch.equal(a, b) and not torch.equal(a, c)
+    assert emu.e_divergent() == 0
+
+
 _PACK_API = r"""
 #include "fp4_codec.h"
 extern "C" {
@@ -317,9 +340,10 @@ def emu_adam(tmp_path_factory):
     so = _emu_library(tmp_path_factory.mktemp("cuda_emu_adam"),
                       {"adam.cpp": src + '\nextern "C" long e_divergent() { return emu::S().divergent; }\n'})
     P, Int, U, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_int64
-    so.fp4adam_fused_step_cuda.argtypes = [P, P, Int, I64, P, P, P, P, P, P, P, Int, Int, Int, Int, U, U, P, P]
+    so.fp4adam_fused_step_cuda.argtypes = [P, P, Int, I64, P, P, P, P, P, P, P, Int, Int, Int, Int, U, U, P, Int,
+                                           P]
     so.fp4adam_fused_step_master_cuda.argtypes = [P, P, P, I64, P, Int, P, Int, I64, P, P, P, P, P, P, P, Int, Int,
-                                                  Int, Int, U, U, P]
+                                                  Int, Int, U, U, Int, P]
     so.e_divergent.restype = ctypes.c_long
 
     def scalars(*xs):
@@ -328,17 +352,20 @@ def emu_adam(tmp_path_factory):
     class Ext:
         @staticmethod
         def fused_step(param, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size, rsbc2,
-                       weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, bf16_out=None):
+                       weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, bf16_out=None,
+                       v_stochastic=False):
             sc = scalars(b1, omb1, b2, omb2, eps, decay, step_size, rsbc2)
             rc = so.fp4adam_fused_step_cuda(_p(param), _p(grad), int(grad.dtype == torch.bfloat16), param.numel(),
                                             _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(sc),
                                             int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic),
-                                            seed & 0xFFFFFFFF, stream0 & 0xFFFFFFFF, _p(bf16_out), None)
+                                            seed & 0xFFFFFFFF, stream0 & 0xFFFFFFFF, _p(bf16_out),
+                                            int(v_stochastic), None)
             assert rc == 0 and so.e_divergent() == 0
 
         @staticmethod
         def fused_step_master(hi, lo, odd, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size,
-                              rsbc2, weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, mode):
+                              rsbc2, weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, mode,
+                              v_stochastic=False):
             n = hi.numel()
             nwords, nb = _cdiv(n, 32), _cdiv(n, 16)
             words = torch.full((nwords + 1,), -1, dtype=torch.int32)  # poison: the entry point clears it
@@ -348,7 +375,7 @@ def emu_adam(tmp_path_factory):
                 _p(hi), _p(lo), _p(pos), pos.numel(), _p(words) if mode == 1 else None, mode, _p(grad),
                 int(grad.dtype == torch.bfloat16), n, _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(sc),
                 int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic), seed & 0xFFFFFFFF,
-                stream0 & 0xFFFFFFFF, None)
+                stream0 & 0xFFFFFFFF, int(v_stochastic), None)
             assert rc == 0 and so.e_divergent() == 0
             if mode == 2 or n == 0:
                 return torch.zeros(0, dtype=torch.int64)
@@ -385,6 +412,103 @@ def test_fused_adam_kernel_special_values(kind, emu_adam):
     _run(emu_adam, 3001, "ufp4", True, torch.bfloat16, special=_special(kind), maximize=True)
 
 
+# ---- sqrt(v) (or v) with stochastic rounding (v_stochastic) -------------------------------------------------
+
+def _clone_packed(x: R.Packed) -> R.Packed:
+    return R.Packed(*(t.clone() for t in x))
+
+
+def _check_v_rounded_stochastically(ref_v: R.Packed, near_v: R.Packed, same: list) -> int:
+    """The reference's stored v with v_stochastic against the nearest rounding of the same step from the same
+    start: the scales agree and so does everything in `same` (pairs: the weights, m, ...; only v's codes may
+    move); returns how many v code bytes differ (a kernel that ignored v_stochastic would give the nearest ones)."""
+    for a, b in same:
+        assert torch.equal(a, b), "v's rounding changed something besides v's codes"
+    assert torch.equal(ref_v.scales, near_v.scales) and torch.equal(ref_v.tscale, near_v.tscale)
+    return int((ref_v.codes != near_v.codes).sum())
+
+
+def _ref_fp32_step(p, g, m, v, sc, *, v_format, m_sr, v_sr, seed, pid, maximize, bf):
+    for k, (s0, s1) in enumerate(R.segment_ranges(p.numel())):
+        R.packed_step(p[s0:s1], g[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1), sc,
+                      v_format=v_format, m_stochastic=m_sr, seed=seed, stream=R.sr_stream(pid, k), maximize=maximize,
+                      bf16_out=bf[s0:s1], v_stochastic=v_sr)
+
+
+def _run_fp32(exts, n, v_format, m_sr, v_sr, gdt, *, wd=0.01, maximize=False, special=None, steps=3, pid=3):
+    """`steps` steps of each fused_step in `exts` (name -> extension) and of the reference (packed_step, segment
+    by segment) on the same fp32 master; asserts every byte of the weights, their bf16 copy and packed m and v
+    agrees after each step. With v_sr, also that v's codes are not those of nearest rounding."""
+    g0 = torch.Generator().manual_seed(n)
+    p0 = torch.randn(n, generator=g0)
+    runs = {name: [p0.clone(), R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")] for name in ("ref", *exts)}
+    moved = 0
+    for t in range(1, steps + 1):
+        g = torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)
+        if special is not None:
+            g = special(g, t)
+        g = g.to(gdt)
+        sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=t)
+        seed = R.sr_seed(7, t)
+        kw = dict(v_format=v_format, m_sr=m_sr, seed=seed, pid=pid, maximize=maximize)
+        if v_sr:  # the step with v rounded to nearest, from the same start
+            p, m, v = runs["ref"]
+            near = [p.clone(), _clone_packed(m), _clone_packed(v)]
+            _ref_fp32_step(near[0], g, *near[1:], sc, v_sr=False, bf=torch.empty(n, dtype=torch.bfloat16), **kw)
+        bfs = {}
+        for name, (p, m, v) in runs.items():
+            bfs[name] = bf = torch.empty(n, dtype=torch.bfloat16)
+            if name == "ref":
+                _ref_fp32_step(p, g, m, v, sc, v_sr=v_sr, bf=bf, **kw)
+            else:
+                exts[name].fused_step(p, g, *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size,
+                                      sc.rsbc2, sc.weight_decay, maximize, v_format == "nvfp4", m_sr, seed,
+                                      R.sr_stream(pid, 0), bf, v_stochastic=v_sr)
+        ref = runs["ref"]
+        nan = ref[0].isnan()  # NaN weights: torch's bf16 cast keeps the payload, the kernels write 0x7FC0
+        for name in exts:
+            got = runs[name]
+            assert torch.equal(ref[0].view(torch.int32), got[0].view(torch.int32)), f"{name}: weights, step {t}"
+            assert torch.equal(bfs["ref"][~nan].view(torch.int16), bfs[name][~nan].view(torch.int16)), name
+            assert bool(bfs[name][nan].isnan().all()), name
+            for what, a, b in zip(("m codes", "m scales", "m chunk scales", "v codes", "v scales",
+                                   "v chunk scales"), (*ref[1], *ref[2]), (*got[1], *got[2])):
+                assert torch.equal(a, b), f"{name}: {what} differ at step {t} (n={n}, v_stochastic={v_sr})"
+        if v_sr:
+            moved += _check_v_rounded_stochastically(
+                ref[2], near[2], [(ref[0].view(torch.int32), near[0].view(torch.int32)), *zip(ref[1], near[1])])
+    assert ref[0].nan_to_num().abs().sum() > 0 and ref[1].codes.any()
+    assert moved > 0 or not v_sr
+
+
+# (n, v format, m stochastic, grad dtype, weight decay, maximize): both v formats with m nearest and stochastic,
+# ragged sizes (5003 % 16 = 11; 3 * 1024 + 7), bf16 gradients, and two segments once (one step; both keys change
+# at the boundary)
+V_SR_CASES = [(n, vf, sr, torch.float32, 0.01, False) for n, (vf, sr) in
+              zip([17, 1024 + 1, 5003, 5003], itertools.product(["ufp4", "nvfp4"], [False, True]))]
+V_SR_CASES += [(3 * 1024 + 7, "ufp4", True, torch.bfloat16, 0.1, True),
+               (3 * 1024 + 7, "nvfp4", False, torch.bfloat16, 0.0, False),
+               (R.SEGMENT + 1043, "ufp4", True, torch.float32, 0.01, False)]
+
+
+@pytest.mark.parametrize("n,v_format,m_sr,gdt,wd,maximize", V_SR_CASES,
+                         ids=[f"{c[0]}-{c[1]}-m_{'sr' if c[2] else 'nearest'}-{str(c[3])[6:]}" for c in V_SR_CASES])
+def test_fused_adam_kernel_v_stochastic_matches_cpu_and_reference(n, v_format, m_sr, gdt, wd, maximize, emu_adam,
+                                                                  cpu_ext):
+    """v_stochastic: the emulated kernel, the CPU step and the reference store the same bytes (v's bits from
+    seed ^ kVSeedXor, m's index), and v's codes are not the nearest ones."""
+    _run_fp32(_oracles(emu_adam, cpu_ext), n, v_format, m_sr, True, gdt, wd=wd, maximize=maximize,
+              steps=1 if n > R.SEGMENT else 3)
+
+
+@pytest.mark.parametrize("kind", ["overflow", "zeros"])
+def test_fused_adam_kernel_v_stochastic_special_values(kind, emu_adam, cpu_ext):
+    """v = Inf in some blocks (their codes are 0, the others still round stochastically) and all-zero blocks."""
+    from test_optim_fused import _special
+
+    _run_fp32(_oracles(emu_adam, cpu_ext), 3001, "ufp4", True, True, torch.float32, special=_special(kind))
+
+
 # ---- the compact masters (master="split" | "bf16") in the fused CUDA step ------------------------------
 
 def _plant_ties(x: torch.Tensor) -> torch.Tensor:
@@ -407,14 +531,16 @@ def _plant_specials(h, lo, split):
             lo[i] = r
 
 
-def _compact_reference(h, lo, odd, g, m, v, sc, *, split, v_format, stochastic, seed, pid, maximize):
+def _compact_reference(h, lo, odd, g, m, v, sc, *, split, v_format, stochastic, seed, pid, maximize,
+                       v_stochastic=False):
     """adamw.py's torch-op path, segment by segment (master.py and reference_step, normative)."""
     n = h.numel()
     new_odd = []
     for k, (s0, s1) in enumerate(R.segment_ranges(n)):
         x = MW.join(h[s0:s1], lo[s0:s1], MW.odd_in(odd, s0, s1)) if split else h[s0:s1].float()
         R.packed_step(x, g[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1), sc, v_format=v_format,
-                      m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k), maximize=maximize)
+                      m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k), maximize=maximize,
+                      v_stochastic=v_stochastic)
         if split:
             hh, r, o = MW.split(x)
             h[s0:s1], lo[s0:s1] = hh, r
@@ -424,10 +550,11 @@ def _compact_reference(h, lo, odd, g, m, v, sc, *, split, v_format, stochastic, 
     return torch.cat(new_odd) if new_odd else torch.zeros(0, dtype=torch.int64)
 
 
-def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, steps=3, pid=5):
+def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, steps=3, pid=5, v_stochastic=False):
     """`steps` steps of each fused_step_master in `exts` (name -> extension) and of the reference on the same
-    data from the same start; asserts every byte of hi, lo, odd and packed m and v agrees after each step.
-    Returns the number of odd positions before the first step and after the last."""
+    data from the same start; asserts every byte of hi, lo, odd and packed m and v agrees after each step (with
+    v_stochastic, also that v's codes are not those of nearest rounding). Returns the number of odd positions
+    before the first step and after the last."""
     split = mode == "split"
     g0 = torch.Generator().manual_seed(n)
     x0 = _plant_ties(torch.randn(n, generator=g0) * 0.02)
@@ -442,6 +569,7 @@ def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, s
             for name in ("ref", *exts)}
     still = (torch.arange(n) // 16) % 5 == 2  # whole blocks with zero gradients: m = v = 0, the update is 0
     odd_before = odd0.numel()
+    moved = 0
     for t in range(1, steps + 1):
         g = torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)
         if special is not None:
@@ -449,17 +577,24 @@ def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, s
         g = torch.where(still, torch.zeros_like(g), g).to(gdt)
         sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=t)
         seed = R.sr_seed(7, t)
+        kw = dict(split=split, v_format=v_format, stochastic=stochastic, seed=seed, pid=pid, maximize=False)
+        if v_stochastic:  # the step with v rounded to nearest, from the same start
+            near = [x.clone() for x in runs["ref"][:3]] + [_clone_packed(x) for x in runs["ref"][3:]]
+            near[2] = _compact_reference(*near[:3], g, *near[3:], sc, **kw)
         for name, run in runs.items():
             h, lo, odd, m, v = run
             if name == "ref":
-                run[2] = _compact_reference(h, lo, odd, g, m, v, sc, split=split, v_format=v_format,
-                                            stochastic=stochastic, seed=seed, pid=pid, maximize=False)
+                run[2] = _compact_reference(h, lo, odd, g, m, v, sc, v_stochastic=v_stochastic, **kw)
             else:
                 run[2] = exts[name].fused_step_master(
                     h, lo if split else None, odd, g, *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
                     sc.step_size, sc.rsbc2, sc.weight_decay, False, v_format == "nvfp4", stochastic, seed,
-                    R.sr_stream(pid, 0), 1 if split else 2)
+                    R.sr_stream(pid, 0), 1 if split else 2, v_stochastic=v_stochastic)
         ref = runs["ref"]
+        if v_stochastic:
+            moved += _check_v_rounded_stochastically(ref[4], near[4], [
+                (ref[0].view(torch.int16), near[0].view(torch.int16)), (ref[1], near[1]), (ref[2], near[2]),
+                *zip(ref[3], near[3])])
         for name in exts:
             got = runs[name]
             for what, a, b in (("hi", ref[0].view(torch.int16), got[0].view(torch.int16)), ("lo", ref[1], got[1]),
@@ -470,6 +605,7 @@ def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, s
                 assert torch.equal(a, b), f"{name}: {what} differ at step {t} (n={n}, {mode})"
     h = runs["ref"][0]
     assert not torch.equal(h.view(torch.int16), h0.view(torch.int16)) and runs["ref"][3].codes.any()
+    assert moved > 0 or not v_stochastic
     return odd_before, runs["ref"][2].numel()
 
 
@@ -520,6 +656,29 @@ def test_fused_adam_kernel_compact_master_special_values(kind, mode, emu_adam, c
 
     _run_master(_oracles(emu_adam, cpu_ext), 5003, mode, mode == "bf16", "ufp4", torch.float32, 0.1,
                 special=_special(kind))
+
+
+# (n, mode, m stochastic, v format, grad dtype) with v_stochastic: both masters and v formats, and two segments
+# once (bf16 mode: its weight key and both state keys change at the boundary)
+V_SR_MASTER_CASES = [(5003, mode, sr, vf, gdt) for mode in ("split", "bf16")
+                     for sr, vf, gdt in ((True, "ufp4", torch.float32), (False, "nvfp4", torch.bfloat16))]
+V_SR_MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ufp4", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("n,mode,stochastic,v_format,gdt", V_SR_MASTER_CASES,
+                         ids=[f"{c[1]}-{c[0]}-m_{'sr' if c[2] else 'nearest'}-{c[3]}-{str(c[4])[6:]}"
+                              for c in V_SR_MASTER_CASES])
+def test_fused_adam_kernel_compact_master_v_stochastic_matches_cpu_and_reference(n, mode, stochastic, v_format, gdt,
+                                                                                 emu_adam, cpu_ext):
+    _run_master(_oracles(emu_adam, cpu_ext), n, mode, stochastic, v_format, gdt, 0.1,
+                steps=1 if n > R.SEGMENT else 3, v_stochastic=True)
+
+
+def test_fused_adam_kernel_compact_master_v_stochastic_special_values(emu_adam, cpu_ext):
+    from test_optim_fused import _special
+
+    _run_master(_oracles(emu_adam, cpu_ext), 5003, "split", True, "ufp4", torch.float32, 0.1,
+                special=_special("overflow"), v_stochastic=True)
 
 
 def test_fused_adam_kernel_compact_master_refuses_bad_odd_positions(emu_adam):

@@ -15,8 +15,10 @@ def cuda_ext():
 
 
 @pytest.mark.parametrize("n", [1, 17, 1000, 1025, 70001, R.SEGMENT + 3000])
-@pytest.mark.parametrize("v_format,stochastic", [("ufp4", False), ("ufp4", True), ("nvfp4", False)])
-def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic):
+@pytest.mark.parametrize("v_format,stochastic,v_stochastic", [("ufp4", False, False), ("ufp4", True, False),
+                                                              ("nvfp4", False, False), ("ufp4", True, True),
+                                                              ("nvfp4", False, True)])
+def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic, v_stochastic):
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
     pa, pb = p.clone(), p.clone().cuda()
@@ -32,10 +34,10 @@ def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic):
             s1 = min(n, s0 + R.SEGMENT)
             R.packed_step(pa[s0:s1], g[s0:s1], R.segment_view(ma, s0, s1), R.segment_view(va, s0, s1), sc,
                           v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(2, k),
-                          bf16_out=bfa[s0:s1])
+                          bf16_out=bfa[s0:s1], v_stochastic=v_stochastic)
         cuda_ext.fused_step(pb, g.cuda(), *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size,
                             sc.rsbc2, sc.weight_decay, False, v_format == "nvfp4", stochastic, seed, R.sr_stream(2, 0),
-                            bfb)
+                            bfb, v_stochastic=v_stochastic)
         torch.cuda.synchronize()
         assert torch.equal(pa.view(torch.int32), pb.cpu().view(torch.int32))
         assert torch.equal(bfa.view(torch.int16), bfb.cpu().view(torch.int16))
@@ -50,10 +52,10 @@ class _OnGpu:
     def __init__(self, ext):
         self.ext = ext
 
-    def fused_step_master(self, hi, lo, odd, grad, *rest):
+    def fused_step_master(self, hi, lo, odd, grad, *rest, **kw):
         tensors = [hi, lo, grad, *rest[:6]]
         on_gpu = [None if t is None else t.cuda() for t in tensors]
-        new = self.ext.fused_step_master(*on_gpu[:2], odd, *on_gpu[2:], *rest[6:])  # odd from the host: moved
+        new = self.ext.fused_step_master(*on_gpu[:2], odd, *on_gpu[2:], *rest[6:], **kw)  # odd from the host: moved
         torch.cuda.synchronize()
         assert new.is_cuda and new.dtype == torch.int64
         for t, d in zip(tensors, on_gpu):
@@ -64,15 +66,19 @@ class _OnGpu:
 
 @pytest.mark.parametrize("n", [1, 17, 1025, 70001, R.SEGMENT + 3000])
 @pytest.mark.parametrize("mode", ["split", "bf16"])
-@pytest.mark.parametrize("stochastic,v_format,gdt", [(False, "ufp4", torch.float32), (True, "nvfp4", torch.bfloat16)])
-def test_cuda_fused_step_master_equals_cpu_and_reference(cuda_ext, n, mode, stochastic, v_format, gdt):
+@pytest.mark.parametrize("stochastic,v_format,gdt,v_stochastic", [(False, "ufp4", torch.float32, False),
+                                                                   (True, "nvfp4", torch.bfloat16, False),
+                                                                   (True, "ufp4", torch.bfloat16, True),
+                                                                   (False, "nvfp4", torch.float32, True)])
+def test_cuda_fused_step_master_equals_cpu_and_reference(cuda_ext, n, mode, stochastic, v_format, gdt, v_stochastic):
     """The compact masters in the CUDA kernel (the dense odd mask and its conversions included): the CPU
     fused_step_master's and the reference's bytes, with planted ties that stay odd in zero-gradient blocks."""
     from _extensions import fused_extension as fx
     from test_cuda_emulated import _run_master
 
     exts = {"cuda": _OnGpu(cuda_ext), "cpu": fx(cuda=False)}
-    before, after = _run_master(exts, n, mode, stochastic, v_format, gdt, 0.0, steps=2 if n > R.SEGMENT else 3)
+    before, after = _run_master(exts, n, mode, stochastic, v_format, gdt, 0.0, steps=2 if n > R.SEGMENT else 3,
+                                v_stochastic=v_stochastic)
     if mode == "split" and n > 48:
         assert before > 0 and after > 0
 
@@ -147,8 +153,9 @@ def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypa
         assert res[("cuda", "auto")][2].numel() >= 1000
 
 
+@pytest.mark.parametrize("v_rounding", ["nearest", "stochastic"])
 @pytest.mark.parametrize("tier", ["same", "cpu"])
-def test_gpu_params_match_cpu_params(tier, tmp_path):
+def test_gpu_params_match_cpu_params(tier, v_rounding, tmp_path):
     """GPU parameters with states on the GPU or on the host train bit-identically to CPU parameters."""
     from fp4offload import FP4AdamW
 
@@ -156,7 +163,7 @@ def test_gpu_params_match_cpu_params(tier, tmp_path):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(R.SEGMENT + 5000, device=device) * 0.1),
               torch.nn.Parameter(torch.randn(300, device=device))]
-        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device, m_rounding="stochastic")
+        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device, m_rounding="stochastic", v_rounding=v_rounding)
         for s in range(3):
             for i, p in enumerate(ps):
                 g = torch.Generator().manual_seed(10 * s + i)

@@ -4,6 +4,10 @@
 // CPU step; every scalar rule comes from csrc/fp4_codec.h. Build with --fmad=false (no contraction) and
 // without fast math: sqrtf and '/' are then IEEE round-to-nearest, as the reference requires.
 //
+// m is rounded to nearest or stochastically (m_stochastic: bits sr_key(seed, stream0 + segment, 0)), sqrt(v) (or v,
+// v_nvfp4) likewise (v_stochastic: the same rule from seed ^ fp4::kVSeedXor, so an element's two states draw
+// independent bits); the index of an element's bits is its position in its segment of 2^20.
+//
 // The master is a template parameter of the one kernel (the Adam math is written once):
 //   kFp32  - an fp32 tensor, updated in place (optionally with a bf16 copy);
 //   kSplit - master="split" (fp4offload/optim/master.py, normative): the bf16 parameter `hi`, the int16
@@ -49,7 +53,7 @@ struct Args {
   float *m_ts, *v_ts;
   uint16_t* bf16_out;
   Scalars s;
-  int weight_decay, maximize, v_nvfp4, m_stochastic;
+  int weight_decay, maximize, v_nvfp4, m_stochastic, v_stochastic;
   uint32_t seed, stream0;
 };
 
@@ -76,11 +80,11 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const float y = x[j] * k;
+      const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + j)) : 0u;
       uint8_t c;
       if (unsigned_) {
-        c = fp4::ufp4_encode(fp4::fabs_(y));
+        c = stochastic ? fp4::ufp4_encode_sr(fp4::fabs_(y), rnd) : fp4::ufp4_encode(fp4::fabs_(y));
       } else {
-        const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + j)) : 0u;
         c = fp4::e2m1_encode(y, stochastic, rnd);
       }
       w[j >> 3] |= fp4::word_slot(c, j & 7);
@@ -164,8 +168,10 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   const fp4::TensorScale mts = fp4::tensor_scale(m_chunk, fp4::kE2M1Max);
   const fp4::TensorScale uts = fp4::tensor_scale(u_chunk, a.v_nvfp4 ? fp4::kE2M1Max : fp4::kUfp4Max);
   const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 0u) : 0u;
+  const uint32_t vkey = a.v_stochastic ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, a.stream0 + (uint32_t)seg, 0u) : 0u;
   encode_block(m, m_amax, m_bad, mts, false, a.m_stochastic != 0, key, index0, a.m_codes + b * 8, a.m_scales + b);
-  encode_block(u, u_amax, u_bad, uts, a.v_nvfp4 == 0, false, 0u, 0u, a.v_codes + b * 8, a.v_scales + b);
+  encode_block(u, u_amax, u_bad, uts, a.v_nvfp4 == 0, a.v_stochastic != 0, vkey, index0, a.v_codes + b * 8,
+               a.v_scales + b);
   if (threadIdx.x == 0) {
     a.m_ts[c] = mts.dec;
     a.v_ts[c] = uts.dec;
@@ -196,7 +202,7 @@ int launch_step(const Args& a, cudaStream_t stream) {
 
 Args make_args(const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
                uint8_t* v_codes, uint8_t* v_scales, float* v_ts, const float* scalars8, int weight_decay,
-               int maximize, int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0) {
+               int maximize, int v_nvfp4, int m_stochastic, int v_stochastic, uint32_t seed, uint32_t stream0) {
   Args a;
   a.n = n;
   a.param = nullptr;
@@ -218,6 +224,7 @@ Args make_args(const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes, 
   a.maximize = maximize;
   a.v_nvfp4 = v_nvfp4;
   a.m_stochastic = m_stochastic;
+  a.v_stochastic = v_stochastic;
   a.seed = seed;
   a.stream0 = stream0;
   return a;
@@ -230,11 +237,11 @@ extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_
                                        uint8_t* m_scales, float* m_ts, uint8_t* v_codes, uint8_t* v_scales,
                                        float* v_ts, const float* scalars8, int weight_decay, int maximize,
                                        int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0,
-                                       uint16_t* bf16_out, void* stream) {
+                                       uint16_t* bf16_out, int v_stochastic, void* stream) {
   using namespace fp4adam_cuda;
   if (n <= 0) return 0;
   Args a = make_args(grad, grad_is_bf16, n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, scalars8, weight_decay,
-                     maximize, v_nvfp4, m_stochastic, seed, stream0);
+                     maximize, v_nvfp4, m_stochastic, v_stochastic, seed, stream0);
   a.param = param;
   a.bf16_out = bf16_out;
   return launch_step<kFp32>(a, static_cast<cudaStream_t>(stream));
@@ -250,7 +257,8 @@ extern "C" int fp4adam_fused_step_master_cuda(uint16_t* hi, int16_t* lo, const i
                                               int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
                                               uint8_t* v_codes, uint8_t* v_scales, float* v_ts,
                                               const float* scalars8, int weight_decay, int maximize, int v_nvfp4,
-                                              int m_stochastic, uint32_t seed, uint32_t stream0, void* stream) {
+                                              int m_stochastic, uint32_t seed, uint32_t stream0, int v_stochastic,
+                                              void* stream) {
   using namespace fp4adam_cuda;
   if (mode != kSplit && mode != kBf16) return (int)cudaErrorInvalidValue;
   const cudaStream_t st = static_cast<cudaStream_t>(stream);
@@ -267,7 +275,7 @@ extern "C" int fp4adam_fused_step_master_cuda(uint16_t* hi, int16_t* lo, const i
   }
   if (n <= 0) return 0;
   Args a = make_args(grad, grad_is_bf16, n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, scalars8, weight_decay,
-                     maximize, v_nvfp4, m_stochastic, seed, stream0);
+                     maximize, v_nvfp4, m_stochastic, v_stochastic, seed, stream0);
   a.hi = hi;
   if (mode == kSplit) {
     a.lo = lo;

@@ -20,7 +20,7 @@
 // software, so the result never depends on how the hardware signs a zero (NVIDIA's host emulation in
 // cuda_fp4.hpp keeps the sign, -0 -> 0x8, which is also the software rule) or a NaN (the emulation gives
 // +6, code 0x7, dropping the sign; the software rule keeps it). NaN magnitudes give code 7 either way.
-// Stochastic rounding and ufp4 always use the software rule.
+// Stochastic rounding and ufp4 (nearest or stochastic) always use the software rule.
 #include <cuda_runtime.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -237,7 +237,10 @@ __device__ __forceinline__ uint32_t encode_run(const float (&v)[N], float s, boo
   for (int j = 0; j < N; j += 2) {
     const float y0 = v[j] * s, y1 = v[j + 1] * s;
     uint32_t pair;
-    if (ufp4) {
+    if (ufp4 && stochastic) {  // the bits E2M1 would draw for these elements
+      pair = fp4::pack2(fp4::ufp4_encode_sr(fp4::fabs_(y0), fp4::sr_bits(key, index0 + j)),
+                        fp4::ufp4_encode_sr(fp4::fabs_(y1), fp4::sr_bits(key, index0 + j + 1)));
+    } else if (ufp4) {
       pair = fp4::pack2(fp4::ufp4_encode(fp4::fabs_(y0)), fp4::ufp4_encode(fp4::fabs_(y1)));
     } else if (stochastic) {
       pair = fp4::pack2(fp4::e2m1_encode(y0, true, fp4::sr_bits(key, index0 + j)),
@@ -623,7 +626,7 @@ cudaError_t nvfp4_encode(const void* x, DType dt, int64_t rows, int64_t cols, in
   EncodeArgs a;
   a.elem_max = elem_max;
   a.ufp4 = ufp4;
-  a.stochastic = stochastic && !ufp4;
+  a.stochastic = stochastic;
   a.propagate = propagate;
   a.vec = vec;
   a.seed = seed;

@@ -58,7 +58,8 @@ inline NvLayout nv_layout(int64_t rows, int64_t cols, int64_t tile, int64_t scop
 /// *nonfinite (the Inf/NaN count, as unsigned long long). `workspace` holds nscopes floats.
 /// `amax` (nscopes floats, device) replaces the measured scope amax when not null. Non-finite blocks
 /// get zero codes; their scale byte is the E4M3 NaN code when `propagate` (else the regular code: the
-/// caller raises). Stochastic rounding keys on (seed, stream_id, position in the padded code layout).
+/// caller raises). Stochastic rounding (E2M1, or ufp4 with fp4::ufp4_encode_sr) keys on (seed, stream_id,
+/// position in the padded code layout).
 cudaError_t nvfp4_encode(const void* x, DType dt, int64_t rows, int64_t cols, int64_t tile, int64_t scope,
                          bool ufp4, bool stochastic, uint32_t seed, uint32_t stream_id, bool propagate,
                          const float* amax, uint8_t* data, uint8_t* scales, float* tensor_scale, float* workspace,
