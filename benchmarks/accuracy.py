@@ -80,13 +80,14 @@ def make_optimizer(variant: str, params, lr: float, weight_decay: float):
     if variant.startswith("fp4"):
         from fp4offload import FP4AdamW
 
-        # explicit m_rounding everywhere, so a variant means the same thing whatever FP4AdamW's default is
+        # explicit roundings everywhere, so a variant means the same thing whatever FP4AdamW's defaults are (these
+        # variants keep sqrt(v) rounded to nearest, as when their results in RESULTS.md were measured)
         kw = {"fp4": {"m_rounding": "nearest"}, "fp4_sr": {"m_rounding": "stochastic"},
               "fp4_nvfp4v": {"m_rounding": "nearest", "v_format": "nvfp4"},
               "fp4_sr_m32": {"m_rounding": "stochastic", "master": "fp32"},
               "fp4_sr_split": {"m_rounding": "stochastic", "master": "split"},
               "fp4_sr_mbf16": {"m_rounding": "stochastic", "master": "bf16"}}[variant]
-        return FP4AdamW(params, lr=lr, weight_decay=weight_decay, **kw)
+        return FP4AdamW(params, lr=lr, weight_decay=weight_decay, v_rounding="nearest", **kw)
     if variant == "torchao4bit":
         try:
             from torchao.optim import AdamW4bit

@@ -15,9 +15,11 @@ Sizes (``--size``):
 Arms (``--arms``), each from the same initialization and the same batches for a seed:
 
 - ``adamw``: torch.optim.AdamW, fp32 states (the reference);
-- ``fp4``: FP4AdamW's defaults; ``fp4_nearest`` / ``fp4_sr``: m rounded to nearest / stochastically, and
-  ``fp4_vnearest`` / ``fp4_vsr``: sqrt(v) rounded to nearest / stochastically, the rest as the defaults;
-- ``fp4_split`` / ``fp4_bf16``: FP4AdamW's defaults with the split / bf16 master over bf16 parameters (forward
+- ``fp4``: FP4AdamW's defaults, whatever they are (each run records the settings it ran with);
+- ``fp4_vsr``: m and sqrt(v) rounded stochastically (the defaults since 2026-12-03); ``fp4_vnearest``: m
+  stochastic, sqrt(v) nearest (the defaults before); ``fp4_nearest``: m nearest, sqrt(v) stochastic;
+  ``fp4_nearest_vnearest``: both nearest;
+- ``fp4_split`` / ``fp4_bf16``: ``fp4_vsr`` with the split / bf16 master over bf16 parameters (forward
   reads them upcast), against ``adamw_bf16m``: torch AdamW with an fp32 master kept by hand over the same bf16
   parameters (what the fp32 master of FP4AdamW does, with fp32 states);
 - ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit.
@@ -68,8 +70,8 @@ from benchmarks import harness
 SIZES = {"tiny": dict(d=64, layers=2, heads=2, batch=8, seq=64, lr=3e-3),  # the suite's short version
          "small": dict(d=128, layers=4, heads=4, batch=8, seq=128, lr=3e-3),
          "medium": dict(d=320, layers=8, heads=8, batch=4, seq=64, lr=1e-3)}
-ARMS = ("adamw", "fp4", "fp4_nearest", "fp4_sr", "fp4_vsr", "fp4_vnearest", "fp4_split", "fp4_bf16", "adamw_bf16m",
-        "torchao4bit", "bnb8bit")
+ARMS = ("adamw", "fp4", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_nearest", "fp4_split", "fp4_bf16",
+        "adamw_bf16m", "torchao4bit", "bnb8bit")
 BF16_ARMS = ("fp4_split", "fp4_bf16", "adamw_bf16m")
 WEIGHT_DECAY = 0.1
 WARMUP_FRACTION = 0.05
@@ -202,9 +204,13 @@ def make_optimizer(arm: str, params, lr: float):
     if arm.startswith("fp4"):
         from fp4offload import FP4AdamW
 
-        kw = {"fp4": {}, "fp4_nearest": {"m_rounding": "nearest"}, "fp4_sr": {"m_rounding": "stochastic"},
-              "fp4_vsr": {"v_rounding": "stochastic"}, "fp4_vnearest": {"v_rounding": "nearest"},
-              "fp4_split": {"master": "split"}, "fp4_bf16": {"master": "bf16"}}[arm]
+        sr, rn = "stochastic", "nearest"
+        kw = {"fp4": {},  # whatever FP4AdamW's defaults are; the run records them
+              "fp4_vsr": {"m_rounding": sr, "v_rounding": sr}, "fp4_vnearest": {"m_rounding": sr, "v_rounding": rn},
+              "fp4_nearest_vnearest": {"m_rounding": rn, "v_rounding": rn},
+              "fp4_nearest": {"m_rounding": rn, "v_rounding": sr},
+              "fp4_split": {"master": "split", "m_rounding": sr, "v_rounding": sr},
+              "fp4_bf16": {"master": "bf16", "m_rounding": sr, "v_rounding": sr}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     if arm == "torchao4bit":
         try:
@@ -350,6 +356,9 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
         if diverged:
             break
     stale = unchanged_share(before, stored_states(opt)) if before is not None and not diverged else None
+    settings = {k: opt.param_groups[0][k] for k in ("m_rounding", "v_rounding") if k in opt.param_groups[0]}
+    if isinstance(getattr(opt, "master", None), str):
+        settings["master"] = opt.master
     if hasattr(opt, "close"):
         opt.close()
     return {"arm": arm, "size": size, "steps": steps, "seed": seed, "autocast_bf16": autocast,
@@ -357,6 +366,7 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
             "batch": s["batch"], "seq": s["seq"], "curve": curve,
             "val_loss": curve[-1][2] if not diverged else float("nan"), "diverged": diverged,
             "diverged_at": curve[-1][0] if diverged else None, "unchanged_last_10pct": stale,
+            "optimizer": type(opt).__name__, "settings": settings,
             "seconds": time.perf_counter() - t0, "torch": torch.__version__,
             "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d")}
 

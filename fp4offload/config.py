@@ -76,7 +76,7 @@ OPTIMIZER_DEVICES = ("same", "cpu", "nvme")
 ROUNDINGS = ("nearest", "stochastic")
 #: rounding of Adam's sqrt(v) (FP4AdamW's ``v_rounding``, ``optimizer_states.v_rounding``; docs/numerics.md,
 #: "Rounding of the optimizer states")
-V_ROUNDING_DEFAULT = "nearest"
+V_ROUNDING_DEFAULT = "stochastic"
 #: how sqrt(v) or v is stored (FP4AdamW's ``v_format``): ufp4 holds sqrt(v), nvfp4 v itself (ablation)
 V_FORMATS = ("ufp4", "nvfp4")
 #: FP4AdamW's step implementation (``backend``); not the codec backends of fp4offload.ops
