@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")  # benchmarks.harness reads the texts; the model is the benchmark's own
 
-from benchmarks import accuracy_long as AL  # noqa: E402
+from benchmarks import accuracy_long as AL
 
 STEPS = 800
 SEEDS = (0, 1, 2)
