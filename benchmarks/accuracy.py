@@ -123,26 +123,7 @@ def activation_context(activations: str | None):
     return lambda: fp4offload.offload_activations(policy)
 
 
-class _Upcast(torch.nn.Module):
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w.float()
-
-
-def bf16_parameters(model: torch.nn.Module) -> torch.nn.Module:
-    """Make every parameter of `model` a bf16 tensor that forward reads upcast to fp32.
-
-    The optimizer then sees what it sees under bf16 mixed precision (bf16 parameters, bf16 gradients: the
-    gradient of the cast is rounded to bf16), while the matrix products run in fp32: this CPU's bf16 matmul is
-    about 9x slower than its fp32 one, which would make the 1200-step runs take hours. Every bf16 variant runs
-    this way, so they differ only in the optimizer and its master weights."""
-    from torch.nn.utils import parametrize
-
-    for mod in list(model.modules()):
-        for name, p in list(mod.named_parameters(recurse=False)):
-            with torch.no_grad():
-                mod._parameters[name] = torch.nn.Parameter(p.detach().to(torch.bfloat16))
-            parametrize.register_parametrization(mod, name, _Upcast(), unsafe=True)
-    return model
+bf16_parameters = harness.bf16_parameters  # every bf16 variant runs this way: they differ only in the optimizer
 
 
 # ---- tasks --------------------------------------------------------------------------------------------------

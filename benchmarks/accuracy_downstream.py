@@ -261,24 +261,7 @@ def score_summary(s: dict) -> dict:
 
 # ---- arms ---------------------------------------------------------------------------------------------------
 
-class _Upcast(torch.nn.Module):
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w.float()
-
-
-def bf16_parameters(model: torch.nn.Module) -> torch.nn.Module:
-    """benchmarks/accuracy.py's bf16_parameters (bf16 parameters and gradients, forward reads them upcast), with
-    tied parameters kept tied: SmolLM2's LM head is its embedding, one bf16 parameter for both."""
-    from torch.nn.utils import parametrize
-
-    made: dict[int, torch.nn.Parameter] = {}
-    for mod in list(model.modules()):
-        for name, p in list(mod.named_parameters(recurse=False)):
-            if id(p) not in made:
-                made[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16))
-            mod._parameters[name] = made[id(p)]
-            parametrize.register_parametrization(mod, name, _Upcast(), unsafe=True)
-    return model
+bf16_parameters = harness.bf16_parameters
 
 
 def make_optimizer(arm: str, params, lr: float = LR):

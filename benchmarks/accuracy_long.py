@@ -151,23 +151,6 @@ def cpu_has_bf16() -> bool:
 
 # ---- arms ---------------------------------------------------------------------------------------------------
 
-class _Upcast(torch.nn.Module):
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return w.float()
-
-
-def bf16_parameters(model: torch.nn.Module) -> None:
-    """Make every parameter a bf16 tensor that forward reads upcast (bf16 weights and gradients, as under a
-    bf16 mixed-precision engine)."""
-    from torch.nn.utils import parametrize
-
-    for mod in list(model.modules()):
-        for name, p in list(mod.named_parameters(recurse=False)):
-            with torch.no_grad():
-                mod._parameters[name] = torch.nn.Parameter(p.detach().to(torch.bfloat16))
-            parametrize.register_parametrization(mod, name, _Upcast(), unsafe=True)
-
-
 class MasterAdamW(torch.optim.Optimizer):
     """torch AdamW over an fp32 master of bf16 parameters: the master steps on the upcast bf16 gradient, the
     parameter is the master rounded to nearest (the fp32-master mixed-precision recipe, fp32 states)."""
@@ -212,19 +195,13 @@ def make_optimizer(arm: str, params, lr: float):
               "fp4_split": {"master": "split", "m_rounding": sr, "v_rounding": sr},
               "fp4_bf16": {"master": "bf16", "m_rounding": sr, "v_rounding": sr}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
-    if arm == "torchao4bit":
-        try:
-            from torchao.optim import AdamW4bit
-        except Exception as e:
-            raise Unavailable(f"torchao: {e}") from None
-        return AdamW4bit(params, lr=lr, weight_decay=WEIGHT_DECAY)
-    if arm == "bnb8bit":
-        try:
-            import bitsandbytes as bnb
+    if arm in ("torchao4bit", "bnb8bit"):
+        from benchmarks import accuracy
 
-            return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=WEIGHT_DECAY)
-        except Exception as e:
-            raise Unavailable(f"bitsandbytes AdamW8bit: {e}") from None
+        try:
+            return accuracy.make_optimizer(arm, params, lr, WEIGHT_DECAY)
+        except accuracy.Unavailable as e:
+            raise Unavailable(str(e)) from None
     raise ValueError(f"arm={arm!r} is not one of {ARMS}")
 
 
@@ -328,7 +305,7 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
     train, val = harness.byte_splits()
     model = make_model(size, seed)
     if arm in BF16_ARMS:
-        bf16_parameters(model)
+        harness.bf16_parameters(model)
     opt = make_optimizer(arm, model.parameters(), s["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, steps))
     g = torch.Generator().manual_seed(10_000 + seed)

@@ -85,6 +85,30 @@ def small_llama(*, hidden: int = 128, layers: int = 4, heads: int = 4, intermedi
     return LlamaForCausalLM(cfg)
 
 
+class _Upcast(torch.nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w.float()
+
+
+def bf16_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every parameter of `model` a bf16 tensor that forward reads upcast to fp32, tied parameters kept tied
+    (one bf16 parameter for an LM head that is its embedding).
+
+    The optimizer then sees what it sees under bf16 mixed precision (bf16 parameters, bf16 gradients: the
+    gradient of the cast is rounded to bf16), while the matrix products run in fp32, which is faster than bf16 on
+    CPUs without AMX."""
+    from torch.nn.utils import parametrize
+
+    made: dict[int, torch.nn.Parameter] = {}
+    for mod in list(model.modules()):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16))
+            mod._parameters[name] = made[id(p)]
+            parametrize.register_parametrization(mod, name, _Upcast(), unsafe=True)
+    return model
+
+
 def lm_loss(model, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of a (B, T+1) batch."""
     logits = model(input_ids=tokens[:, :-1]).logits
