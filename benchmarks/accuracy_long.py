@@ -9,8 +9,8 @@ degrade (BReD, 2026).
 
 Sizes (``--size``):
 
-- ``small``: d 128, 4 layers, 0.86M parameters, batch 16 x 128 bytes;
-- ``medium``: d 320, 8 layers, 10.0M parameters, batch 16 x 128 bytes.
+- ``small``: d 128, 4 layers, 0.88M parameters, batch 8 x 128 bytes, lr 3e-3;
+- ``medium``: d 320, 8 layers, 10.0M parameters, batch 4 x 64 bytes, lr 1e-3.
 
 Arms (``--arms``), each from the same initialization and the same batches for a seed:
 
