@@ -22,7 +22,8 @@ passages).
 Arms (``--arms``):
 
 - ``adamw``: torch.optim.AdamW, fp32 states, fp32 model (the reference);
-- ``fp4``: fp4offload.FP4AdamW with its defaults, fp32 model;
+- ``fp4``: fp4offload.FP4AdamW with its defaults, fp32 model (each run records the settings it ran with);
+  ``fp4_ufp4``: the same with sqrt(v) on the ufp4 grid (``v_format="ufp4"``, the default before 2026-12-03);
 - ``fp4_split`` / ``fp4_bf16``: FP4AdamW with ``master="split"`` / ``master="bf16"`` over the model's
   parameters cast to bf16 (bf16 gradients; forward reads the weights upcast to fp32, the tied embedding stays
   tied);
@@ -82,7 +83,7 @@ SUFFIX = "\nThis passage is from"
 TRAIN_FRACTION = 0.8
 DATA_VERSION = 1  # bump when the cleaning or the cutting changes (the cache file's name holds it)
 
-ARMS = ("adamw", "fp4", "fp4_split", "fp4_bf16", "act_nvfp4", "act_mxfp8", "deepspeed")
+ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "act_nvfp4", "act_mxfp8", "deepspeed")
 BF16_ARMS = ("fp4_split", "fp4_bf16")
 ACT_ARMS = {"act_nvfp4": "nvfp4", "act_mxfp8": "mxfp8"}
 LR = 5e-5
@@ -268,10 +269,11 @@ def make_optimizer(arm: str, params, lr: float = LR):
     params = list(params)
     if arm == "adamw" or arm in ACT_ARMS:
         return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
-    if arm in ("fp4", "fp4_split", "fp4_bf16"):
+    if arm in ("fp4", "fp4_ufp4", "fp4_split", "fp4_bf16"):
         from fp4offload import FP4AdamW
 
-        kw = {"fp4": {}, "fp4_split": {"master": "split"}, "fp4_bf16": {"master": "bf16"}}[arm]
+        kw = {"fp4": {}, "fp4_ufp4": {"v_format": "ufp4"}, "fp4_split": {"master": "split"},
+              "fp4_bf16": {"master": "bf16"}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     raise ValueError(f"arm={arm!r} is not one of {ARMS}")
 

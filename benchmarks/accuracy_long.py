@@ -15,13 +15,15 @@ Sizes (``--size``):
 Arms (``--arms``), each from the same initialization and the same batches for a seed:
 
 - ``adamw``: torch.optim.AdamW, fp32 states (the reference);
-- ``fp4``: FP4AdamW's defaults, whatever they are (each run records the settings it ran with);
-- ``fp4_vsr``: m and sqrt(v) rounded stochastically (the defaults since 2026-12-03); ``fp4_vnearest``: m
-  stochastic, sqrt(v) nearest (the defaults before); ``fp4_nearest``: m nearest, sqrt(v) stochastic;
-  ``fp4_nearest_vnearest``: both nearest;
-- ``fp4_split`` / ``fp4_bf16``: ``fp4_vsr`` with the split / bf16 master over bf16 parameters (forward
-  reads them upcast), against ``adamw_bf16m``: torch AdamW with an fp32 master kept by hand over the same bf16
-  parameters (what the fp32 master of FP4AdamW does, with fp32 states);
+- ``fp4``: FP4AdamW's defaults, whatever they are (each run records the settings it ran with): since
+  2026-12-03 sqrt(v) on the ue2m2 grid, m and sqrt(v) rounded stochastically; ``fp4_nearest``: the same with m
+  rounded to nearest;
+- sqrt(v) on the older ufp4 grid (``v_format="ufp4"``): ``fp4_vsr``, m and sqrt(v) stochastic; ``fp4_vnearest``:
+  m stochastic, sqrt(v) nearest (the defaults before 2026-12-03); ``fp4_nearest_vnearest``: both nearest;
+- ``fp4_split`` / ``fp4_bf16``: ``fp4`` with the split / bf16 master over bf16 parameters (forward reads them
+  upcast; ``fp4_split_ufp4`` / ``fp4_bf16_ufp4``: ``fp4_vsr``'s), against ``adamw_bf16m``: torch AdamW with an
+  fp32 master kept by hand over the same bf16 parameters (what the fp32 master of FP4AdamW does, with fp32
+  states);
 - ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit.
 
 Every matrix product runs under bf16 autocast when the CPU has AVX-512 BF16 or AMX (``--autocast auto``; the run
@@ -33,9 +35,10 @@ run finishes; a file already there is not run again, so an interrupted sweep res
 table (final validation loss, paired gap to fp32 AdamW of the same seed, its spread over seeds, the staleness)
 and draws benchmarks/plots/accuracy_long_<size>.png.
 
-- ``sim:<m rule>:<v rule>``: benchmarks/quant_sim.py's QuantSimAdamW, fp32 AdamW with m and sqrt(v) stored in
-  FP4AdamW's layout with rule ``none`` (fp32), ``rn``, ``sr`` or ``dither``: which state's rounding costs
-  accuracy, one state at a time.
+- ``sim:<m rule>:<v rule>[:<grid>]``: benchmarks/quant_sim.py's QuantSimAdamW, fp32 AdamW with m and sqrt(v)
+  stored in FP4AdamW's layout with rule ``none`` (fp32), ``rn``, ``sr`` or ``dither``, sqrt(v) on the grid
+  ``e3m1`` (ufp4, the default), ``e2m2`` (ue2m2) or ``e1m3``: which state's rounding costs accuracy, one state
+  at a time, and what a grid does before it goes into the kernels.
 
 Staleness: at 90% of the steps every state entry is kept; at the end, the share of entries still the same is
 reported per state (m, v), for the entry's own code (the 4-bit code; the value itself for an fp32 state) and for
@@ -70,9 +73,9 @@ from benchmarks import harness
 SIZES = {"tiny": dict(d=64, layers=2, heads=2, batch=8, seq=64, lr=3e-3),  # the suite's short version
          "small": dict(d=128, layers=4, heads=4, batch=8, seq=128, lr=3e-3),
          "medium": dict(d=320, layers=8, heads=8, batch=4, seq=64, lr=1e-3)}
-ARMS = ("adamw", "fp4", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_nearest", "fp4_split", "fp4_bf16",
-        "adamw_bf16m", "torchao4bit", "bnb8bit")
-BF16_ARMS = ("fp4_split", "fp4_bf16", "adamw_bf16m")
+ARMS = ("adamw", "fp4", "fp4_nearest", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_split", "fp4_bf16",
+        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit")
+BF16_ARMS = ("fp4_split", "fp4_bf16", "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m")
 WEIGHT_DECAY = 0.1
 WARMUP_FRACTION = 0.05
 STALE_AT = 0.9
@@ -178,8 +181,9 @@ def make_optimizer(arm: str, params, lr: float):
     if arm.startswith("sim:"):
         from benchmarks.quant_sim import QuantSimAdamW
 
-        _, m_rule, v_rule = arm.split(":")
-        return QuantSimAdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, m_rule=m_rule, v_rule=v_rule)
+        _, m_rule, v_rule, *grid = arm.split(":")
+        return QuantSimAdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, m_rule=m_rule, v_rule=v_rule,
+                             v_grid=grid[0] if grid else "e3m1")
     if arm == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
     if arm == "adamw_bf16m":
@@ -187,13 +191,15 @@ def make_optimizer(arm: str, params, lr: float):
     if arm.startswith("fp4"):
         from fp4offload import FP4AdamW
 
-        sr, rn = "stochastic", "nearest"
+        sr, rn, old = "stochastic", "nearest", {"v_format": "ufp4"}
         kw = {"fp4": {},  # whatever FP4AdamW's defaults are; the run records them
-              "fp4_vsr": {"m_rounding": sr, "v_rounding": sr}, "fp4_vnearest": {"m_rounding": sr, "v_rounding": rn},
-              "fp4_nearest_vnearest": {"m_rounding": rn, "v_rounding": rn},
-              "fp4_nearest": {"m_rounding": rn, "v_rounding": sr},
-              "fp4_split": {"master": "split", "m_rounding": sr, "v_rounding": sr},
-              "fp4_bf16": {"master": "bf16", "m_rounding": sr, "v_rounding": sr}}[arm]
+              "fp4_nearest": {"m_rounding": rn},
+              "fp4_vsr": {"m_rounding": sr, "v_rounding": sr, **old},
+              "fp4_vnearest": {"m_rounding": sr, "v_rounding": rn, **old},
+              "fp4_nearest_vnearest": {"m_rounding": rn, "v_rounding": rn, **old},
+              "fp4_split": {"master": "split"}, "fp4_bf16": {"master": "bf16"},
+              "fp4_split_ufp4": {"master": "split", "m_rounding": sr, "v_rounding": sr, **old},
+              "fp4_bf16_ufp4": {"master": "bf16", "m_rounding": sr, "v_rounding": sr, **old}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     if arm in ("torchao4bit", "bnb8bit"):
         from benchmarks import accuracy
@@ -333,7 +339,8 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
         if diverged:
             break
     stale = unchanged_share(before, stored_states(opt)) if before is not None and not diverged else None
-    settings = {k: opt.param_groups[0][k] for k in ("m_rounding", "v_rounding") if k in opt.param_groups[0]}
+    settings = {k: opt.param_groups[0][k] for k in ("m_rounding", "v_rounding", "v_format")
+                if k in opt.param_groups[0]}
     if isinstance(getattr(opt, "master", None), str):
         settings["master"] = opt.master
     if hasattr(opt, "close"):

@@ -10,7 +10,7 @@ master; ``fp4adamw_norm``: the engine's gradient norm given, so the non-finite p
 skipped, as under DeepSpeed; ``fp4adamw_clip_g32`` / ``fp4adamw_clip_g16``: an fp32 master with a clipping factor
 handed over, as under DeepSpeed ZeRO-3, its gradient fp32 or the bf16 gradient partition; ``fp4adamw_noclip_g16``
 the same at factor 1, no clipping; ``fp4adamw_vnearest`` / ``fp4adamw_vsr``: sqrt(v) rounded to nearest /
-stochastically),
+stochastically; ``fp4adamw_ufp4``: sqrt(v) on the ufp4 grid instead of ue2m2),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
 
 ``--residual-numel``: the split master with its residual in RAM (``master_device="same"``) against the residual
@@ -125,6 +125,11 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 p = param()
                 vr = "nearest" if name == "fp4adamw_vnearest" else "stochastic"
                 out[name] = (FP4AdamW([p], lr=lr, backend="fused", v_rounding=vr), p)
+            elif name == "fp4adamw_ufp4":  # sqrt(v) on the ufp4 grid (the default before 2026-12-03)
+                from fp4offload import FP4AdamW
+
+                p = param()
+                out[name] = (FP4AdamW([p], lr=lr, backend="fused", v_format="ufp4"), p)
             elif name == "fp4adamw_nocheck":  # without the non-finite gradient pass (DeepSpeedCPUAdam has none)
                 from fp4offload import FP4AdamW
 

@@ -29,34 +29,40 @@ CHUNK, BLOCK = 1024, 16
 RULES = ("none", "rn", "sr", "dither")
 
 
-def _position(a: torch.Tensor, unsigned: bool) -> torch.Tensor:
+GRIDS = {"e3m1": (8, 2), "e2m2": (4, 4), "e1m3": (2, 8)}  # unsigned grids: (binades, codes per binade)
+
+
+def _position(a: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tensor:
     """The piecewise-linear position of magnitudes `a` on the code grid (grid point k at position k), clamped to
-    the grid's ends. E2M1: 0, 0.5, ..., 2 at 0-4, then steps of 1 to 4 and of 2 to 6. ufp4: the binade
-    [2^e, 2^(e+1)) holds 2^e and 1.5 * 2^e at positions 2(e+7) and 2(e+7)+1, e = -7..0."""
+    the grid's ends. E2M1: 0, 0.5, ..., 2 at 0-4, then steps of 1 to 4 and of 2 to 6. Unsigned grids (no zero)
+    with nb binades of M codes: the binade [2^e, 2^(e+1)) holds (1 + j/M) 2^e at position M(e + nb - 1) + j,
+    e = 1-nb..0; ufp4 is e3m1 (nb 8, M 2)."""
     if unsigned:
-        a = a.clamp(min=2.0 ** -7, max=1.5)
+        nb, M = GRIDS[grid]
+        a = a.clamp(min=2.0 ** (1 - nb), max=2.0 - 1.0 / M)
         mant, exp = torch.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1)
-        return 2.0 * (exp - 1 + 7).float() + 2.0 * (2.0 * mant - 1.0)
+        return M * (exp - 1 + nb - 1).float() + M * (2.0 * mant - 1.0)
     a = a.clamp(max=6.0)
     return torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, 0.5 * a + 4))
 
 
-def _value(t: torch.Tensor, unsigned: bool) -> torch.Tensor:
+def _value(t: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tensor:
     """Inverse of _position, extended linearly past the ends (a dithered position may lie half a step outside)."""
     if unsigned:
-        k = torch.floor(t / 2).clamp(0, 7)
-        return torch.ldexp(1.0 + (t - 2 * k) / 2, (k - 7).to(torch.int32))
+        nb, M = GRIDS[grid]
+        k = torch.floor(t / M).clamp(0, nb - 1)
+        return torch.ldexp(1.0 + (t - M * k) / M, (k - nb + 1).to(torch.int32))
     return torch.where(t < 4, t / 2, torch.where(t < 6, t - 2, 2 * t - 8))
 
 
-def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator) -> torch.Tensor:
+def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator, grid: str = "e3m1") -> torch.Tensor:
     """x (flat fp32) stored with `rule` and read back."""
     if rule == "none":
         return x
     n = x.numel()
     pad = (-n) % CHUNK
     X = torch.nn.functional.pad(x, (0, pad)).view(-1, CHUNK // BLOCK, BLOCK)
-    emax = 1.5 if unsigned else 6.0
+    emax = 2.0 - 1.0 / GRIDS[grid][1] if unsigned else 6.0
     top = 15 if unsigned else 7
     amax_c = X.abs().amax(dim=(1, 2), keepdim=True)
     s_enc = torch.where(amax_c > 0, emax * 448.0 / amax_c.clamp(min=1e-38), torch.zeros_like(amax_c))
@@ -65,13 +71,13 @@ def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator) 
     sb = B.e4m3_table()[B.e4m3_encode((amax_b / emax * s_enc).clamp(max=448.0)).long()]
     step = sb * s_dec  # the value of grid unit 1 in this block
     y = torch.where(step > 0, X / step.clamp(min=1e-38), torch.zeros_like(X))
-    t = _position(y.abs(), unsigned)
+    t = _position(y.abs(), unsigned, grid)
     if rule == "rn":
-        q = _value(torch.floor(t + 0.5), unsigned)
+        q = _value(torch.floor(t + 0.5), unsigned, grid)
     else:
         r = torch.rand(t.shape, generator=gen)
         k = torch.floor(t + r).clamp(max=top)
-        q = _value(k, unsigned) if rule == "sr" else _value(k + 0.5 - r, unsigned)
+        q = _value(k, unsigned, grid) if rule == "sr" else _value(k + 0.5 - r, unsigned, grid)
     q = q if unsigned else torch.copysign(q, y)
     out = (q * step).flatten()[:n]
     return out.clamp(min=0) if unsigned else out
@@ -82,11 +88,13 @@ class QuantSimAdamW(torch.optim.Optimizer):
     step (see the module docstring). Tensors under 4096 elements keep fp32 states, as in FP4AdamW."""
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 m_rule: str = "sr", v_rule: str = "rn", seed: int = 0, min_numel: int = 4096):
-        if m_rule not in RULES or v_rule not in RULES:
-            raise ValueError(f"rules must be in {RULES}, got m_rule={m_rule!r}, v_rule={v_rule!r}")
+                 m_rule: str = "sr", v_rule: str = "rn", seed: int = 0, min_numel: int = 4096,
+                 v_grid: str = "e3m1"):
+        if m_rule not in RULES or v_rule not in RULES or v_grid not in GRIDS:
+            raise ValueError(f"rules must be in {RULES} and v_grid in {tuple(GRIDS)}, got m_rule={m_rule!r}, "
+                             f"v_rule={v_rule!r}, v_grid={v_grid!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.m_rule, self.v_rule, self.min_numel = m_rule, v_rule, min_numel
+        self.m_rule, self.v_rule, self.min_numel, self.v_grid = m_rule, v_rule, min_numel, v_grid
         self.gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
@@ -114,7 +122,35 @@ class QuantSimAdamW(torch.optim.Optimizer):
                 quantize = p.numel() >= self.min_numel
                 st["m"] = roundtrip(m, self.m_rule, False, self.gen) if quantize else m
                 if quantize and self.v_rule != "none":
-                    u = roundtrip(v.sqrt(), self.v_rule, True, self.gen)
+                    u = roundtrip(v.sqrt(), self.v_rule, True, self.gen, self.v_grid)
                     st["v"] = u * u
                 else:
                     st["v"] = v
+
+
+def ema_scatter(grid: str, sigma: float, *, steps: int = 3000, n: int = 16 * 1024, seed: int = 0) -> dict:
+    """Adam's second moment alone (beta2 0.999) for n elements with gradients N(0, s^2), s log-normal with
+    log-spread `sigma` (0: every element alike), stored as sqrt(v) rounded stochastically on `grid` after every
+    step, against the fp32 average of the same gradients. Returns the median and the log-spread of stored/true v
+    and the mean of sqrt(true/stored), the factor on the update's size."""
+    g = torch.Generator().manual_seed(seed)
+    rng = torch.Generator().manual_seed(seed + 1)
+    scale = torch.exp(torch.randn(n, generator=g) * sigma)
+    v, vt = torch.zeros(n), torch.zeros(n)
+    for _ in range(steps):
+        gr = torch.randn(n, generator=g) * scale
+        v = 0.999 * v + 0.001 * gr * gr
+        vt = 0.999 * vt + 0.001 * gr * gr
+        u = roundtrip(v.sqrt(), "sr", True, rng, grid)
+        v = u * u
+    r = v / vt
+    return {"median": float(r.median()), "log_std": float(r.log().std()), "update": float((1 / r).sqrt().mean())}
+
+
+if __name__ == "__main__":  # the scatter of a stochastically rounded sqrt(v), per grid (docs/numerics.md)
+    print("| grid | log-spread of the gradient scales | stored/true v: median | log-spread | mean update factor |")
+    print("|---|---|---|---|---|")
+    for sig in (0.0, 0.5):
+        for grid in ("e3m1", "e2m2"):
+            r = ema_scatter(grid, sig)
+            print(f"| {grid} | {sig} | {r['median']:.3f} | {r['log_std']:.3f} | {r['update']:.3f} |")

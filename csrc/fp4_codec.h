@@ -142,28 +142,49 @@ FP4_HD int32_t mx_exponent(float amax, uint32_t max_mant, int32_t emax, bool flo
   return e < -127 ? -127 : (e > 127 ? 127 : e);
 }
 
-// ---- ufp4 (3.7): code c = 2e + m -> 2^(e-7) * (1 + m/2), no zero ---------------------------------
+// ---- unsigned zero-free grids for u = sqrt(v) (3.7) ---------------------------------------------------
+//
+// `mbits` mantissa bits and 16 >> mbits binades, the top one [1, 2): code c = (e << mbits) | m is
+// 2^(e - nb + 1) * (1 + m / 2^mbits), nb = 16 >> mbits. ufp4 (E3M1) is mbits 1: 2^-7 .. 1.5; ue2m2 is
+// mbits 2: 2^-3 .. 1.75. No zero: values below the grid take code 0, the smallest value.
 
-FP4_HD float ufp4_value(uint8_t code) {
-  return u2f(((uint32_t)((code >> 1) + 120) << 23) | ((uint32_t)(code & 1) << 22));
+FP4_HD uint32_t ugrid_bias(int mbits) { return 128u - (16u >> mbits); }  // fp32 exponent field of binade 0
+FP4_HD float ugrid_min(int mbits) { return u2f((uint32_t)ugrid_bias(mbits) << 23); }
+FP4_HD float ugrid_max(int mbits) { return u2f((127u << 23) | (((1u << mbits) - 1u) << (23 - mbits))); }
+
+FP4_HD float ugrid_value(uint8_t code, int mbits) {
+  return u2f((((uint32_t)(code >> mbits) + ugrid_bias(mbits)) << 23) |
+             ((uint32_t)(code & ((1u << mbits) - 1u)) << (23 - mbits)));
 }
 
-FP4_HD uint8_t ufp4_encode(float y) {  // y >= 0, already scaled
-  const float a = fmin_(y, kUfp4Max);
-  if (a < kUfp4Min) return 0;
-  int32_t c = rne_mantissa(a, 1) - (120 << 1);
+FP4_HD uint8_t ugrid_encode(float y, int mbits) {  // y >= 0, already scaled; nearest, ties to even
+  const float a = fmin_(y, ugrid_max(mbits));
+  if (a < ugrid_min(mbits)) return 0;
+  int32_t c = rne_mantissa(a, mbits) - (int32_t)(ugrid_bias(mbits) << mbits);
   return (uint8_t)(c > 15 ? 15 : c);
 }
 
-// Stochastic rounding (3.9) of y >= 0 (already scaled) to a ufp4 code: the rule of e2m1_encode_mag_sr above
-// for a >= 1, since ufp4 also keeps one mantissa bit: X = pattern - (120 << 23) holds the code above 22
-// fraction bits, and the top 22 random bits carry into it with probability equal to the fraction. Below 2^-7
-// there is no code (no zero): code 0, as the nearest rule. a = 1.5 has a zero fraction, so the code stays <= 15.
-FP4_HD uint8_t ufp4_encode_sr(float y, uint32_t rnd) {
-  const float a = fmin_(y, kUfp4Max);
-  if (a < kUfp4Min) return 0;
-  return (uint8_t)(((int32_t)(f2u(a) - (120u << 23)) + (int32_t)(rnd >> 10)) >> 22);
+// Stochastic rounding (3.9) of y >= 0 (already scaled): X = pattern - (bias << 23) holds the code above
+// 23 - mbits fraction bits (the rule of e2m1_encode_mag_sr above 1), and the top 23 - mbits random bits carry
+// into it with probability equal to the fraction. Below the grid: code 0, as the nearest rule. The largest
+// value has a zero fraction, so the code stays <= 15.
+FP4_HD uint8_t ugrid_encode_sr(float y, uint32_t rnd, int mbits) {
+  const float a = fmin_(y, ugrid_max(mbits));
+  if (a < ugrid_min(mbits)) return 0;
+  const int shift = 23 - mbits;
+  return (uint8_t)(((int32_t)(f2u(a) - (ugrid_bias(mbits) << 23)) + (int32_t)(rnd >> (32 - shift))) >> shift);
 }
+
+FP4_HD float ufp4_value(uint8_t code) { return ugrid_value(code, 1); }
+FP4_HD uint8_t ufp4_encode(float y) { return ugrid_encode(y, 1); }
+FP4_HD uint8_t ufp4_encode_sr(float y, uint32_t rnd) { return ugrid_encode_sr(y, rnd, 1); }
+
+// FP4AdamW's v state: u = sqrt(v) on the ufp4 grid, v itself in NVFP4, or u on the ue2m2 grid (the
+// fused steps' v_kind). The mantissa bits of v_kind's unsigned grid; 0 for NVFP4 (signed E2M1).
+enum VKind { kVUfp4 = 0, kVNvfp4 = 1, kVUe2m2 = 2 };
+FP4_HD int v_mbits(int v_kind) { return v_kind == kVNvfp4 ? 0 : (v_kind == kVUe2m2 ? 2 : 1); }
+// The largest element value of a 4-bit grid: E2M1's 6 (mbits 0) or the unsigned grid's.
+FP4_HD float grid_max(int mbits) { return mbits == 0 ? kE2M1Max : ugrid_max(mbits); }
 
 // FP4AdamW's sqrt(v) with v_rounding="stochastic" draws its bits as m does (sr_key(seed, stream, 0) of the same
 // step and segment) from the seed XOR this constant, so the two states of an element get independent bits.

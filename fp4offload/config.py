@@ -77,8 +77,11 @@ ROUNDINGS = ("nearest", "stochastic")
 #: rounding of Adam's sqrt(v) (FP4AdamW's ``v_rounding``, ``optimizer_states.v_rounding``; docs/numerics.md,
 #: "Rounding of the optimizer states")
 V_ROUNDING_DEFAULT = "stochastic"
-#: how sqrt(v) or v is stored (FP4AdamW's ``v_format``): ufp4 holds sqrt(v), nvfp4 v itself (ablation)
-V_FORMATS = ("ufp4", "nvfp4")
+#: how sqrt(v) or v is stored (FP4AdamW's ``v_format``): ue2m2 (the default) and ufp4 hold sqrt(v) on unsigned
+#: zero-free grids of two and one mantissa bits, nvfp4 holds v itself (ablation); docs/numerics.md, "The grid of
+#: sqrt(v)"
+V_FORMATS = ("ue2m2", "ufp4", "nvfp4")
+V_FORMAT_DEFAULT = "ue2m2"
 #: FP4AdamW's step implementation (``backend``); not the codec backends of fp4offload.ops
 STEP_BACKENDS = ("auto", "fused", "reference")
 #: the weight copy FP4AdamW's step also writes (``working_copy``)

@@ -352,19 +352,19 @@ def emu_adam(tmp_path_factory):
     class Ext:
         @staticmethod
         def fused_step(param, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size, rsbc2,
-                       weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, bf16_out=None,
+                       weight_decay, maximize, v_kind, m_stochastic, seed, stream0, bf16_out=None,
                        v_stochastic=False):
             sc = scalars(b1, omb1, b2, omb2, eps, decay, step_size, rsbc2)
             rc = so.fp4adam_fused_step_cuda(_p(param), _p(grad), int(grad.dtype == torch.bfloat16), param.numel(),
                                             _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(sc),
-                                            int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic),
+                                            int(weight_decay), int(maximize), int(v_kind), int(m_stochastic),
                                             seed & 0xFFFFFFFF, stream0 & 0xFFFFFFFF, _p(bf16_out),
                                             int(v_stochastic), None)
             assert rc == 0 and so.e_divergent() == 0
 
         @staticmethod
         def fused_step_master(hi, lo, odd, grad, mc, ms, mt, vc, vs, vt, b1, omb1, b2, omb2, eps, decay, step_size,
-                              rsbc2, weight_decay, maximize, v_nvfp4, m_stochastic, seed, stream0, mode,
+                              rsbc2, weight_decay, maximize, v_kind, m_stochastic, seed, stream0, mode,
                               v_stochastic=False):
             n = hi.numel()
             nwords, nb = _cdiv(n, 32), _cdiv(n, 16)
@@ -374,7 +374,7 @@ def emu_adam(tmp_path_factory):
             rc = so.fp4adam_fused_step_master_cuda(
                 _p(hi), _p(lo), _p(pos), pos.numel(), _p(words) if mode == 1 else None, mode, _p(grad),
                 int(grad.dtype == torch.bfloat16), n, _p(mc), _p(ms), _p(mt), _p(vc), _p(vs), _p(vt), _p(sc),
-                int(weight_decay), int(maximize), int(v_nvfp4), int(m_stochastic), seed & 0xFFFFFFFF,
+                int(weight_decay), int(maximize), int(v_kind), int(m_stochastic), seed & 0xFFFFFFFF,
                 stream0 & 0xFFFFFFFF, int(v_stochastic), None)
             assert rc == 0 and so.e_divergent() == 0
             if mode == 2 or n == 0:
@@ -388,7 +388,7 @@ def emu_adam(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n", [1, 17, 1024, 5003])
-@pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
+@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
 def test_fused_adam_kernel_matches_reference_step(n, v_format, stochastic, emu_adam):
     from test_optim_fused import _run
@@ -409,7 +409,7 @@ def test_fused_adam_kernel_bf16_grads_ragged_size(stochastic, emu_adam):
 def test_fused_adam_kernel_special_values(kind, emu_adam):
     from test_optim_fused import _run, _special
 
-    _run(emu_adam, 3001, "ufp4", True, torch.bfloat16, special=_special(kind), maximize=True)
+    _run(emu_adam, 3001, "ue2m2", True, torch.bfloat16, special=_special(kind), maximize=True)
 
 
 # ---- sqrt(v) (or v) with stochastic rounding (v_stochastic) -------------------------------------------------
@@ -462,7 +462,7 @@ def _run_fp32(exts, n, v_format, m_sr, v_sr, gdt, *, wd=0.01, maximize=False, sp
                 _ref_fp32_step(p, g, m, v, sc, v_sr=v_sr, bf=bf, **kw)
             else:
                 exts[name].fused_step(p, g, *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size,
-                                      sc.rsbc2, sc.weight_decay, maximize, v_format == "nvfp4", m_sr, seed,
+                                      sc.rsbc2, sc.weight_decay, maximize, R.V_KIND[v_format], m_sr, seed,
                                       R.sr_stream(pid, 0), bf, v_stochastic=v_sr)
         ref = runs["ref"]
         nan = ref[0].isnan()  # NaN weights: torch's bf16 cast keeps the payload, the kernels write 0x7FC0
@@ -488,7 +488,9 @@ V_SR_CASES = [(n, vf, sr, torch.float32, 0.01, False) for n, (vf, sr) in
               zip([17, 1024 + 1, 5003, 5003], itertools.product(["ufp4", "nvfp4"], [False, True]))]
 V_SR_CASES += [(3 * 1024 + 7, "ufp4", True, torch.bfloat16, 0.1, True),
                (3 * 1024 + 7, "nvfp4", False, torch.bfloat16, 0.0, False),
-               (R.SEGMENT + 1043, "ufp4", True, torch.float32, 0.01, False)]
+               (5003, "ue2m2", False, torch.float32, 0.01, False),
+               (3 * 1024 + 7, "ue2m2", True, torch.bfloat16, 0.1, True),
+               (R.SEGMENT + 1043, "ue2m2", True, torch.float32, 0.01, False)]
 
 
 @pytest.mark.parametrize("n,v_format,m_sr,gdt,wd,maximize", V_SR_CASES,
@@ -588,7 +590,7 @@ def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, s
             else:
                 run[2] = exts[name].fused_step_master(
                     h, lo if split else None, odd, g, *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
-                    sc.step_size, sc.rsbc2, sc.weight_decay, False, v_format == "nvfp4", stochastic, seed,
+                    sc.step_size, sc.rsbc2, sc.weight_decay, False, R.V_KIND[v_format], stochastic, seed,
                     R.sr_stream(pid, 0), 1 if split else 2, v_stochastic=v_stochastic)
         ref = runs["ref"]
         if v_stochastic:
@@ -631,7 +633,8 @@ MASTER_CASES = [(n, mode, *_COMBOS[(2 * a + b) % 8], 0.1 * (a % 2))
                 for a, n in enumerate([1, 17, 1024 + 1]) for b, mode in enumerate(["split", "bf16"])]
 MASTER_CASES += [(5003, mode, sr, vf, gdt, 0.0 if gdt == torch.bfloat16 else 0.1)
                  for mode in ("split", "bf16") for sr, vf, gdt in _COMBOS]
-MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ufp4", torch.bfloat16, 0.0)]
+MASTER_CASES += [(5003, mode, sr, "ue2m2", torch.float32, 0.1) for mode, sr in (("split", True), ("bf16", False))]
+MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ue2m2", torch.bfloat16, 0.0)]
 
 
 @pytest.mark.parametrize("n,mode,stochastic,v_format,gdt,wd", MASTER_CASES,
@@ -661,8 +664,9 @@ def test_fused_adam_kernel_compact_master_special_values(kind, mode, emu_adam, c
 # (n, mode, m stochastic, v format, grad dtype) with v_stochastic: both masters and v formats, and two segments
 # once (bf16 mode: its weight key and both state keys change at the boundary)
 V_SR_MASTER_CASES = [(5003, mode, sr, vf, gdt) for mode in ("split", "bf16")
-                     for sr, vf, gdt in ((True, "ufp4", torch.float32), (False, "nvfp4", torch.bfloat16))]
-V_SR_MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ufp4", torch.bfloat16)]
+                     for sr, vf, gdt in ((True, "ufp4", torch.float32), (False, "nvfp4", torch.bfloat16),
+                                         (True, "ue2m2", torch.bfloat16))]
+V_SR_MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ue2m2", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("n,mode,stochastic,v_format,gdt", V_SR_MASTER_CASES,

@@ -89,7 +89,7 @@ def test_param_groups_scheduler_closure_maximize():
     # first step moves each element by lr (Adam's first step is lr * sign(g)), second by lr/2
     assert torch.allclose((a1 - a.detach()).abs().mean(), torch.tensor(5e-3), rtol=0.05)
     assert torch.equal(b.detach(), b0)  # lr 0 in its group
-    assert opt.state[b]["v_format"] == "nvfp4" and opt.state[a]["v_format"] == "ufp4"
+    assert opt.state[b]["v_format"] == "nvfp4" and opt.state[a]["v_format"] == "ue2m2"
     assert float(l0) > float(closure().detach())
     # maximize climbs
     c = torch.nn.Parameter(torch.zeros(10))

@@ -291,7 +291,7 @@ def test_torch_adamw_state_dicts_load_and_amsgrad_is_refused():
     opt = FP4AdamW(ps, min_numel=1)
     opt.load_state_dict(sd)
     g = opt.param_groups[0]
-    assert not set(UNSUPPORTED) & set(g) and "decoupled_weight_decay" not in g and g["v_format"] == "ufp4"
+    assert not set(UNSUPPORTED) & set(g) and "decoupled_weight_decay" not in g and g["v_format"] == "ue2m2"
     _run(opt, ps, 1, start=2)
     a = torch.optim.AdamW(_params(), amsgrad=True)
     _run(a, [p for g in a.param_groups for p in g["params"]], 1)

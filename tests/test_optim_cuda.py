@@ -17,7 +17,8 @@ def cuda_ext():
 @pytest.mark.parametrize("n", [1, 17, 1000, 1025, 70001, R.SEGMENT + 3000])
 @pytest.mark.parametrize("v_format,stochastic,v_stochastic", [("ufp4", False, False), ("ufp4", True, False),
                                                               ("nvfp4", False, False), ("ufp4", True, True),
-                                                              ("nvfp4", False, True)])
+                                                              ("nvfp4", False, True), ("ue2m2", True, True),
+                                                              ("ue2m2", False, False)])
 def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic, v_stochastic):
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
@@ -36,7 +37,7 @@ def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic, v_st
                           v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(2, k),
                           bf16_out=bfa[s0:s1], v_stochastic=v_stochastic)
         cuda_ext.fused_step(pb, g.cuda(), *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size,
-                            sc.rsbc2, sc.weight_decay, False, v_format == "nvfp4", stochastic, seed, R.sr_stream(2, 0),
+                            sc.rsbc2, sc.weight_decay, False, R.V_KIND[v_format], stochastic, seed, R.sr_stream(2, 0),
                             bfb, v_stochastic=v_stochastic)
         torch.cuda.synchronize()
         assert torch.equal(pa.view(torch.int32), pb.cpu().view(torch.int32))
@@ -69,7 +70,8 @@ class _OnGpu:
 @pytest.mark.parametrize("stochastic,v_format,gdt,v_stochastic", [(False, "ufp4", torch.float32, False),
                                                                    (True, "nvfp4", torch.bfloat16, False),
                                                                    (True, "ufp4", torch.bfloat16, True),
-                                                                   (False, "nvfp4", torch.float32, True)])
+                                                                   (False, "nvfp4", torch.float32, True),
+                                                                   (True, "ue2m2", torch.bfloat16, True)])
 def test_cuda_fused_step_master_equals_cpu_and_reference(cuda_ext, n, mode, stochastic, v_format, gdt, v_stochastic):
     """The compact masters in the CUDA kernel (the dense odd mask and its conversions included): the CPU
     fused_step_master's and the reference's bytes, with planted ties that stay odd in zero-gradient blocks."""

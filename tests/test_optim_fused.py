@@ -46,7 +46,7 @@ def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False,
                           v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k),
                           maximize=maximize, bf16_out=bfa[s0:s1], v_stochastic=v_stochastic)
         ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
-                       sc.weight_decay, maximize, v_format == "nvfp4", stochastic, seed, R.sr_stream(pid, 0), bfb,
+                       sc.weight_decay, maximize, R.V_KIND[v_format], stochastic, seed, R.sr_stream(pid, 0), bfb,
                        v_stochastic=v_stochastic)
         assert torch.equal(_bits(pa), _bits(pb)), f"weights differ at step {t}"
         if special is not None:  # NaN weights: torch's bf16 cast keeps the NaN's sign/payload, the kernel writes 0x7FC0
@@ -66,7 +66,7 @@ ROUNDING_IDS = ["m-nearest", "m-sr", "m-sr-v-sr", "v-sr"]
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
+@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
 @pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
 def test_fused_equals_reference(ext, simd, n, v_format, stochastic, v_stochastic):
     _run(ext, n, v_format, stochastic, torch.float32, v_stochastic=v_stochastic)
@@ -74,7 +74,7 @@ def test_fused_equals_reference(ext, simd, n, v_format, stochastic, v_stochastic
 
 @pytest.mark.parametrize("maximize,wd", [(False, 0.0), (True, 0.1)])
 def test_fused_bf16_grad_maximize_no_decay(ext, simd, maximize, wd):
-    _run(ext, 3001, "ufp4", True, torch.bfloat16, wd=wd, maximize=maximize)
+    _run(ext, 3001, "ue2m2", True, torch.bfloat16, wd=wd, maximize=maximize)
 
 
 def _special(kind):
@@ -102,7 +102,7 @@ def _special(kind):
 
 
 @pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros", "range"])
-@pytest.mark.parametrize("v_format", ["ufp4", "nvfp4"])
+@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
 @pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
 def test_fused_special_values(ext, simd, kind, v_format, stochastic, v_stochastic):
     _run(ext, 5003, v_format, stochastic, torch.float32, special=_special(kind), v_stochastic=v_stochastic)
@@ -110,13 +110,13 @@ def test_fused_special_values(ext, simd, kind, v_format, stochastic, v_stochasti
 
 @pytest.mark.parametrize("kind", ["overflow", "zeros"])
 def test_fused_special_values_bf16(ext, simd, kind):
-    _run(ext, 3001, "ufp4", False, torch.bfloat16, special=_special(kind), maximize=True)
+    _run(ext, 3001, "ue2m2", False, torch.bfloat16, special=_special(kind), maximize=True)
 
 
 @pytest.mark.parametrize("v_stochastic", [False, True], ids=["v-nearest", "v-sr"])
 def test_fused_multi_segment(ext, v_stochastic):
     """More than one segment: the stochastic-rounding stream changes at the segment boundary as specified."""
-    _run(ext, R.SEGMENT + 5000, "ufp4", True, torch.float32, steps=2, v_stochastic=v_stochastic)
+    _run(ext, R.SEGMENT + 5000, "ue2m2", True, torch.float32, steps=2, v_stochastic=v_stochastic)
 
 
 def test_all_finite(ext):

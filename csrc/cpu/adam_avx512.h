@@ -29,7 +29,8 @@ struct ChunkArgs {
   uint8_t *m_codes, *m_scales, *v_codes, *v_scales;
   float *m_ts, *v_ts;
   Scalars s;
-  bool maximize, v_nvfp4, m_stochastic, v_stochastic;
+  bool maximize, m_stochastic, v_stochastic;
+  int v_kind;  // fp4::VKind
   uint32_t seed, stream0;
   uint16_t* bf16_out;
 };
@@ -52,24 +53,29 @@ static inline __m256i to_bf16x16(__m512 x) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-// fp4::ufp4_encode(|y|) on 16 lanes.
-static inline __m512i ufp4_codes16(__m512 y) {
+// fp4::ugrid_encode(|y|, MB) on 16 lanes: |y| clamped to the grid's top, the pattern rounded to MB mantissa
+// bits (ties to even) less (bias << MB); below the grid's smallest value code 0.
+template <int MB>
+static inline __m512i ugrid_codes16(__m512 y) {
+  constexpr int kShift = 23 - MB;
   const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(y),
                                                                       _mm512_set1_epi32(0x7FFFFFFF))),
-                                 _mm512_set1_ps(fp4::kUfp4Max));
+                                 _mm512_set1_ps(fp4::ugrid_max(MB)));
   const __m512i ai = _mm512_castps_si512(a);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
-  __m512i c = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF)), lsb), 22);
-  c = _mm512_min_epi32(_mm512_sub_epi32(c, _mm512_set1_epi32(120 << 1)), _mm512_set1_epi32(15));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(fp4::kUfp4Min), _CMP_LT_OQ);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, kShift), _mm512_set1_epi32(1));
+  __m512i c = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32((1 << (kShift - 1)) - 1)), lsb),
+                                kShift);
+  c = _mm512_min_epi32(_mm512_sub_epi32(c, _mm512_set1_epi32((int)(fp4::ugrid_bias(MB) << MB))), _mm512_set1_epi32(15));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(fp4::ugrid_min(MB)), _CMP_LT_OQ);
   return _mm512_maskz_mov_epi32((__mmask16)~tiny, c);
 }
 
 // Encodes buf[0..16*nb) (zeros past the data) as one chunk: one fp32 scale, an E4M3 scale per 16 elements,
 // codes. Same rules as encode_chunk_scalar in adam_cpu.cpp, 16 blocks at a time.
-static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_, bool stochastic, uint32_t key,
+// mbits 0: E2M1 codes; else the unsigned grid with that many mantissa bits.
+static inline void encode_chunk_avx512(const float* buf, int nb, int mbits, bool stochastic, uint32_t key,
                                        uint32_t index0, uint8_t* codes, uint8_t* scales, float* s_dec_out) {
-  const float elem_max = unsigned_ ? fp4::kUfp4Max : fp4::kE2M1Max;
+  const float elem_max = fp4::grid_max(mbits);
   const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), expmask = _mm512_set1_epi32(0x7F800000);
   const int ngroups = (nb + 15) / 16;
   alignas(64) float amax_b[kChunk / 16];
@@ -108,8 +114,11 @@ static inline void encode_chunk_avx512(const float* buf, int nb, bool unsigned_,
       if ((live >> j) & 1) {
         const __m512 y = _mm512_mul_ps(_mm512_load_ps(buf + b * 16), _mm512_set1_ps(kb[j]));
         __m512i c;
-        if (unsigned_)
-          c = stochastic ? fp4cpu::ufp4_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16))) : ufp4_codes16(y);
+        const uint32_t i16 = index0 + (uint32_t)(b * 16);
+        if (mbits == 1)
+          c = stochastic ? fp4cpu::ugrid_codes16_sr<1>(y, fp4cpu::sr_bits16(key, i16)) : ugrid_codes16<1>(y);
+        else if (mbits == 2)
+          c = stochastic ? fp4cpu::ugrid_codes16_sr<2>(y, fp4cpu::sr_bits16(key, i16)) : ugrid_codes16<2>(y);
         else if (stochastic)
           c = fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16)));
         else
@@ -129,6 +138,7 @@ struct Tables {
   // rule is one multiply of a row by s_dec.
   alignas(64) float e2m1_scaled[256][16];
   alignas(64) float ufp4_scaled[256][16];
+  alignas(64) float ue2m2_scaled[256][16];  // ue2m2 values have at most 3 significant bits: exact as well
   Tables() {
     for (int k = 0; k < 256; ++k) e4m3[k] = fp4::e4m3_value((uint8_t)k);
     for (int k = 0; k < 16; ++k) ufp4[k] = fp4::ufp4_value((uint8_t)k);
@@ -136,6 +146,7 @@ struct Tables {
       for (int k = 0; k < 16; ++k) {
         e2m1_scaled[s][k] = fp4::e2m1_value((uint8_t)k) * e4m3[s];
         ufp4_scaled[s][k] = ufp4[k] * e4m3[s];
+        ue2m2_scaled[s][k] = fp4::ugrid_value((uint8_t)k, 2) * e4m3[s];
       }
   }
 };
@@ -157,15 +168,21 @@ inline const Tables& tables() {
 // has its sign bit clear. Otherwise (only after an overflow or a non-finite gradient) the chunk's state is
 // encoded at once by encode_chunk_avx512 above, which implements every rule of the scalar path.
 
-enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3, kUfp4SR = 4 };
+enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3, kUfp4SR = 4, kUe2m2 = 5, kUe2m2SR = 6 };
 
-// ufp4 codes of y >= +0 (finite): 0 below 2^-7 (the rounded code is then <= 0: clamp at 0), else the
-// pattern rounded to one mantissa bit minus (120 << 1); y <= 1.5 keeps it <= 15.
-FP4_INLINE __m512i ufp4_codes16_pos(__m512 y) {
-  const __m512i ai = _mm512_castps_si512(_mm512_min_ps(y, _mm512_set1_ps(fp4::kUfp4Max)));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, 22), _mm512_set1_epi32(1));
+// Codes of y >= +0 (finite) on the unsigned grid with MB mantissa bits: 0 below the grid (the rounded code is
+// then <= 0: clamp at 0), else the pattern rounded to MB mantissa bits minus (bias << MB); y <= the grid's top
+// keeps it <= 15.
+template <int MB>
+FP4_INLINE __m512i ugrid_codes16_pos(__m512 y) {
+  constexpr int kShift = 23 - MB;
+  const __m512i ai = _mm512_castps_si512(_mm512_min_ps(y, _mm512_set1_ps(fp4::ugrid_max(MB))));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(ai, kShift), _mm512_set1_epi32(1));
   const __m512i c = _mm512_srai_epi32(
-      _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32(0x1FFFFF - (240 << 22))), lsb), 22);
+      _mm512_add_epi32(_mm512_add_epi32(ai, _mm512_set1_epi32((int)(((1u << (kShift - 1)) - 1u) -
+                                                                    (fp4::ugrid_bias(MB) << 23)))),
+                       lsb),
+      kShift);
   return _mm512_max_epi32(c, _mm512_setzero_si512());
 }
 
@@ -183,8 +200,10 @@ template <int Kind>
 FP4_INLINE __m512i enc_codes16(const EncJob& j, int b) {
   const __m512 x = _mm512_load_ps(j.buf + b * 16);
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(j.kb[b]));
-  if (Kind == kUfp4) return ufp4_codes16_pos(y);
-  if (Kind == kUfp4SR) return fp4cpu::ufp4_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
+  if (Kind == kUfp4) return ugrid_codes16_pos<1>(y);
+  if (Kind == kUfp4SR) return fp4cpu::ugrid_codes16_sr<1>(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
+  if (Kind == kUe2m2) return ugrid_codes16_pos<2>(y);
+  if (Kind == kUe2m2SR) return fp4cpu::ugrid_codes16_sr<2>(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
   if (Kind == kE2M1SR) return fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
   if (Kind == kE2M1Pos)  // y >= +0: the magnitude is the code
     return fp4cpu::e2m1_mag16(_mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A));
@@ -271,11 +290,12 @@ static inline bool enc_prepare(const float* buf, int nb, float elem_max, uint8_t
   return true;
 }
 
-// The update of blocks b..b+nblk-1 of chunk c (all full blocks when Tail is false).
-template <typename G, bool VNv, bool Tail>
+// The update of blocks b..b+nblk-1 of chunk c (all full blocks when Tail is false). VK: the v state's kind.
+template <typename G, int VK, bool Tail>
 FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int cnt, int b, int nblk,
                                  const uint8_t* mc, const uint8_t* ms, const uint8_t* vc, const uint8_t* vs,
                                  __m512 msd, __m512 vsd, float* mbuf, float* ubuf) {
+  constexpr bool VNv = VK == fp4::kVNvfp4;
   const Tables& tab = tables();
   const Scalars& s = a.s;
   const __m512 b1 = _mm512_set1_ps(s.b1), omb1 = _mm512_set1_ps(s.omb1), b2 = _mm512_set1_ps(s.b2),
@@ -290,7 +310,8 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
       mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     }
     const __m512 mt = _mm512_mul_ps(_mm512_load_ps(tab.e2m1_scaled[ms[b]]), msd);
-    const __m512 vt = _mm512_mul_ps(_mm512_load_ps(VNv ? tab.e2m1_scaled[vs[b]] : tab.ufp4_scaled[vs[b]]), vsd);
+    const float* vrow = VNv ? tab.e2m1_scaled[vs[b]] : VK == fp4::kVUe2m2 ? tab.ue2m2_scaled[vs[b]] : tab.ufp4_scaled[vs[b]];
+    const __m512 vt = _mm512_mul_ps(_mm512_load_ps(vrow), vsd);
     const __m512 mo = _mm512_permutexvar_ps(fp4cpu::unpack16(mc + b * 8), mt);
     const __m512 uo = _mm512_permutexvar_ps(fp4cpu::unpack16(vc + b * 8), vt);
     __m512 g = load_grad16(grad, i, mk);
@@ -318,11 +339,13 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
 }
 
 // Steps chunks [c0, c1) on one thread. SR / VSR: m / the second moment rounded stochastically.
-template <typename G, bool VNv, bool SR, bool VSR>
+template <typename G, int VK, bool SR, bool VSR>
 inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  constexpr bool VNv = VK == fp4::kVNvfp4;
   constexpr int kM = SR ? kE2M1SR : kE2M1;
-  constexpr int kU = VNv ? (VSR ? kE2M1SR : kE2M1Pos) : (VSR ? kUfp4SR : kUfp4);
-  const float u_max = VNv ? fp4::kE2M1Max : fp4::kUfp4Max;
+  constexpr int kU = VNv ? (VSR ? kE2M1SR : kE2M1Pos)
+                         : VK == fp4::kVUe2m2 ? (VSR ? kUe2m2SR : kUe2m2) : (VSR ? kUfp4SR : kUfp4);
+  const float u_max = fp4::grid_max(fp4::v_mbits(VK));
   alignas(64) float mbuf[2][kChunk], ubuf[2][kChunk];
   EncJob jm[2], ju[2];
   jm[0].nb = jm[1].nb = ju[0].nb = ju[1].nb = 0;
@@ -353,11 +376,11 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
           }
         }
       }
-      update_blocks<G, VNv, false>(a, grad, i0, cnt, b, 4, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
+      update_blocks<G, VK, false>(a, grad, i0, cnt, b, 4, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
       if (b < pm.nb) enc4<kM>(pm, b);
       if (b < pu.nb) enc4<kU>(pu, b);
     }
-    if (b < nb) update_blocks<G, VNv, true>(a, grad, i0, cnt, b, nb - b, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
+    if (b < nb) update_blocks<G, VK, true>(a, grad, i0, cnt, b, nb - b, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
     for (; b < pm.nb; b += 4) enc4<kM>(pm, b);
     for (int bb = (nfull / 4) * 4; bb < pu.nb; bb += 4) enc4<kU>(pu, bb);
     pm.nb = pu.nb = 0;
@@ -373,7 +396,7 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
       nm.index0 = index0;
     } else {
       nm.nb = 0;
-      encode_chunk_avx512(mbuf[x], nb, false, SR, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
+      encode_chunk_avx512(mbuf[x], nb, 0, SR, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
     }
     if (enc_prepare<false>(ubuf[x], nb, u_max, a.v_scales + i0 / 16, &a.v_ts[c], nu)) {
       nu.codes = a.v_codes + i0 / 2;
@@ -381,7 +404,7 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
       nu.index0 = index0;
     } else {
       nu.nb = 0;
-      encode_chunk_avx512(ubuf[x], nb, !VNv, VSR, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+      encode_chunk_avx512(ubuf[x], nb, fp4::v_mbits(VK), VSR, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
     }
   }
   // the last chunk's pass 2
@@ -393,16 +416,20 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
 template <typename G>
 inline void step_range_avx512(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   if (c0 >= c1) return;
-  const int kind = (a.v_nvfp4 ? 4 : 0) | (a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0);
-  switch (kind) {
-    case 0: return step_range_impl<G, false, false, false>(a, grad, c0, c1);
-    case 1: return step_range_impl<G, false, false, true>(a, grad, c0, c1);
-    case 2: return step_range_impl<G, false, true, false>(a, grad, c0, c1);
-    case 3: return step_range_impl<G, false, true, true>(a, grad, c0, c1);
-    case 4: return step_range_impl<G, true, false, false>(a, grad, c0, c1);
-    case 5: return step_range_impl<G, true, false, true>(a, grad, c0, c1);
-    case 6: return step_range_impl<G, true, true, false>(a, grad, c0, c1);
-    default: return step_range_impl<G, true, true, true>(a, grad, c0, c1);
+  const int kind = (a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0);
+  switch (a.v_kind * 4 + kind) {
+    case 0: return step_range_impl<G, fp4::kVUfp4, false, false>(a, grad, c0, c1);
+    case 1: return step_range_impl<G, fp4::kVUfp4, false, true>(a, grad, c0, c1);
+    case 2: return step_range_impl<G, fp4::kVUfp4, true, false>(a, grad, c0, c1);
+    case 3: return step_range_impl<G, fp4::kVUfp4, true, true>(a, grad, c0, c1);
+    case 4: return step_range_impl<G, fp4::kVNvfp4, false, false>(a, grad, c0, c1);
+    case 5: return step_range_impl<G, fp4::kVNvfp4, false, true>(a, grad, c0, c1);
+    case 6: return step_range_impl<G, fp4::kVNvfp4, true, false>(a, grad, c0, c1);
+    case 7: return step_range_impl<G, fp4::kVNvfp4, true, true>(a, grad, c0, c1);
+    case 8: return step_range_impl<G, fp4::kVUe2m2, false, false>(a, grad, c0, c1);
+    case 9: return step_range_impl<G, fp4::kVUe2m2, false, true>(a, grad, c0, c1);
+    case 10: return step_range_impl<G, fp4::kVUe2m2, true, false>(a, grad, c0, c1);
+    default: return step_range_impl<G, fp4::kVUe2m2, true, true>(a, grad, c0, c1);
   }
 }
 

@@ -1,5 +1,5 @@
 // The fused FP4AdamW step on CPU: one pass per chunk of 1024 elements that decodes m and sqrt(v), updates
-// the fp32 master weight, re-encodes m (NVFP4) and sqrt(v) (ufp4), and optionally writes a bf16 copy of
+// the fp32 master weight, re-encodes m (NVFP4) and sqrt(v) (ue2m2 or ufp4), and optionally writes a bf16 copy of
 // the new weight. The operation order is the one in fp4offload/optim/reference_step.py (normative);
 // every scalar rule comes from csrc/fp4_codec.h, so the bytes equal the torch reference's.
 //
@@ -38,7 +38,8 @@ inline float load_grad(const float* g, int64_t i) { return g[i]; }
 inline float load_grad(const uint16_t* g, int64_t i) { return fp4::u2f((uint32_t)g[i] << 16); }
 
 // Decodes one packed 1x16 chunk of `cnt` elements into out[0..cnt), zeros after it up to the block end.
-inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, float s_dec, int cnt, bool unsigned_,
+// mbits 0: E2M1 codes; else the unsigned grid with that many mantissa bits (fp4::ugrid_value).
+inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, float s_dec, int cnt, int mbits,
                                 float* out) {
   const int nb = (cnt + 15) / 16;
   for (int b = 0; b < nb; ++b) {
@@ -46,7 +47,7 @@ inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, flo
     for (int j = 0; j < 16; ++j) {
       const int i = b * 16 + j;
       const uint8_t c = fp4::code_at(codes, i);
-      const float val = unsigned_ ? fp4::ufp4_value(c) : fp4::e2m1_value(c);
+      const float val = mbits ? fp4::ugrid_value(c, mbits) : fp4::e2m1_value(c);
       out[i] = i < cnt ? (val * sv) * s_dec : 0.0f;
     }
   }
@@ -55,10 +56,10 @@ inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, flo
 // Encodes x[0..16*nb) (zeros past cnt) as one chunk: one fp32 scale, E4M3 scale per 16, codes.
 // Non-finite values (only from overflow) are left out of the amax and their block is written as zeros,
 // as the reference does with nonfinite='propagate' off.
-inline void encode_chunk_scalar(const float* x, int cnt, bool unsigned_, bool stochastic, uint32_t key,
+inline void encode_chunk_scalar(const float* x, int cnt, int mbits, bool stochastic, uint32_t key,
                                 uint32_t index0, uint8_t* codes, uint8_t* scales, float* s_dec_out) {
   const int nb = (cnt + 15) / 16;
-  const float elem_max = unsigned_ ? fp4::kUfp4Max : fp4::kE2M1Max;
+  const float elem_max = fp4::grid_max(mbits);
   float amax_b[kChunk / 16];
   bool bad_b[kChunk / 16];
   float amax = 0.0f;
@@ -89,8 +90,8 @@ inline void encode_chunk_scalar(const float* x, int cnt, bool unsigned_, bool st
       }
       const float y = x[b * 16 + j] * k;
       const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + b * 16 + j)) : 0u;
-      if (unsigned_)
-        c[j] = stochastic ? fp4::ufp4_encode_sr(fp4::fabs_(y), rnd) : fp4::ufp4_encode(fp4::fabs_(y));
+      if (mbits)
+        c[j] = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits) : fp4::ugrid_encode(fp4::fabs_(y), mbits);
       else
         c[j] = fp4::e2m1_encode(y, stochastic, rnd);
     }
@@ -105,8 +106,10 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
   const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
   const int nb = (cnt + 15) / 16;
   float mbuf[kChunk], ubuf[kChunk];
-  decode_chunk_scalar(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], cnt, false, mbuf);
-  decode_chunk_scalar(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], cnt, !a.v_nvfp4, ubuf);
+  const int vmb = fp4::v_mbits(a.v_kind);
+  const bool v_nv = a.v_kind == fp4::kVNvfp4;
+  decode_chunk_scalar(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], cnt, 0, mbuf);
+  decode_chunk_scalar(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], cnt, vmb, ubuf);
   for (int j = 0; j < cnt; ++j) {
     const int64_t i = i0 + j;
     float g = load_grad(grad, i);
@@ -114,7 +117,7 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
     float p = a.param[i];
     if (s.weight_decay) p = p * s.decay;
     const float m = (mbuf[j] * s.b1) + (g * s.omb1);
-    const float vo = a.v_nvfp4 ? ubuf[j] : ubuf[j] * ubuf[j];
+    const float vo = v_nv ? ubuf[j] : ubuf[j] * ubuf[j];
     const float v = (vo * s.b2) + ((g * g) * s.omb2);
     const float u = std::sqrt(v);
     const float d = (u * s.rsbc2) + s.eps;
@@ -122,16 +125,16 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
     a.param[i] = p;
     if (a.bf16_out) a.bf16_out[i] = to_bf16(p);
     mbuf[j] = m;
-    ubuf[j] = a.v_nvfp4 ? v : u;
+    ubuf[j] = v_nv ? v : u;
   }
   for (int j = cnt; j < nb * 16; ++j) mbuf[j] = ubuf[j] = 0.0f;
   const int64_t seg = i0 / kSegment;
   const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 0u) : 0u;
   const uint32_t vkey = a.v_stochastic ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, (uint32_t)(a.stream0 + seg), 0u) : 0u;
   const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
-  encode_chunk_scalar(mbuf, cnt, false, a.m_stochastic, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16,
+  encode_chunk_scalar(mbuf, cnt, 0, a.m_stochastic, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16,
                       &a.m_ts[c]);
-  encode_chunk_scalar(ubuf, cnt, !a.v_nvfp4, a.v_stochastic, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16,
+  encode_chunk_scalar(ubuf, cnt, vmb, a.v_stochastic, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16,
                       &a.v_ts[c]);
 }
 
@@ -155,7 +158,7 @@ uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
 std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales,
                 torch::Tensor m_ts, torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_ts, double b1,
                 double omb1, double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
-                bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed, int64_t stream0,
+                bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, int64_t seed, int64_t stream0,
                 c10::optional<torch::Tensor> bf16_out, std::vector<torch::Tensor> w_data,
                 std::vector<torch::Tensor> w_scales, std::vector<int64_t> w_offsets, std::vector<int64_t> w_rows,
                 std::vector<int64_t> w_cols, std::vector<double> w_amax, bool v_stochastic) {
@@ -180,7 +183,8 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
                 (float)rsbc2, weight_decay};
   a.maximize = maximize;
-  a.v_nvfp4 = v_nvfp4;
+  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step: v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2), got ", v_kind);
+  a.v_kind = (int)v_kind;
   a.m_stochastic = m_stochastic;
   a.v_stochastic = v_stochastic;
   a.seed = (uint32_t)seed;
@@ -314,7 +318,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
                                 torch::Tensor m_codes, torch::Tensor m_scales, torch::Tensor m_ts, torch::Tensor v_codes,
                                 torch::Tensor v_scales, torch::Tensor v_ts, double b1, double omb1, double b2,
                                 double omb2, double eps, double decay, double step_size, double rsbc2,
-                                bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed,
+                                bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, int64_t seed,
                                 int64_t stream0, int64_t mode, bool v_stochastic) {
   TORCH_CHECK(mode == 1 || mode == 2, "fused_step_master: mode must be 1 (split) or 2 (bf16)");
   TORCH_CHECK(hi.device().is_cpu() && hi.is_contiguous() && hi.scalar_type() == torch::kBFloat16,
@@ -350,7 +354,8 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
   a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
                 (float)rsbc2, weight_decay};
   a.maximize = maximize;
-  a.v_nvfp4 = v_nvfp4;
+  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step: v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2), got ", v_kind);
+  a.v_kind = (int)v_kind;
   a.m_stochastic = m_stochastic;
   a.v_stochastic = v_stochastic;
   a.seed = (uint32_t)seed;
@@ -484,7 +489,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("m_codes"), py::arg("m_scales"), py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"),
         py::arg("v_tscale"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"),
         py::arg("decay"), py::arg("step_size"), py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"),
-        py::arg("v_nvfp4"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
+        py::arg("v_kind"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
         py::arg("bf16_out") = py::none(), py::arg("w_data") = std::vector<torch::Tensor>{},
         py::arg("w_scales") = std::vector<torch::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
         py::arg("w_rows") = std::vector<int64_t>{}, py::arg("w_cols") = std::vector<int64_t>{},
@@ -493,7 +498,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hi"), py::arg("lo"), py::arg("odd"), py::arg("grad"), py::arg("m_codes"), py::arg("m_scales"),
         py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"), py::arg("v_tscale"), py::arg("b1"),
         py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"), py::arg("decay"), py::arg("step_size"),
-        py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"), py::arg("v_nvfp4"), py::arg("m_stochastic"),
+        py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"), py::arg("v_kind"), py::arg("m_stochastic"),
         py::arg("seed"), py::arg("stream0"), py::arg("mode"), py::arg("v_stochastic") = false);
   m.def("split_selfcheck", &split_selfcheck, "split master: patterns in [start, stop) that do not rebuild exactly");
   m.def("all_finite", &all_finite, "whether every element is finite");

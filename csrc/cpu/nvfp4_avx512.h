@@ -270,15 +270,20 @@ static inline __m512i ufp4_codes16(__m512 y) {
   return _mm512_min_epi32(_mm512_max_epi32(c, _mm512_setzero_si512()), _mm512_set1_epi32(15));
 }
 
-// Stochastic ufp4 codes of 16 scaled values (fp4::ufp4_encode_sr on every lane): |y| clamped to 1.5, the
-// pattern less (120 << 23) plus the top 22 random bits, shifted down by 22; below 2^-7 code 0.
-static inline __m512i ufp4_codes16_sr(__m512 y, __m512i rnd) {
-  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(1.5f));
-  const __m512i x = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32(120 << 23));
-  const __m512i c = _mm512_srai_epi32(_mm512_add_epi32(x, _mm512_srli_epi32(rnd, 10)), 22);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.0078125f), _CMP_LT_OQ);
+// Stochastic codes of 16 scaled values on the unsigned grid with MB mantissa bits (fp4::ugrid_encode_sr on
+// every lane): |y| clamped to the grid's top, the pattern less (bias << 23) plus the top 23 - MB random bits,
+// shifted down by 23 - MB; below the grid's smallest value code 0. MB 1 is ufp4.
+template <int MB>
+static inline __m512i ugrid_codes16_sr(__m512 y, __m512i rnd) {
+  constexpr int kShift = 23 - MB;
+  const __m512 a = _mm512_min_ps(_mm512_abs_ps(y), _mm512_set1_ps(fp4::ugrid_max(MB)));
+  const __m512i x = _mm512_sub_epi32(_mm512_castps_si512(a), _mm512_set1_epi32((int)(fp4::ugrid_bias(MB) << 23)));
+  const __m512i c = _mm512_srai_epi32(_mm512_add_epi32(x, _mm512_srli_epi32(rnd, 32 - kShift)), kShift);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(a, _mm512_set1_ps(fp4::ugrid_min(MB)), _CMP_LT_OQ);
   return _mm512_maskz_mov_epi32((__mmask16)~tiny, c);
 }
+
+static inline __m512i ufp4_codes16_sr(__m512 y, __m512i rnd) { return ugrid_codes16_sr<1>(y, rnd); }
 
 // NVFP4 or ufp4 codes of 16 scaled values, nearest or stochastic (bits sr_bits(key, idx0 + j)).
 static inline __m512i nv_codes16(__m512 y, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0) {

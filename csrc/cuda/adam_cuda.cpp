@@ -9,13 +9,13 @@
 extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes,
                                        uint8_t* m_scales, float* m_ts, uint8_t* v_codes, uint8_t* v_scales,
                                        float* v_ts, const float* scalars8, int weight_decay, int maximize,
-                                       int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0,
+                                       int v_kind, int m_stochastic, uint32_t seed, uint32_t stream0,
                                        uint16_t* bf16_out, int v_stochastic, void* stream);
 extern "C" int fp4adam_fused_step_master_cuda(uint16_t* hi, int16_t* lo, const int64_t* odd_pos, int64_t k,
                                               uint32_t* words, int mode, const void* grad, int grad_is_bf16,
                                               int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
                                               uint8_t* v_codes, uint8_t* v_scales, float* v_ts,
-                                              const float* scalars8, int weight_decay, int maximize, int v_nvfp4,
+                                              const float* scalars8, int weight_decay, int maximize, int v_kind,
                                               int m_stochastic, uint32_t seed, uint32_t stream0, int v_stochastic,
                                               void* stream);
 
@@ -31,10 +31,11 @@ uint8_t* u8(torch::Tensor& t, const char* name, int64_t need, const torch::Devic
 void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales,
                 torch::Tensor m_ts, torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_ts, double b1,
                 double omb1, double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
-                bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic, int64_t seed, int64_t stream0,
+                bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, int64_t seed, int64_t stream0,
                 c10::optional<torch::Tensor> bf16_out, bool v_stochastic) {
   TORCH_CHECK(param.is_cuda() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
               "fused_step (cuda): param must be a contiguous fp32 CUDA tensor");
+  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step (cuda): v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2)");
   const auto dev = param.device();
   TORCH_CHECK(grad.device() == dev && grad.is_contiguous() &&
                   (grad.scalar_type() == torch::kFloat32 || grad.scalar_type() == torch::kBFloat16),
@@ -59,7 +60,7 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
       gbf ? 1 : 0, n, u8(m_codes, "m_codes", nb * 8, dev), u8(m_scales, "m_scales", nb, dev),
       reinterpret_cast<float*>(u8(m_ts, "m_tscale", nchunks * 4, dev)), u8(v_codes, "v_codes", nb * 8, dev),
       u8(v_scales, "v_scales", nb, dev), reinterpret_cast<float*>(u8(v_ts, "v_tscale", nchunks * 4, dev)), sc,
-      weight_decay, maximize, v_nvfp4, m_stochastic, (uint32_t)seed, (uint32_t)stream0, bf, v_stochastic,
+      weight_decay, maximize, (int)v_kind, m_stochastic, (uint32_t)seed, (uint32_t)stream0, bf, v_stochastic,
       c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(err == 0, "fused_step (cuda): kernel launch failed with cudaError ", err);
 }
@@ -84,9 +85,10 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
                                 torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales, torch::Tensor m_ts,
                                 torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_ts, double b1,
                                 double omb1, double b2, double omb2, double eps, double decay, double step_size,
-                                double rsbc2, bool weight_decay, bool maximize, bool v_nvfp4, bool m_stochastic,
+                                double rsbc2, bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic,
                                 int64_t seed, int64_t stream0, int64_t mode, bool v_stochastic) {
   TORCH_CHECK(mode == 1 || mode == 2, "fused_step_master (cuda): mode must be 1 (split) or 2 (bf16)");
+  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step_master (cuda): v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2)");
   TORCH_CHECK(hi.is_cuda() && hi.is_contiguous() && hi.scalar_type() == torch::kBFloat16,
               "fused_step_master (cuda): the parameter must be a contiguous bf16 CUDA tensor");
   const auto dev = hi.device();
@@ -124,7 +126,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
       n, u8(m_codes, "m_codes", nb * 8, dev), u8(m_scales, "m_scales", nb, dev),
       reinterpret_cast<float*>(u8(m_ts, "m_tscale", nchunks * 4, dev)), u8(v_codes, "v_codes", nb * 8, dev),
       u8(v_scales, "v_scales", nb, dev), reinterpret_cast<float*>(u8(v_ts, "v_tscale", nchunks * 4, dev)), sc,
-      weight_decay, maximize, v_nvfp4, m_stochastic, (uint32_t)seed, (uint32_t)stream0, v_stochastic,
+      weight_decay, maximize, (int)v_kind, m_stochastic, (uint32_t)seed, (uint32_t)stream0, v_stochastic,
       c10::cuda::getCurrentCUDAStream(dev.index()).stream());
   TORCH_CHECK(err == 0, "fused_step_master (cuda): kernel launch failed with cudaError ", err);
   if (mode == 2) return torch::empty({0}, longs);
@@ -141,12 +143,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("m_codes"), py::arg("m_scales"), py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"),
         py::arg("v_tscale"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"),
         py::arg("decay"), py::arg("step_size"), py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"),
-        py::arg("v_nvfp4"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
+        py::arg("v_kind"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
         py::arg("bf16_out") = py::none(), py::arg("v_stochastic") = false);
   m.def("fused_step_master", &fused_step_master, "fused FP4AdamW step of a bf16 parameter with a compact master (CUDA)",
         py::arg("hi"), py::arg("lo"), py::arg("odd"), py::arg("grad"), py::arg("m_codes"), py::arg("m_scales"),
         py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"), py::arg("v_tscale"), py::arg("b1"),
         py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"), py::arg("decay"), py::arg("step_size"),
-        py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"), py::arg("v_nvfp4"), py::arg("m_stochastic"),
+        py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"), py::arg("v_kind"), py::arg("m_stochastic"),
         py::arg("seed"), py::arg("stream0"), py::arg("mode"), py::arg("v_stochastic") = false);
 }

@@ -4,9 +4,9 @@
 // CPU step; every scalar rule comes from csrc/fp4_codec.h. Build with --fmad=false (no contraction) and
 // without fast math: sqrtf and '/' are then IEEE round-to-nearest, as the reference requires.
 //
-// m is rounded to nearest or stochastically (m_stochastic: bits sr_key(seed, stream0 + segment, 0)), sqrt(v) (or v,
-// v_nvfp4) likewise (v_stochastic: the same rule from seed ^ fp4::kVSeedXor, so an element's two states draw
-// independent bits); the index of an element's bits is its position in its segment of 2^20.
+// m is rounded to nearest or stochastically (m_stochastic: bits sr_key(seed, stream0 + segment, 0)), sqrt(v)
+// (ue2m2 or ufp4; v itself for nvfp4: v_kind, fp4::VKind) likewise (v_stochastic: the same rule from
+// seed ^ fp4::kVSeedXor, so an element's two states draw independent bits); the index of an element's bits is its position in its segment of 2^20.
 //
 // The master is a template parameter of the one kernel (the Adam math is written once):
 //   kFp32  - an fp32 tensor, updated in place (optionally with a bf16 copy);
@@ -53,7 +53,7 @@ struct Args {
   float *m_ts, *v_ts;
   uint16_t* bf16_out;
   Scalars s;
-  int weight_decay, maximize, v_nvfp4, m_stochastic, v_stochastic;
+  int weight_decay, maximize, v_kind, m_stochastic, v_stochastic;
   uint32_t seed, stream0;
 };
 
@@ -67,11 +67,12 @@ __device__ __forceinline__ float block_max(float v, float* shared2) {
   return fp4::fmax_(shared2[0], shared2[1]);
 }
 
-// Encodes this thread's 16 values (x) into its block of a chunk, given the chunk's tensor scale.
+// Encodes this thread's 16 values (x) into its block of a chunk, given the chunk's tensor scale. mbits 0: E2M1
+// codes; else the unsigned grid with that many mantissa bits.
 __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool bad, const fp4::TensorScale& ts,
-                                             bool unsigned_, bool stochastic, uint32_t key, uint32_t index0,
+                                             int mbits, bool stochastic, uint32_t key, uint32_t index0,
                                              uint8_t* codes8, uint8_t* scale) {
-  const float elem_max = unsigned_ ? fp4::kUfp4Max : fp4::kE2M1Max;
+  const float elem_max = fp4::grid_max(mbits);
   float k;
   bool live;
   *scale = fp4::block_scale(amax_b, bad, elem_max, ts, k, live);
@@ -82,8 +83,8 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
       const float y = x[j] * k;
       const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + j)) : 0u;
       uint8_t c;
-      if (unsigned_) {
-        c = stochastic ? fp4::ufp4_encode_sr(fp4::fabs_(y), rnd) : fp4::ufp4_encode(fp4::fabs_(y));
+      if (mbits) {
+        c = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits) : fp4::ugrid_encode(fp4::fabs_(y), mbits);
       } else {
         c = fp4::e2m1_encode(y, stochastic, rnd);
       }
@@ -106,6 +107,8 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   const int64_t seg = (c * kChunk) / kSegment;
   const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
   const uint32_t wkey = kMode == kBf16 ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 1u) : 0u;
+  const int vmb = fp4::v_mbits(a.v_kind);
+  const bool v_nv = a.v_kind == fp4::kVNvfp4;
   float m[16], u[16];
   float m_amax = 0.0f, u_amax = 0.0f;
   bool m_bad = false, u_bad = false;
@@ -121,7 +124,7 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
       const uint32_t mw = j < 8 ? mc.x : mc.y, vw = j < 8 ? vc.x : vc.y;
       const uint8_t mcode = fp4::word_code(mw, j & 7), vcode = fp4::word_code(vw, j & 7);
       const float mo = (fp4::e2m1_value(mcode) * msv) * msd;
-      const float vdec = ((a.v_nvfp4 ? fp4::e2m1_value(vcode) : fp4::ufp4_value(vcode)) * vsv) * vsd;
+      const float vdec = ((v_nv ? fp4::e2m1_value(vcode) : fp4::ugrid_value(vcode, vmb)) * vsv) * vsd;
       if (j < cnt) {
         const int64_t i = i0 + j;
         float g = a.grad_f32 ? a.grad_f32[i] : __uint_as_float((uint32_t)a.grad_bf16[i] << 16);
@@ -132,7 +135,7 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
         else p = __uint_as_float((uint32_t)a.hi[i] << 16);
         if (a.weight_decay) p = __fmul_rn(p, a.s.decay);
         const float mn = __fadd_rn(__fmul_rn(mo, a.s.b1), __fmul_rn(g, a.s.omb1));
-        const float vo = a.v_nvfp4 ? vdec : __fmul_rn(vdec, vdec);
+        const float vo = v_nv ? vdec : __fmul_rn(vdec, vdec);
         const float vn = __fadd_rn(__fmul_rn(vo, a.s.b2), __fmul_rn(__fmul_rn(g, g), a.s.omb2));
         const float un = __fsqrt_rn(vn);
         const float d = __fadd_rn(__fmul_rn(un, a.s.rsbc2), a.s.eps);
@@ -149,7 +152,7 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
           a.hi[i] = bf16_stochastic(__float_as_uint(p), fp4::sr_bits(wkey, (uint64_t)(index0 + j)) >> 16);
         }
         m[j] = mn;
-        u[j] = a.v_nvfp4 ? vn : un;
+        u[j] = v_nv ? vn : un;
       } else {
         m[j] = 0.0f;
         u[j] = 0.0f;
@@ -166,11 +169,11 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   const float u_chunk = block_max(u_amax, red);
   if (!has) return;
   const fp4::TensorScale mts = fp4::tensor_scale(m_chunk, fp4::kE2M1Max);
-  const fp4::TensorScale uts = fp4::tensor_scale(u_chunk, a.v_nvfp4 ? fp4::kE2M1Max : fp4::kUfp4Max);
+  const fp4::TensorScale uts = fp4::tensor_scale(u_chunk, fp4::grid_max(vmb));
   const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 0u) : 0u;
   const uint32_t vkey = a.v_stochastic ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, a.stream0 + (uint32_t)seg, 0u) : 0u;
-  encode_block(m, m_amax, m_bad, mts, false, a.m_stochastic != 0, key, index0, a.m_codes + b * 8, a.m_scales + b);
-  encode_block(u, u_amax, u_bad, uts, a.v_nvfp4 == 0, a.v_stochastic != 0, vkey, index0, a.v_codes + b * 8,
+  encode_block(m, m_amax, m_bad, mts, 0, a.m_stochastic != 0, key, index0, a.m_codes + b * 8, a.m_scales + b);
+  encode_block(u, u_amax, u_bad, uts, vmb, a.v_stochastic != 0, vkey, index0, a.v_codes + b * 8,
                a.v_scales + b);
   if (threadIdx.x == 0) {
     a.m_ts[c] = mts.dec;
@@ -202,7 +205,7 @@ int launch_step(const Args& a, cudaStream_t stream) {
 
 Args make_args(const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
                uint8_t* v_codes, uint8_t* v_scales, float* v_ts, const float* scalars8, int weight_decay,
-               int maximize, int v_nvfp4, int m_stochastic, int v_stochastic, uint32_t seed, uint32_t stream0) {
+               int maximize, int v_kind, int m_stochastic, int v_stochastic, uint32_t seed, uint32_t stream0) {
   Args a;
   a.n = n;
   a.param = nullptr;
@@ -222,7 +225,7 @@ Args make_args(const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes, 
   a.s = Scalars{scalars8[0], scalars8[1], scalars8[2], scalars8[3], scalars8[4], scalars8[5], scalars8[6], scalars8[7]};
   a.weight_decay = weight_decay;
   a.maximize = maximize;
-  a.v_nvfp4 = v_nvfp4;
+  a.v_kind = v_kind;
   a.m_stochastic = m_stochastic;
   a.v_stochastic = v_stochastic;
   a.seed = seed;
@@ -236,12 +239,12 @@ Args make_args(const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes, 
 extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes,
                                        uint8_t* m_scales, float* m_ts, uint8_t* v_codes, uint8_t* v_scales,
                                        float* v_ts, const float* scalars8, int weight_decay, int maximize,
-                                       int v_nvfp4, int m_stochastic, uint32_t seed, uint32_t stream0,
+                                       int v_kind, int m_stochastic, uint32_t seed, uint32_t stream0,
                                        uint16_t* bf16_out, int v_stochastic, void* stream) {
   using namespace fp4adam_cuda;
   if (n <= 0) return 0;
   Args a = make_args(grad, grad_is_bf16, n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, scalars8, weight_decay,
-                     maximize, v_nvfp4, m_stochastic, v_stochastic, seed, stream0);
+                     maximize, v_kind, m_stochastic, v_stochastic, seed, stream0);
   a.param = param;
   a.bf16_out = bf16_out;
   return launch_step<kFp32>(a, static_cast<cudaStream_t>(stream));
@@ -256,7 +259,7 @@ extern "C" int fp4adam_fused_step_master_cuda(uint16_t* hi, int16_t* lo, const i
                                               uint32_t* words, int mode, const void* grad, int grad_is_bf16,
                                               int64_t n, uint8_t* m_codes, uint8_t* m_scales, float* m_ts,
                                               uint8_t* v_codes, uint8_t* v_scales, float* v_ts,
-                                              const float* scalars8, int weight_decay, int maximize, int v_nvfp4,
+                                              const float* scalars8, int weight_decay, int maximize, int v_kind,
                                               int m_stochastic, uint32_t seed, uint32_t stream0, int v_stochastic,
                                               void* stream) {
   using namespace fp4adam_cuda;
@@ -275,7 +278,7 @@ extern "C" int fp4adam_fused_step_master_cuda(uint16_t* hi, int16_t* lo, const i
   }
   if (n <= 0) return 0;
   Args a = make_args(grad, grad_is_bf16, n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, scalars8, weight_decay,
-                     maximize, v_nvfp4, m_stochastic, v_stochastic, seed, stream0);
+                     maximize, v_kind, m_stochastic, v_stochastic, seed, stream0);
   a.hi = hi;
   if (mode == kSplit) {
     a.lo = lo;

@@ -120,26 +120,62 @@ def e8m0_exponent(amax: torch.Tensor, elem_max_mant: int, elem_emax: int, mode: 
     return e.clamp_(-127, 127)
 
 
+# Unsigned zero-free 4-bit grids for u = sqrt(v) (docs/design.md 3.7): `mbits` mantissa bits and 16 >> mbits
+# binades, the top one [1, 2): code c is (1 + (c mod 2^mbits) / 2^mbits) * 2^(c >> mbits - nb + 1), nb = 16 >> mbits.
+# ufp4 (E3M1) has mbits 1 (2^-7 .. 1.5); ue2m2 has mbits 2 (2^-3 .. 1.75). Values below the grid take code 0.
+UGRID_MBITS = {"ufp4": 1, "ue2m2": 2}
+
+
+def ugrid_min(mbits: int) -> float:
+    return 2.0 ** (1 - (16 >> mbits))
+
+
+def ugrid_max(mbits: int) -> float:
+    return 2.0 - 2.0 ** -mbits
+
+
+def _ugrid_bias(mbits: int) -> int:
+    return 128 - (16 >> mbits)  # the fp32 exponent field of the grid's smallest binade
+
+
+def ugrid_encode(y: torch.Tensor, mbits: int = 1) -> torch.Tensor:
+    """Code of y >= 0 (already scaled) on the `mbits` grid: nearest code value, ties to even code; below the
+    grid's smallest value -> code 0."""
+    a = y.clamp(max=ugrid_max(mbits))
+    code = _rne_mantissa(a, mbits) - (_ugrid_bias(mbits) << mbits)
+    return torch.where(a < ugrid_min(mbits), torch.zeros_like(code), code).clamp_(0, 15)
+
+
+def ugrid_encode_sr(y: torch.Tensor, rand: torch.Tensor, mbits: int = 1) -> torch.Tensor:
+    """Stochastic rounding of y >= 0 (already scaled) to the `mbits` grid (fp4_codec.h's ugrid_encode_sr): the
+    fp32 pattern less bias << 23 is the code above 23 - mbits fraction bits, plus the top 23 - mbits random bits;
+    below the grid's smallest value -> code 0. The largest value has a zero fraction, so the code stays <= 15."""
+    a = y.clamp(max=ugrid_max(mbits))
+    shift = 23 - mbits
+    code = ((_bits(a).to(torch.int64) - (_ugrid_bias(mbits) << 23) + (rand.to(torch.int64) >> (32 - shift)))
+            >> shift).to(torch.int32)
+    return torch.where(a < ugrid_min(mbits), torch.zeros_like(code), code)
+
+
+def ugrid_values(mbits: int = 1, device=None) -> torch.Tensor:
+    c = torch.arange(16, dtype=torch.float64)
+    per = 2 ** mbits
+    val = torch.pow(2.0, torch.div(c, per, rounding_mode="floor") - ((16 >> mbits) - 1)) * (1 + (c % per) / per)
+    return val.to(torch.float32).to(device) if device is not None else val.to(torch.float32)
+
+
 def ufp4_encode(y: torch.Tensor) -> torch.Tensor:
     """ufp4 code of y >= 0 (already scaled): nearest code value, ties to even code; below 2^-7 -> code 0."""
-    a = y.clamp(max=UFP4_MAX)
-    code = _rne_mantissa(a, 1) - (120 << 1)
-    return torch.where(a < UFP4_MIN, torch.zeros_like(code), code).clamp_(0, 15)
+    return ugrid_encode(y, 1)
 
 
 def ufp4_encode_sr(y: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding of y >= 0 (already scaled) to a ufp4 code (fp4_codec.h's ufp4_encode_sr): the fp32
-    pattern less 120 << 23 is the code above 22 fraction bits (one kept mantissa bit, as E2M1 above 1), plus the
-    top 22 random bits; below 2^-7 -> code 0."""
-    a = y.clamp(max=UFP4_MAX)
-    code = ((_bits(a).to(torch.int64) - (120 << 23) + (rand.to(torch.int64) >> 10)) >> 22).to(torch.int32)
-    return torch.where(a < UFP4_MIN, torch.zeros_like(code), code)
+    """Stochastic rounding of y >= 0 (already scaled) to a ufp4 code (one kept mantissa bit, 22 fraction bits)."""
+    return ugrid_encode_sr(y, rand, 1)
 
 
 def ufp4_values(device=None) -> torch.Tensor:
-    c = torch.arange(16, dtype=torch.float64)
-    val = torch.pow(2.0, torch.div(c, 2, rounding_mode="floor") - 7) * (1 + (c % 2) / 2)
-    return val.to(torch.float32).to(device) if device is not None else val.to(torch.float32)
+    return ugrid_values(1, device)
 
 
 # --- counter-based random bits (docs/design.md 3.9) -------------------------------------------------------

@@ -100,11 +100,14 @@ def _e2m1_codes(y: torch.Tensor, stochastic: bool, seed: int, stream: int, index
 def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, ufp4: bool,
                  stochastic: bool, seed: int, stream: int, propagate: bool, amax: torch.Tensor | None = None):
     """NVFP4 (or ufp4 when `ufp4`) encode. Returns (data u8, scales u8, tensor_scale f32[nscopes], nonfinite).
+    `ufp4` may also be the mantissa bits of an unsigned grid (bits.UGRID_MBITS: 1 is ufp4, 2 is FP4AdamW's ue2m2
+    state; only this reference encodes grids other than ufp4).
 
     `amax` (fp32, one per scope) replaces the measured scope amax: sharded weights use the amax
     max-reduced across ranks so every rank encodes with the same tensor scale (docs/design.md 3.8).
     """
-    elem_max = B.UFP4_MAX if ufp4 else B.E2M1_MAX
+    mb = int(ufp4)
+    elem_max = B.ugrid_max(mb) if mb else B.E2M1_MAX
     if tile == 16:
         blocks, index, (R, C) = _tile_layout(x, rows, cols)
         scope_of_block = torch.zeros(blocks.shape[0], dtype=torch.long, device=x.device)
@@ -131,10 +134,10 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     s_enc_b = torch.where(live, _div(1.0, torch.where(live, scale_val * s_dec[scope_of_block], 1.0)), 0.0)
     s_enc_b = s_enc_b.clamp(max=B.F32_MAX)  # the reciprocal may overflow when the tensor scale was clamped
     y = blocks * s_enc_b[:, None]
-    if ufp4 and stochastic:
-        codes = B.ufp4_encode_sr(y.abs(), B.random_bits(seed, stream, index))
-    elif ufp4:
-        codes = B.ufp4_encode(y.abs())
+    if mb and stochastic:
+        codes = B.ugrid_encode_sr(y.abs(), B.random_bits(seed, stream, index), mb)
+    elif mb:
+        codes = B.ugrid_encode(y.abs(), mb)
     else:
         codes = _e2m1_codes(y, stochastic, seed, stream, index)
     codes = torch.where(live[:, None], codes, torch.zeros_like(codes))
@@ -150,7 +153,8 @@ def nvfp4_decode(data: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.T
                  tile: int, scope: int, ufp4: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """Inverse of nvfp4_encode: (value(code) * fp32(scale_b)) * s_dec, returned flat with rows*cols elements."""
     codes = unpack_nibbles(data).long()
-    table = B.ufp4_values(data.device) if ufp4 else B.e2m1_decode_magnitude(torch.arange(16, device=data.device))
+    table = (B.ugrid_values(int(ufp4), data.device) if ufp4
+             else B.e2m1_decode_magnitude(torch.arange(16, device=data.device)))
     vals = table[codes]
     scale_val = B.e4m3_table(data.device)[scales.long()]
     if tile == 16:

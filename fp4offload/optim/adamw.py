@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import metrics
-from ..config import STATE_MIN_NUMEL, V_ROUNDING_DEFAULT
+from ..config import STATE_MIN_NUMEL, V_FORMAT_DEFAULT, V_ROUNDING_DEFAULT
 from ..errors import ConfigError
 from ..ops import backend_for
 from . import convert, fused
@@ -42,7 +42,7 @@ GRAD_LIMIT = 2.0 ** 64
 
 
 class FP4AdamW(Optimizer):
-    """AdamW (decoupled weight decay, bias correction) with m in NVFP4 and sqrt(v) in ufp4.
+    """AdamW (decoupled weight decay, bias correction) with m in NVFP4 and sqrt(v) in 4 bits (ue2m2).
 
     Args:
         params: parameters or param groups, as for any torch optimizer.
@@ -51,8 +51,10 @@ class FP4AdamW(Optimizer):
             them with fp32 AdamW).
         v_rounding: rounding of the stored sqrt(v), ``"nearest"`` or ``"stochastic"`` (default
             config.V_ROUNDING_DEFAULT; docs/numerics.md, "Rounding of the optimizer states", says why).
-        v_format: ``"ufp4"`` (default: u = sqrt(v) in the zero-free unsigned code) or ``"nvfp4"`` (v itself in
-            NVFP4, the ablation's baseline; it flushes small v to zero).
+        v_format: ``"ue2m2"`` (default, config.V_FORMAT_DEFAULT: u = sqrt(v) on a zero-free unsigned grid with two
+            mantissa bits), ``"ufp4"`` (the same with one mantissa bit and a wider range: the format before
+            2026-12-03, which old state dicts hold and keep) or ``"nvfp4"`` (v itself in NVFP4, the ablation's
+            baseline; it flushes small v to zero). docs/numerics.md, "The grid of sqrt(v)", says why.
         min_numel: parameters with fewer elements keep fp32 states (default 4096, config.STATE_MIN_NUMEL).
         state_device: ``"same"`` (states beside the parameters), ``"cpu"`` (host RAM, pinned when CUDA is
             present; for GPU parameters the CPU runs the step segment by segment, overlapped with the
@@ -136,7 +138,8 @@ class FP4AdamW(Optimizer):
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False,
-                 m_rounding: str = "stochastic", v_rounding: str = V_ROUNDING_DEFAULT, v_format: str = "ufp4",
+                 m_rounding: str = "stochastic", v_rounding: str = V_ROUNDING_DEFAULT,
+                 v_format: str = V_FORMAT_DEFAULT,
                  min_numel: int = STATE_MIN_NUMEL,
                  state_device: str = "same", nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
                  nvme_io: str = "auto", nvme_keep: bool | None = None,
@@ -587,7 +590,7 @@ class FP4AdamW(Optimizer):
                     new = ext.fused_step_master(
                         h[s0:s1], lo, odd.to(h.device), g.contiguous(), *m, *v,
                         sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, sc.weight_decay,
-                        args["maximize"], args["v_format"] == "nvfp4", args["stochastic"], seed,
+                        args["maximize"], R.V_KIND[args["v_format"]], args["stochastic"], seed,
                         R.sr_stream(stream, s), 1 if split else 2, v_stochastic=args["v_stochastic"])
                 else:  # the reference step (torch ops) on the rebuilt fp32 master of this segment
                     x = MW.join(h[s0:s1], lo, odd) if split else h[s0:s1].float()
@@ -639,7 +642,7 @@ class FP4AdamW(Optimizer):
                 g = g.float()
             return ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
                                   sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"],
-                                  args["v_format"] == "nvfp4", args["stochastic"], args["seed"], stream0, bf,
+                                  R.V_KIND[args["v_format"]], args["stochastic"], args["seed"], stream0, bf,
                                   **region_kernel_args(regions), v_stochastic=args["v_stochastic"])
         kern = backend_for(w.device)
         for k, (s0, s1) in enumerate(R.segment_ranges(w.numel())):

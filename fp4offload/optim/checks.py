@@ -72,7 +72,7 @@ def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: 
     if "v_rounding" in hp:
         check_choice(prefix + "v_rounding", hp["v_rounding"], ROUNDINGS)
     if "v_format" in hp:
-        check_choice(prefix + "v_format", hp["v_format"], V_FORMATS, "ufp4 stores sqrt(v) and is the default")
+        check_choice(prefix + "v_format", hp["v_format"], V_FORMATS, "ue2m2 stores sqrt(v) and is the default")
     if "min_numel" in hp:
         check_int(prefix + "min_numel", hp["min_numel"], minimum=1)
     if "seed" in hp:

@@ -12,8 +12,9 @@ count ``t`` (1-based, after the increment), then rounded once to fp32 (:class:`S
 Per element, fp32, each line one correctly rounded operation (no fused multiply-add):
 
 1. ``g = float(grad)`` (``g = -g`` when ``maximize``)
-2. ``m = decode(m_state)``; ``u = decode(v_state)`` and ``v = u * u`` for ``v_format="ufp4"`` (u = sqrt(v) is
-   stored), or ``v = decode(v_state)`` for ``v_format="nvfp4"`` (the ablation); fp32 states are read as is.
+2. ``m = decode(m_state)``; ``u = decode(v_state)`` and ``v = u * u`` for ``v_format="ue2m2"`` (the default) or
+   ``"ufp4"`` (u = sqrt(v) is stored), or ``v = decode(v_state)`` for ``v_format="nvfp4"`` (the ablation); fp32
+   states are read as is.
 3. ``p = p * decay`` (skipped when ``weight_decay == 0``; decoupled weight decay as in torch.optim.AdamW)
 4. ``m = (m * b1) + (g * omb1)``
 5. ``v = (v * b2) + ((g * g) * omb2)``
@@ -21,8 +22,8 @@ Per element, fp32, each line one correctly rounded operation (no fused multiply-
 7. ``d = (u * rsbc2) + eps``
 8. ``p = p - ((m / d) * step_size)``
 9. store: m -> NVFP4 1x16 with one fp32 scale per chunk of ``CHUNK`` elements (docs/design.md 3.3), nearest or
-   stochastic rounding; u -> ufp4 1x16 per chunk (3.7), nearest or stochastic (``v_rounding``); or v -> NVFP4
-   for the ablation.
+   stochastic rounding; u -> ue2m2 or ufp4 1x16 per chunk (3.7), nearest or stochastic (``v_rounding``); or
+   v -> NVFP4 for the ablation.
    The update of step 8 uses the unquantized m and v of this step; only what is stored is rounded.
 10. optional working copies of the new weight: bf16 (round to nearest even, as ``Tensor.to(torch.bfloat16)``)
     and/or NVFP4 16x16 with one tensor scale (a second pass: the tensor scale needs the new amax of the
@@ -60,6 +61,10 @@ from ..formats.layout import packed_sizes as layout_sizes
 CHUNK = 1024
 SEGMENT = 1 << 20
 V_SEED_XOR = 0x2545F491  # v's stochastic rounding: m's rule with seed ^ V_SEED_XOR (fp4_codec.h's kVSeedXor)
+#: v_format -> the mantissa bits of the unsigned grid u = sqrt(v) is stored on (0: v itself in NVFP4)
+V_MBITS = {"ue2m2": 2, "ufp4": 1, "nvfp4": 0}
+#: v_format -> the fused steps' v_kind (fp4_codec.h's VKind)
+V_KIND = {"ufp4": 0, "nvfp4": 1, "ue2m2": 2}
 BLOCK = 16
 
 
@@ -141,18 +146,29 @@ def segment_view(p: Packed, start: int, stop: int) -> Packed:
     return Packed(p.codes[c0:c1], p.scales[s0:s1], p.tscale[t0:t1])
 
 
-def decode(kern, p: Packed, n: int, unsigned: bool) -> torch.Tensor:
-    """fp32 values of a packed state of n elements, through the kernel API (`kern`: a backend module)."""
+def _grid_kern(kern, unsigned: int):
+    """The compiled codecs encode E2M1 and ufp4; the ue2m2 grid (FP4AdamW's v state, which the fused steps encode
+    themselves) goes through the reference, which runs on any device."""
+    return reference if int(unsigned) > 1 else kern
+
+
+def decode(kern, p: Packed, n: int, unsigned: bool | int) -> torch.Tensor:
+    """fp32 values of a packed state of n elements, through the kernel API (`kern`: a backend module).
+    `unsigned`: False for E2M1 codes, else the unsigned grid's mantissa bits (True = 1: ufp4; 2: ue2m2)."""
     if n == 0:
         return torch.zeros(0, dtype=torch.float32, device=p.codes.device)
+    kern = _grid_kern(kern, unsigned)
     return kern.nvfp4_decode(p.codes, p.scales, p.tscale_f32(), 1, n, 1, CHUNK, unsigned, torch.float32)
 
 
-def encode_into(kern, x: torch.Tensor, out: Packed, unsigned: bool, stochastic: bool, seed: int, stream: int) -> None:
-    """Encode fp32 x into `out` (in place), one fp32 scale per CHUNK, through the kernel API."""
+def encode_into(kern, x: torch.Tensor, out: Packed, unsigned: bool | int, stochastic: bool, seed: int,
+                stream: int) -> None:
+    """Encode fp32 x into `out` (in place), one fp32 scale per CHUNK, through the kernel API (`unsigned` as in
+    decode)."""
     n = x.numel()
     if n == 0:
         return
+    kern = _grid_kern(kern, unsigned)
     data, scales, ts, _ = kern.nvfp4_encode(x.contiguous(), 1, n, 1, CHUNK, unsigned, stochastic, seed, stream, False)
     out.codes.copy_(data)
     out.scales.copy_(scales)
@@ -201,8 +217,9 @@ def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, s
     """
     n = param.numel()
     m_old = decode(kern, m, n, False)
-    if v_format == "ufp4":
-        u_old = decode(kern, v, n, True)
+    vmb = V_MBITS[v_format]
+    if vmb:
+        u_old = decode(kern, v, n, vmb)
         v_old = torch.mul(u_old, u_old)
     else:
         v_old = decode(kern, v, n, False)
@@ -212,8 +229,8 @@ def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, s
         bf16_out.copy_(p_new.to(torch.bfloat16))
     encode_into(kern, m_new, m, False, m_stochastic, seed, stream)
     v_seed = (seed ^ V_SEED_XOR) if v_stochastic else 0
-    if v_format == "ufp4":
-        encode_into(kern, u_new, v, True, v_stochastic, v_seed, stream if v_stochastic else 0)
+    if vmb:
+        encode_into(kern, u_new, v, vmb, v_stochastic, v_seed, stream if v_stochastic else 0)
     else:
         encode_into(kern, v_new, v, False, v_stochastic, v_seed, stream if v_stochastic else 0)
 

@@ -6,7 +6,8 @@ parameter's dtype) loses nothing: every value is an integer in [0, 255], exact i
 
 - ``m_codes``, ``m_scales``, ``m_tscale``: m in NVFP4 1x16 (codes, E4M3 block scales, the little-endian bytes of
   one fp32 decode scale per chunk of 1024 elements);
-- ``v_codes``, ``v_scales``, ``v_tscale``: sqrt(v) in ufp4 (``v_format="ufp4"``) or v in NVFP4 (``"nvfp4"``);
+- ``v_codes``, ``v_scales``, ``v_tscale``: sqrt(v) on the ue2m2 or ufp4 grid (``v_format="ue2m2"``, ``"ufp4"``) or
+  v in NVFP4 (``"nvfp4"``);
 - ``v_format`` (str), ``step`` (fp32 0-dim tensor, as torch.optim.AdamW keeps it).
 
 Smaller parameters hold fp32 ``exp_avg`` and ``exp_avg_sq`` shaped like the parameter (torch AdamW's names).
@@ -98,12 +99,14 @@ def packed_from_entry(entry: dict, n: int) -> tuple[R.Packed, R.Packed]:
 
 
 def encode_state(m: torch.Tensor, v: torch.Tensor, v_format: str, kern=reference) -> tuple[R.Packed, R.Packed]:
-    """Quantize fp32 m and v (flat, CPU) once: m to NVFP4 (nearest), v to sqrt(v) in ufp4 or v in NVFP4."""
+    """Quantize fp32 m and v (flat, CPU) once: m to NVFP4 (nearest), v to sqrt(v) on its unsigned grid (ue2m2,
+    ufp4) or v in NVFP4."""
     n = m.numel()
     pm, pv = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
     R.encode_into(kern, m.float().contiguous(), pm, False, False, 0, 0)
-    if v_format == "ufp4":
-        R.encode_into(kern, R.sqrt_rn(v.float().clamp(min=0)).contiguous(), pv, True, False, 0, 0)
+    vmb = R.V_MBITS[v_format]
+    if vmb:
+        R.encode_into(kern, R.sqrt_rn(v.float().clamp(min=0)).contiguous(), pv, vmb, False, 0, 0)
     else:
         R.encode_into(kern, v.float().contiguous(), pv, False, False, 0, 0)
     return pm, pv
@@ -112,7 +115,8 @@ def encode_state(m: torch.Tensor, v: torch.Tensor, v_format: str, kern=reference
 def decode_state(m: R.Packed, v: R.Packed, n: int, v_format: str, kern=reference) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 m and v (flat) of packed states."""
     md = R.decode(kern, m, n, False)
-    if v_format == "ufp4":
-        u = R.decode(kern, v, n, True)
+    vmb = R.V_MBITS[v_format]
+    if vmb:
+        u = R.decode(kern, v, n, vmb)
         return md, torch.mul(u, u)
     return md, R.decode(kern, v, n, False)
