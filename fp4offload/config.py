@@ -461,7 +461,7 @@ class OptimizerStatesConfig:
     """Adam's m and v in 4-bit (``optimizer_states``).
 
     Attributes:
-        format: ``"nvfp4"`` (m in NVFP4 1x16, sqrt(v) in ufp4, see docs/design.md 3.7) or ``"fp32"``
+        format: ``"nvfp4"`` (m in NVFP4 1x16, sqrt(v) on a 4-bit grid, see docs/design.md 3.7) or ``"fp32"``
             (unpacked; for ablations). Default ``"nvfp4"``.
         device: where the states live between steps. ``"same"`` (default): with the parameter
             partition the optimizer is handed (the GPU, or host RAM when DeepSpeed's
@@ -471,6 +471,9 @@ class OptimizerStatesConfig:
         rounding: rounding of m, ``"stochastic"`` (default) or ``"nearest"``.
         v_rounding: rounding of the stored sqrt(v), ``"nearest"`` or ``"stochastic"`` (default
             :data:`V_ROUNDING_DEFAULT`; docs/numerics.md, "Rounding of the optimizer states").
+        v_format: the grid of the stored sqrt(v), ``"ue2m2"`` (default, :data:`V_FORMAT_DEFAULT`) or ``"ufp4"``
+            (the grid before 2026-12-03; docs/numerics.md, "The grid of sqrt(v)"); ``"nvfp4"`` stores v itself
+            (ablation).
         min_numel: tensors with fewer elements keep fp32 states. Elements; default 4096.
         master: how the master weight is held (FP4AdamW's ``master``, docs/numerics.md "Master weights"):
             ``"fp32"`` (default: DeepSpeed's fp32 partition), ``"split"`` (a bf16 partition plus a 16-bit
@@ -488,6 +491,7 @@ class OptimizerStatesConfig:
     nvme_path: str | None = None
     rounding: str = "stochastic"
     v_rounding: str = V_ROUNDING_DEFAULT
+    v_format: str = V_FORMAT_DEFAULT
     min_numel: int = STATE_MIN_NUMEL
     master: str = "fp32"
     master_device: str = "same"
@@ -498,6 +502,7 @@ class OptimizerStatesConfig:
         _check_path("optimizer_states.nvme_path", self.nvme_path)
         _check_choice("optimizer_states.rounding", self.rounding, ROUNDINGS)
         _check_choice("optimizer_states.v_rounding", self.v_rounding, ROUNDINGS)
+        _check_choice("optimizer_states.v_format", self.v_format, V_FORMATS)
         _check_choice("optimizer_states.master", self.master, MASTER_FORMS)
         if self.master != "fp32" and self.format != "nvfp4":
             raise _error("optimizer_states.master", self.master, "'fp32' with format 'fp32'",

@@ -166,7 +166,8 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
         if device == "nvme" and nvme_path:
             nvme_path = str(Path(nvme_path) / "optimizer_states")
         states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
-                                         v_rounding=st.v_rounding, min_numel=st.min_numel, master=st.master,
+                                         v_rounding=st.v_rounding, v_format=st.v_format, min_numel=st.min_numel,
+                                         master=st.master,
                                          master_device=st.master_device)
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fp4offload.config import V_ROUNDING_DEFAULT, check_adam_hyperparameters
+from fp4offload.config import V_FORMAT_DEFAULT, V_ROUNDING_DEFAULT, check_adam_hyperparameters
 from fp4offload.errors import ConfigError
 
 from . import ds_internals as dsi
@@ -63,6 +63,7 @@ class StatePlacement:
         nvme_path: directory of the state files when device is ``"nvme"``.
         rounding: rounding of m (``"stochastic"``, the default, or ``"nearest"``).
         v_rounding: rounding of sqrt(v) (``"nearest"`` or ``"stochastic"``).
+        v_format: the grid of the stored sqrt(v) (``"ue2m2"``, ``"ufp4"``) or ``"nvfp4"``.
         min_numel: tensors with fewer elements keep fp32 states (elements).
         master: FP4AdamW's master form (``"fp32"``, ``"split"``, ``"bf16"``); the compact ones step the bf16
             master partition of DeepSpeed's bf16 master mode.
@@ -76,6 +77,7 @@ class StatePlacement:
     nvme_path: str | None = None
     rounding: str = "stochastic"
     v_rounding: str = V_ROUNDING_DEFAULT
+    v_format: str = V_FORMAT_DEFAULT
     min_numel: int = 4096
     nvme_io: str = "auto"
     master: str = "fp32"
@@ -114,7 +116,7 @@ def _fp4adamw(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.opt
         raise ImportError(f"fp4offload.FP4AdamW does not import ({exc}); the optimizer_states block needs it") from exc
     nvme = {"nvme_io": where.nvme_io} if where.device == "nvme" else {}
     return FP4AdamW(params, **hp.as_dict(), m_rounding=where.rounding, v_rounding=where.v_rounding,
-                    min_numel=max(1, where.min_numel),
+                    v_format=where.v_format, min_numel=max(1, where.min_numel),
                     state_device=where.device, nvme_path=where.nvme_path, tensor_key=ds_tensor_key, **nvme,
                     **({"master": where.master, "_defer_master_check": True} if where.master != "fp32" else {}),
                     **({"master_device": where.master_device} if where.master_device != "same" else {}))

@@ -165,7 +165,7 @@ def inner_optimizer_class(policy: Policy) -> tuple[type, dict, str]:
 
     ``optimizer_states`` None, or ``format: fp32``: torch AdamW (fp32 states beside the shards).
     ``format: nvfp4``: FP4AdamW with ``device`` -> ``state_device``, ``rounding`` -> ``m_rounding``,
-    ``v_rounding``,
+    ``v_rounding``, ``v_format``,
     ``nvme_path`` and ``min_numel``; while FP4AdamW does not import, torch AdamW with a warning (the
     returned name says which).
     """
@@ -186,7 +186,8 @@ def _fp4adamw_kwargs(cls: type, st) -> dict:
 
     accepted = inspect.signature(cls.__init__).parameters
     want = {"state_device": st.device, "nvme_path": st.nvme_path, "m_rounding": st.rounding,
-            "v_rounding": st.v_rounding, "min_numel": max(1, st.min_numel),  # 0 and 1 both mean: every tensor
+            "v_rounding": st.v_rounding, "v_format": st.v_format,
+            "min_numel": max(1, st.min_numel),  # 0 and 1 both mean: every tensor
             "master": st.master,
             "master_device": st.master_device}
     return {k: v for k, v in want.items() if k in accepted}
