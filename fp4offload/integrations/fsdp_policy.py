@@ -71,8 +71,8 @@ class Policy:
             Default ``WeightsConfig()`` (nvfp4; embeddings, head, norms, biases, first and last block kept).
         optimizer_states: Adam's m and v for :func:`fp4offload.fsdp.optimizer`: ``format`` ``"nvfp4"``
             (FP4AdamW) or ``"fp32"``; ``device`` ``"same"`` (next to the shard: the GPU, or host RAM
-            with ``cpu_offload``), ``"cpu"`` or ``"nvme"``; ``rounding`` of m, ``v_rounding`` and ``v_format`` of sqrt(v);
-            ``min_numel`` (elements) under which states stay fp32; ``master`` ``"split"`` or ``"bf16"``
+            with ``cpu_offload``), ``"cpu"`` or ``"nvme"``; ``rounding`` of m, ``v_rounding`` and ``v_format``
+            of sqrt(v); ``min_numel`` (elements) under which states stay fp32; ``master`` ``"split"`` or ``"bf16"``
             (docs/numerics.md "Master weights"): ``apply`` makes the parameters bf16, so each shard is 2 B/param,
             and FP4AdamW keeps
             the 16-bit residual that makes it the fp32 master exactly (split, 2 + 2 B/param) or rounds it
