@@ -26,7 +26,8 @@ Arms (``--arms``):
   ``fp4_ufp4``: the same with sqrt(v) on the ufp4 grid (``v_format="ufp4"``, the default before 2026-12-03);
 - ``fp4_split`` / ``fp4_bf16``: FP4AdamW with ``master="split"`` / ``master="bf16"`` over the model's
   parameters cast to bf16 (bf16 gradients; forward reads the weights upcast to fp32, the tied embedding stays
-  tied);
+  tied), against ``adamw_bf16m``: torch AdamW on an fp32 master of the same bf16 parameters (the fp32-master
+  recipe, whose master split holds exactly; here with fp32 states);
 - ``act_nvfp4`` / ``act_mxfp8``: torch AdamW with every saved activation offloaded through
   ``fp4offload.offload_activations(fp4offload.ActivationPolicy(format=..., device="cpu"))``;
 - ``deepspeed``: DeepSpeed ZeRO-2 with ``offload_optimizer`` to cpu and the ``"fp4offload":
@@ -83,8 +84,8 @@ SUFFIX = "\nThis passage is from"
 TRAIN_FRACTION = 0.8
 DATA_VERSION = 1  # bump when the cleaning or the cutting changes (the cache file's name holds it)
 
-ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "act_nvfp4", "act_mxfp8", "deepspeed")
-BF16_ARMS = ("fp4_split", "fp4_bf16")
+ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "adamw_bf16m", "act_nvfp4", "act_mxfp8", "deepspeed")
+BF16_ARMS = ("fp4_split", "fp4_bf16", "adamw_bf16m")
 ACT_ARMS = {"act_nvfp4": "nvfp4", "act_mxfp8": "mxfp8"}
 LR = 5e-5
 BATCH = 8
@@ -269,6 +270,10 @@ def make_optimizer(arm: str, params, lr: float = LR):
     params = list(params)
     if arm == "adamw" or arm in ACT_ARMS:
         return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
+    if arm == "adamw_bf16m":
+        from benchmarks.accuracy_long import MasterAdamW
+
+        return MasterAdamW(params, lr, WEIGHT_DECAY)
     if arm in ("fp4", "fp4_ufp4", "fp4_split", "fp4_bf16"):
         from fp4offload import FP4AdamW
 

@@ -11,7 +11,9 @@ fp32 AdamW (torch's formulas). Each state is stored with one of these rules:
 - ``dither``: subtractive dither. The same codes as ``sr`` (a code is ``floor(t + r)`` for the position ``t`` on
   the code grid and a uniform ``r``), but the decoder, which can replay ``r`` from the seed, returns the
   position ``k + 1/2 - r`` instead of the grid point ``k``: the stored value is then off by a uniform error
-  of half the variance of stochastic rounding's, independent of the value, and need not lie on the grid.
+  of half the variance of stochastic rounding's, independent of the value, and need not lie on the grid;
+- ``srv`` (unsigned grids only): stochastic rounding of u = sqrt(v) that is unbiased in v, not u: up with
+  probability ``(u^2 - lo^2) / (hi^2 - lo^2)`` between the grid neighbours lo and hi.
 
 This is a model of the kernels for ablations, not a second implementation: the block scales follow the
 codec's rules, but random bits come from torch's generator.
@@ -26,7 +28,7 @@ import torch
 from fp4offload.formats import bits as B
 
 CHUNK, BLOCK = 1024, 16
-RULES = ("none", "rn", "sr", "dither")
+RULES = ("none", "rn", "sr", "dither", "srv")
 
 
 GRIDS = {"e3m1": (8, 2), "e2m2": (4, 4), "e1m3": (2, 8)}  # unsigned grids: (binades, codes per binade)
@@ -74,6 +76,14 @@ def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator, 
     t = _position(y.abs(), unsigned, grid)
     if rule == "rn":
         q = _value(torch.floor(t + 0.5), unsigned, grid)
+    elif rule == "srv":
+        if not unsigned:
+            raise ValueError("rule 'srv' is for sqrt(v) on an unsigned grid")
+        k = torch.floor(t).clamp(max=top)
+        lo, hi = _value(k, True, grid), _value((k + 1).clamp(max=top), True, grid)
+        a = y.abs().clamp(min=lo)
+        p_up = torch.where(hi > lo, (a * a - lo * lo) / (hi * hi - lo * lo), torch.zeros_like(a))
+        q = torch.where(torch.rand(t.shape, generator=gen) < p_up, hi, lo)
     else:
         r = torch.rand(t.shape, generator=gen)
         k = torch.floor(t + r).clamp(max=top)
@@ -128,11 +138,12 @@ class QuantSimAdamW(torch.optim.Optimizer):
                     st["v"] = v
 
 
-def ema_scatter(grid: str, sigma: float, *, steps: int = 3000, n: int = 16 * 1024, seed: int = 0) -> dict:
+def ema_scatter(grid: str, sigma: float, *, steps: int = 3000, n: int = 16 * 1024, seed: int = 0,
+                rule: str = "sr") -> dict:
     """Adam's second moment alone (beta2 0.999) for n elements with gradients N(0, s^2), s log-normal with
-    log-spread `sigma` (0: every element alike), stored as sqrt(v) rounded stochastically on `grid` after every
-    step, against the fp32 average of the same gradients. Returns the median and the log-spread of stored/true v
-    and the mean of sqrt(true/stored), the factor on the update's size."""
+    log-spread `sigma` (0: every element alike), stored as sqrt(v) on `grid` with `rule` after every step,
+    against the fp32 average of the same gradients. Returns the median and the log-spread of stored/true v and
+    the mean of sqrt(true/stored), the factor on the update's size."""
     g = torch.Generator().manual_seed(seed)
     rng = torch.Generator().manual_seed(seed + 1)
     scale = torch.exp(torch.randn(n, generator=g) * sigma)
@@ -141,16 +152,17 @@ def ema_scatter(grid: str, sigma: float, *, steps: int = 3000, n: int = 16 * 102
         gr = torch.randn(n, generator=g) * scale
         v = 0.999 * v + 0.001 * gr * gr
         vt = 0.999 * vt + 0.001 * gr * gr
-        u = roundtrip(v.sqrt(), "sr", True, rng, grid)
+        u = roundtrip(v.sqrt(), rule, True, rng, grid)
         v = u * u
     r = v / vt
     return {"median": float(r.median()), "log_std": float(r.log().std()), "update": float((1 / r).sqrt().mean())}
 
 
 if __name__ == "__main__":  # the scatter of a stochastically rounded sqrt(v), per grid (docs/numerics.md)
-    print("| grid | log-spread of the gradient scales | stored/true v: median | log-spread | mean update factor |")
-    print("|---|---|---|---|---|")
+    print("| grid | rule | log-spread of the gradient scales | stored/true v: median | log-spread "
+          "| mean update factor |")
+    print("|---|---|---|---|---|---|")
     for sig in (0.0, 0.5):
-        for grid in ("e3m1", "e2m2"):
-            r = ema_scatter(grid, sig)
-            print(f"| {grid} | {sig} | {r['median']:.3f} | {r['log_std']:.3f} | {r['update']:.3f} |")
+        for grid, rule in (("e3m1", "sr"), ("e2m2", "sr"), ("e3m1", "srv")):
+            r = ema_scatter(grid, sig, rule=rule)
+            print(f"| {grid} | {rule} | {sig} | {r['median']:.3f} | {r['log_std']:.3f} | {r['update']:.3f} |")

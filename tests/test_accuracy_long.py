@@ -29,8 +29,8 @@ def runs():
 @pytest.mark.slow
 def test_default_within_reach_of_fp32_adamw(runs):
     """Paired by seed (same initialization, same batches): the mean gap of the final validation loss stays under
-    1.5% and no seed is more than 3% behind. Measured on 2026-12-03 (Xeon, AVX-512): -1.1% mean, worst +0.3%;
-    with sqrt(v) rounded to nearest the mean was +1.1%, worst +2.5%."""
+    1.5% and no seed is more than 3% behind. Measured on 2026-12-03 (Xeon, AVX-512) with sqrt(v) on the ufp4
+    grid: -1.1% mean, worst +0.3%; rounded to nearest the mean was +1.1%, worst +2.5%."""
     gaps = []
     for seed in SEEDS:
         base, got = runs[("adamw", seed)], runs[("fp4", seed)]
