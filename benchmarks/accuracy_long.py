@@ -167,6 +167,16 @@ class MasterAdamW(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups  # the scheduler drives the inner optimizer's lr
         self.state = self.inner.state
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The model's (bf16) gradients: the groups this optimizer shows are the masters', which step() fills."""
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
+        self.inner.zero_grad(set_to_none)
+
     @torch.no_grad()
     def step(self, closure=None):
         for p, w in zip(self.params, self.masters):

@@ -51,3 +51,17 @@ def test_second_moment_not_stale(runs):
         assert fp32["v_value"] < 0.15
         assert fp4["v_code"] < 0.9, fp4
         assert fp4["m_code"] < 0.5, fp4
+
+
+def test_master_adamw_clears_the_model_gradients():
+    """The adamw_bf16m peer (torch AdamW on an fp32 master of bf16 parameters): zero_grad clears the bf16
+    parameters' gradients, so they do not pile up over steps, and the parameter follows the master."""
+    p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt = AL.MasterAdamW([p], lr=0.1, weight_decay=0.0)
+    for _ in range(3):
+        opt.zero_grad(set_to_none=True)
+        p.float().sum().backward()
+        assert torch.equal(p.grad, torch.ones(8, dtype=torch.bfloat16))
+        opt.step()
+    assert torch.equal(p.detach(), opt.masters[0].detach().to(torch.bfloat16))
+    assert float(p[0]) < 0.75  # three Adam steps of lr 0.1 against a constant gradient
