@@ -13,6 +13,13 @@ the same at factor 1, no clipping; ``fp4adamw_vnearest`` / ``fp4adamw_vsr``: sqr
 stochastically; ``fp4adamw_ufp4``: sqrt(v) on the ufp4 grid instead of ue2m2),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
 
+CPU paths: an arm named ``<optimizer>@<path>`` runs on that vector path (``fp4adamw@avx2``: FP4AdamW's step
+forced to the AVX2 build, as FP4OFFLOAD_CPU_ISA=avx2 does; ``deepspeed_cpu_adam@avx2``: DeepSpeed's cpu_adam
+op built as its ``__AVX256__`` variant with ``-mavx2 -mfma -mf16c``, its own module name). Each row's ratio is
+against DeepSpeedCPUAdam on the same path (``deepspeed_cpu_adam@<path>``, or the plain arm: DeepSpeed's own
+build, ``-march=native``). Each row also gives the host bytes one step moves per parameter, the GB/s that makes,
+and its share of this machine's copy bandwidth (a tensor copy of the same size, timed in the same rounds).
+
 ``--residual-numel``: the split master with its residual in RAM (``master_device="same"``) against the residual
 in the state files (``"nvme"``), NVMe tier for both, each in its own process so that each has its own peak RSS:
 seconds per step, bytes moved per step, host bytes held for the master, RSS between and during steps; the two
@@ -21,6 +28,8 @@ must end on the same parameter, bit for bit.
     python benchmarks/optimizer.py --numel 64M --threads 2 --rounds 15 [--json] [--nvme-path /tmp/x]
         [--nvme-io aio,threads]
     python benchmarks/optimizer.py --optimizers none --nvme-numel 0 --residual-numel 64M --nvme-io threads,aio
+    python benchmarks/optimizer.py --numel 16M --threads 2 --optimizers \
+        deepspeed_cpu_adam,fp4adamw,fp4adamw_norm,fp4adamw_clip_g16,deepspeed_cpu_adam@avx2,fp4adamw@avx2
 """
 
 from __future__ import annotations
@@ -94,6 +103,80 @@ class _Clipped:
         return self.opt.master_bytes()
 
 
+class _on_path:
+    """FP4OFFLOAD_CPU_ISA set to `isa` inside the block (FP4AdamW picks its step's build at each step)."""
+
+    def __init__(self, isa: str):
+        self.isa = isa
+
+    def __enter__(self):
+        from fp4offload.ops import cpu_isa
+
+        self.before = os.environ.get(cpu_isa.ENV)
+        os.environ[cpu_isa.ENV] = self.isa
+
+    def __exit__(self, *exc):
+        from fp4offload.ops import cpu_isa
+
+        if self.before is None:
+            os.environ.pop(cpu_isa.ENV, None)
+        else:
+            os.environ[cpu_isa.ENV] = self.before
+
+
+class _OnPath:
+    """An optimizer whose steps run on the CPU path `isa`."""
+
+    def __init__(self, opt, isa: str):
+        self.opt, self.isa, self.state = opt, isa, opt.state
+
+    def step(self):
+        with _on_path(self.isa):
+            self.opt.step()
+
+    def master_bytes(self):
+        return self.opt.master_bytes()
+
+
+def _deepspeed_on_path(p, lr: float, isa: str):
+    """DeepSpeedCPUAdam whose op is DeepSpeed's cpu_adam built for `isa` (avx512: ``__AVX512__`` with the
+    AVX-512 flags fp4offload's build uses; avx2: ``__AVX256__`` with -mavx2 -mfma -mf16c), under its own name."""
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
+
+    from fp4offload.ops import cpu_isa
+
+    flags = {"avx512": ("-D__AVX512__", " ".join(cpu_isa.FLAGS["avx512"])),
+             "avx2": ("-D__AVX256__", "-mavx2 -mfma -mf16c")}
+    if isa not in flags:
+        raise ValueError(f"no DeepSpeed cpu_adam build for the {isa} path here")
+    simd, arch = flags[isa]
+
+    class Builder(CPUAdamBuilder):
+        NAME = f"cpu_adam_{isa}"
+
+        def __init__(self):
+            super().__init__()
+            self.name = self.NAME
+
+        def absolute_name(self):
+            return f"deepspeed.ops.adam.{self.NAME}_op"
+
+        def cpu_arch(self):
+            return arch
+
+        def simd_width(self):
+            return simd
+
+    op = Builder().load()
+    opt = DeepSpeedCPUAdam([p], lr=lr, adamw_mode=True)
+    opt.ds_opt_adam = op
+    group = opt.param_groups[0]
+    op.create_adam(opt.opt_id, group["lr"], group["betas"][0], group["betas"][1], group["eps"],
+                   group["weight_decay"], True, False)
+    return opt
+
+
 def make_optimizers(n: int, lr: float, which: list[str]):
     """name -> (optimizer, param) with its own copy of the same data."""
     out = {}
@@ -107,8 +190,23 @@ def make_optimizers(n: int, lr: float, which: list[str]):
 
     mat = (n // 8192, 8192) if n % 8192 == 0 else (n // 64, 64)  # a weight matrix for the working-copy variants
 
-    for name in which:
+    for full in which:
+        name, _, isa = full.partition("@")
         try:
+            if isa and name == "deepspeed_cpu_adam":
+                p = param()
+                out[full] = (_deepspeed_on_path(p, lr, isa), p)
+                continue
+            if isa:
+                from fp4offload.ops import cpu_isa
+
+                if isa not in cpu_isa.available():
+                    raise ValueError(f"this CPU has no {isa} path ({', '.join(cpu_isa.available())})")
+                with _on_path(isa):
+                    one = make_optimizers(n, lr, [name])
+                if name in one:
+                    out[full] = (_OnPath(one[name][0], isa), one[name][1])
+                continue
             if name == "fp4adamw":
                 from fp4offload import FP4AdamW
 
@@ -186,9 +284,31 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 p = param()
                 out[name] = (AdamW4bit([p], lr=lr), p)
         except Exception as e:  # a peer that is not installed or does not build is reported, not fatal
-            print(f"# {name}: unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
+            print(f"# {full}: unavailable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})",
                   file=sys.stderr)
     return out
+
+
+#: host bytes one step moves per parameter (read + written), by optimizer (without its @path): fp32 Adam reads and
+#: writes the parameter, m and v and reads the gradient; FP4AdamW moves packed m and v (2 x (0.5 + 1/16 + 4/1024) B
+#: each way) instead, reads the gradient a second time for its non-finite check unless the engine's norm is given
+#: (`_norm`, `_clip_*`, `_noclip_*`, `_nocheck`), and a bf16 gradient is 2 B (scaled as it is read)
+_FP4_STATES = 2 * 2 * (0.5 + 1 / 16 + 4 / 1024)
+
+
+def bytes_per_param(name: str) -> float | None:
+    name = name.partition("@")[0]
+    if name in ("deepspeed_cpu_adam", "torch_adamw_fused"):
+        return 28.0
+    if name in ("fp4adamw", "fp4adamw_nearest", "fp4adamw_vnearest", "fp4adamw_vsr", "fp4adamw_ufp4"):
+        return 8 + 4 + 4 + _FP4_STATES
+    if name in ("fp4adamw_norm", "fp4adamw_nocheck"):
+        return 8 + 4 + _FP4_STATES
+    if name == "fp4adamw_clip_g32":  # the clip factor multiplies the fp32 gradient in place first
+        return 8 + 4 + 8 + _FP4_STATES
+    if name in ("fp4adamw_clip_g16", "fp4adamw_noclip_g16"):
+        return 8 + 2 + _FP4_STATES
+    return None
 
 
 def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[dict]:
@@ -196,19 +316,32 @@ def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[
     for opt, _ in opts.values():  # warm up: state allocation, JIT builds, first-touch page faults
         opt.step()
         opt.step()
+    src, dst = torch.randn(n), torch.empty(n)
+    dst.copy_(src)
     times = {k: [] for k in opts}
+    copy_t = []
     for _ in range(rounds):
         for name, (opt, _) in opts.items():
             t0 = time.perf_counter()
             opt.step()
             times[name].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        dst.copy_(src)  # this machine's copy bandwidth, in the same rounds: 4 B read + 4 B written per element
+        copy_t.append(time.perf_counter() - t0)
+    copy_gbps = 8 * n / statistics.median(copy_t) / 1e9
     rows = []
-    ds = statistics.median(times["deepspeed_cpu_adam"]) if "deepspeed_cpu_adam" in times else None
     for name, ts in times.items():
         med = statistics.median(ts)
+        isa = name.partition("@")[2]
+        peer = f"deepspeed_cpu_adam@{isa}" if isa and f"deepspeed_cpu_adam@{isa}" in times else "deepspeed_cpu_adam"
+        ds = statistics.median(times[peer]) if peer in times else None
+        bpp = bytes_per_param(name)
+        gbps = bpp * n / med / 1e9 if bpp else None
         rows.append({"bench": "step", "optimizer": name, "numel": n, "threads": torch.get_num_threads(),
                      "median_s": med, "min_s": min(ts), "updates_per_s": n / med,
-                     "vs_deepspeed": (ds / med) if ds else None,
+                     "vs_deepspeed": (ds / med) if ds else None, "peer": peer if ds else None,
+                     "bytes_per_param": bpp, "gbps": gbps, "copy_gbps": copy_gbps,
+                     "copy_share": gbps / copy_gbps if gbps else None,
                      "state_bytes_per_param": _state_bytes(opts[name][0]) / n,
                      "master_bytes_per_param": (opts[name][0].master_bytes()["host"] / n
                                                 if hasattr(opts[name][0], "master_bytes") else None)})
@@ -352,13 +485,18 @@ def main(argv=None) -> None:
             print(json.dumps(r))
         return
     if any(r["bench"] == "step" for r in rows):
-        print("| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam | m+v bytes/param |")
-        print("|---|---|---|---|---|---|---|")
+        copy = next(r["copy_gbps"] for r in rows if r["bench"] == "step")
+        print(f"copy bandwidth in the same rounds: {copy:.1f} GB/s")
+        print("| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam (same path) | "
+              "m+v bytes/param | bytes moved/param | GB/s | share of copy |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if r["bench"] == "step":
             vs = f"{r['vs_deepspeed']:.2f}x" if r["vs_deepspeed"] else "-"
+            moved = (f"{r['bytes_per_param']:.2f} | {r['gbps']:.1f} | {100 * r['copy_share']:.0f}%"
+                     if r["bytes_per_param"] else "- | - | -")
             print(f"| {r['optimizer']} | {r['numel']} | {r['threads']} | {r['median_s']:.4f} | "
-                  f"{r['updates_per_s'] / 1e6:.1f} M | {vs} | {r['state_bytes_per_param']:.3f} |")
+                  f"{r['updates_per_s'] / 1e6:.1f} M | {vs} | {r['state_bytes_per_param']:.3f} | {moved} |")
     for r in rows:
         if r["bench"] == "nvme":
             note = f" (aio unavailable: {r['io_note']})" if r["io_note"] else ""

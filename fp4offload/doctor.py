@@ -50,7 +50,7 @@ def _try_backend(name: str) -> dict:
     out = {"builds": mod is not None, "why": why,
            "seconds": round(time.perf_counter() - t0, 1)}
     if name == "cpu" and mod is not None:
-        out["avx512"] = bool(mod.extension().have_avx512())
+        out["isa"] = mod.extension().isa()
     return out
 
 
@@ -147,6 +147,9 @@ def report(config: str | None = None) -> dict:
         config = read_doctor_config(config)
         host_settings(config)  # the block's host settings checked before the slow probes
 
+    from .ops import cpu_isa
+
+    isa, isa_why = cpu_isa.chosen()  # a bad FP4OFFLOAD_CPU_ISA fails here, before any build
     forced = os.environ.get("FP4OFFLOAD_BACKEND") or None
     backends = {"cpu": _try_backend("cpu"), "cuda": _try_backend("cuda"),
                 "reference": {"builds": True, "why": "pure torch"}}
@@ -170,6 +173,9 @@ def report(config: str | None = None) -> dict:
         "nvcc_version": _nvcc_version(),
         "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "(torch default)"),
         "cpu_threads": torch.get_num_threads(),
+        "cpu_isa": isa,
+        "cpu_isa_why": isa_why,
+        "cpu_isa_available": cpu_isa.available(),
         "gpu": gpu_report(),
         "backends": backends,
         "active": active,
@@ -202,11 +208,13 @@ def render(r: dict) -> str:
     else:
         lines.append(f"GPU: none ({g['why']})")
     lines.append(f"nvcc: {r['nvcc_version'] or 'not found'}")
+    lines.append(f"CPU kernels: {r['cpu_isa']} path ({r['cpu_isa_why']}); this CPU has "
+                 f"{', '.join(r['cpu_isa_available'])}")
     lines.append("codec backends:")
     for name, b in r["backends"].items():
         extra = ""
-        if "avx512" in b:
-            extra = f", AVX-512 {'on' if b['avx512'] else 'off'}"
+        if "isa" in b:
+            extra = f", {b['isa']} build"
         if "seconds" in b:
             extra += f", {b['seconds']} s to load/build"
         state = "ok" if b["builds"] else "unavailable"

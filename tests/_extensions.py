@@ -1,8 +1,14 @@
-"""Helpers for the tests' extension fixtures: the fused FP4AdamW steps and the AVX-512 switch."""
+"""Helpers for the tests' extension fixtures: the fused FP4AdamW steps, and the CPU paths (vector instruction
+sets) this machine can run, each against the scalar path."""
 
 from __future__ import annotations
 
 import pytest
+
+from fp4offload.ops import cpu_isa
+
+#: the CPU paths the cross-backend tests run over on this architecture (skipped where the CPU lacks one)
+CPU_PATHS = ("sve", "neon", "scalar") if cpu_isa.arch() == "aarch64" else ("avx512", "avx2", "scalar")
 
 
 def fused_extension(cuda: bool):
@@ -16,12 +22,18 @@ def fused_extension(cuda: bool):
     return e
 
 
-def avx512_switched(ext, want: bool, reason: str):
-    """A fixture's body: yields ext.set_avx512(want) (skips with `reason` when AVX-512 is wanted and not
-    compiled for this CPU), then switches back to what it was."""
-    before = ext.have_avx512()
-    on = ext.set_avx512(want)
-    if want and not on:
-        pytest.skip(reason)
-    yield on
-    ext.set_avx512(before)
+def cpu_path(path: str, monkeypatch, load):
+    """A fixture's body: forces the CPU path `path` (FP4OFFLOAD_CPU_ISA; "scalar": the default build with its
+    vector path switched off, so no extra build), yields load() (the extension), then restores it.
+    Skips a path this CPU lacks."""
+    if path != "scalar":
+        if path not in cpu_isa.available():
+            pytest.skip(f"this CPU has no {path} path (it has {', '.join(cpu_isa.available())})")
+        monkeypatch.setenv(cpu_isa.ENV, path)
+    ext = load()
+    before = ext.have_simd()
+    on = ext.set_simd(path != "scalar")
+    assert on == (path != "scalar"), f"the {ext.isa()} build has no vector path"
+    assert path == "scalar" or ext.isa() == path
+    yield ext
+    ext.set_simd(before)

@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from _extensions import CPU_PATHS, cpu_path, fused_extension
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
 
@@ -24,6 +25,19 @@ def cpu_ext():
         return cpu.extension()
     except Exception as e:  # pragma: no cover - depends on the machine's toolchain
         pytest.skip(f"CPU extension does not build here: {e}")
+
+
+@pytest.fixture(params=CPU_PATHS)
+def step_ext(request, monkeypatch):
+    """The fused CPU FP4AdamW step on each path this CPU has (its vector builds, and the scalar path); a test
+    taking it runs once per path."""
+    yield from cpu_path(request.param, monkeypatch, lambda: fused_extension(cuda=False))
+
+
+@pytest.fixture
+def simd(step_ext):
+    """The path `step_ext` runs, for tests that name it."""
+    return step_ext.isa() if step_ext.have_simd() else "scalar"
 
 
 @pytest.fixture(params=["cpu", "reference"])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from _codec_data import codec_data, rows_cols
-from _extensions import avx512_switched
+from _extensions import CPU_PATHS, cpu_path
 
 from fp4offload.formats import reference
 from fp4offload.ops import cpu
@@ -16,9 +16,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 _data, _rows_cols = codec_data, rows_cols
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "scalar"])
-def simd(request, cpu_ext):
-    yield from avx512_switched(cpu_ext, request.param, "AVX-512 paths not compiled for this CPU")
+@pytest.fixture(params=CPU_PATHS)
+def simd(request, monkeypatch, cpu_ext):
+    """The codec on each path this CPU has (the vector builds, and the scalar path)."""
+    yield from cpu_path(request.param, monkeypatch, cpu.extension)
 
 
 def _eq(a, b):

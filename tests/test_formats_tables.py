@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from _extensions import CPU_PATHS, cpu_path
 from _formulas import e2m1_value, e4m3_value, e8m0_value, ufp4_value
 
 import fp4offload
@@ -83,22 +84,18 @@ def same(a: float, b: float) -> bool:
 # ---- backends ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["cpu-avx512", "cpu-scalar", "reference"])
+@pytest.fixture(params=[f"cpu-{p}" for p in CPU_PATHS] + ["reference"])
 def backend(request, monkeypatch):
-    """Run the public API on one backend: the CPU extension (AVX-512 on/off) or the torch reference."""
+    """Run the public API on one backend: the CPU extension on each path this CPU has, or the torch reference."""
     if request.param == "reference":
         monkeypatch.setenv("FP4OFFLOAD_BACKEND", "reference")
         yield request.param
         return
-    ext = request.getfixturevalue("cpu_ext")
+    from fp4offload.ops import cpu
+
+    request.getfixturevalue("cpu_ext")
     monkeypatch.setenv("FP4OFFLOAD_BACKEND", "cpu")
-    before = ext.have_avx512()
-    want = request.param == "cpu-avx512"
-    if ext.set_avx512(want) != want:
-        ext.set_avx512(before)
-        pytest.skip("AVX-512 paths not compiled for this CPU")
-    yield request.param
-    ext.set_avx512(before)
+    yield from cpu_path(request.param[4:], monkeypatch, cpu.extension)
 
 
 # ---- E2M1 --------------------------------------------------------------------------------------------

@@ -2,28 +2,17 @@
 
 import pytest
 import torch
-from _extensions import avx512_switched, fused_extension
 
 from fp4offload.optim import reference_step as R
 
 SIZES = [1, 15, 16, 17, 1000, 1024, 1025, 4096, 5003, 70001]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    return fused_extension(cuda=False)
-
-
-@pytest.fixture(params=[True, False], ids=["avx512", "scalar"])
-def simd(request, ext):
-    yield from avx512_switched(ext, request.param, "AVX-512 path not compiled for this CPU")
-
-
 def _bits(t):
     return t.view(torch.uint8)
 
 
-def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3, special=None,
+def _run(step_ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3, special=None,
          v_stochastic=False):
     """Runs `steps` steps both ways on the same data; asserts every byte of p, bf16 copy, m and v agrees.
     `stochastic` / `v_stochastic`: m / the second moment rounded stochastically."""
@@ -45,7 +34,7 @@ def _run(ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False,
             R.packed_step(pa[s0:s1], g[s0:s1], R.segment_view(ma, s0, s1), R.segment_view(va, s0, s1), sc,
                           v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k),
                           maximize=maximize, bf16_out=bfa[s0:s1], v_stochastic=v_stochastic)
-        ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
+        step_ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
                        sc.weight_decay, maximize, R.V_KIND[v_format], stochastic, seed, R.sr_stream(pid, 0), bfb,
                        v_stochastic=v_stochastic)
         assert torch.equal(_bits(pa), _bits(pb)), f"weights differ at step {t}"
@@ -68,13 +57,13 @@ ROUNDING_IDS = ["m-nearest", "m-sr", "m-sr-v-sr", "v-sr"]
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
 @pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
-def test_fused_equals_reference(ext, simd, n, v_format, stochastic, v_stochastic):
-    _run(ext, n, v_format, stochastic, torch.float32, v_stochastic=v_stochastic)
+def test_fused_equals_reference(step_ext, simd, n, v_format, stochastic, v_stochastic):
+    _run(step_ext, n, v_format, stochastic, torch.float32, v_stochastic=v_stochastic)
 
 
 @pytest.mark.parametrize("maximize,wd", [(False, 0.0), (True, 0.1)])
-def test_fused_bf16_grad_maximize_no_decay(ext, simd, maximize, wd):
-    _run(ext, 3001, "ue2m2", True, torch.bfloat16, wd=wd, maximize=maximize)
+def test_fused_bf16_grad_maximize_no_decay(step_ext, simd, maximize, wd):
+    _run(step_ext, 3001, "ue2m2", True, torch.bfloat16, wd=wd, maximize=maximize)
 
 
 def _special(kind):
@@ -104,44 +93,44 @@ def _special(kind):
 @pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros", "range"])
 @pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
 @pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
-def test_fused_special_values(ext, simd, kind, v_format, stochastic, v_stochastic):
-    _run(ext, 5003, v_format, stochastic, torch.float32, special=_special(kind), v_stochastic=v_stochastic)
+def test_fused_special_values(step_ext, simd, kind, v_format, stochastic, v_stochastic):
+    _run(step_ext, 5003, v_format, stochastic, torch.float32, special=_special(kind), v_stochastic=v_stochastic)
 
 
 @pytest.mark.parametrize("kind", ["overflow", "zeros"])
-def test_fused_special_values_bf16(ext, simd, kind):
-    _run(ext, 3001, "ue2m2", False, torch.bfloat16, special=_special(kind), maximize=True)
+def test_fused_special_values_bf16(step_ext, simd, kind):
+    _run(step_ext, 3001, "ue2m2", False, torch.bfloat16, special=_special(kind), maximize=True)
 
 
 @pytest.mark.parametrize("v_stochastic", [False, True], ids=["v-nearest", "v-sr"])
-def test_fused_multi_segment(ext, v_stochastic):
+def test_fused_multi_segment(step_ext, v_stochastic):
     """More than one segment: the stochastic-rounding stream changes at the segment boundary as specified."""
-    _run(ext, R.SEGMENT + 5000, "ue2m2", True, torch.float32, steps=2, v_stochastic=v_stochastic)
+    _run(step_ext, R.SEGMENT + 5000, "ue2m2", True, torch.float32, steps=2, v_stochastic=v_stochastic)
 
 
-def test_all_finite(ext):
+def test_all_finite(step_ext):
     x = torch.randn(100_001)
-    assert ext.all_finite(x) and ext.all_finite(x.bfloat16()) and ext.all_finite(x.half())
+    assert step_ext.all_finite(x) and step_ext.all_finite(x.bfloat16()) and step_ext.all_finite(x.half())
     for bad in (float("inf"), float("-inf"), float("nan")):
         y = x.clone()
         y[77_777] = bad
-        assert not ext.all_finite(y) and not ext.all_finite(y.bfloat16())
+        assert not step_ext.all_finite(y) and not step_ext.all_finite(y.bfloat16())
 
 
 @pytest.mark.parametrize("n", [1, 15, 33, 64, 127, 129, 1000, 65_537, 200_003])
-def test_all_finite_positions(ext, simd, n):
+def test_all_finite_positions(step_ext, simd, n):
     """Both paths (vector loop, masked tail, several threads' ranges): one non-finite value anywhere is found."""
     x = torch.randn(n)
     for dt in (torch.float32, torch.bfloat16, torch.half):
-        assert ext.all_finite(x.to(dt))
+        assert step_ext.all_finite(x.to(dt))
     for pos in sorted({0, n // 2, max(0, n - 17), n - 1}):
         for bad in (float("inf"), float("-inf"), float("nan")):
             y = x.clone()
             y[pos] = bad
             for dt in (torch.float32, torch.bfloat16, torch.half):
-                assert not ext.all_finite(y.to(dt)), (n, pos, bad, dt)
+                assert not step_ext.all_finite(y.to(dt)), (n, pos, bad, dt)
     big = torch.full((n,), 65504.0)  # largest finite half: finite in every dtype
-    assert ext.all_finite(big) and ext.all_finite(big.half()) and ext.all_finite(-big.bfloat16())
+    assert step_ext.all_finite(big) and step_ext.all_finite(big.half()) and step_ext.all_finite(-big.bfloat16())
 
 
 def test_optimizer_fused_equals_reference_backend():
@@ -174,7 +163,7 @@ def test_optimizer_fused_equals_reference_backend():
 
 
 @pytest.mark.parametrize("shape", [(40, 128), (16, 64), (300, 192), (3, 5, 64), (37, 50)], ids=str)
-def test_fused_nvfp4_working_copy(ext, simd, shape):
+def test_fused_nvfp4_working_copy(step_ext, simd, shape):
     """The NVFP4 16x16 working copy is the codec's encode with the weight's amax rounded up to a power of two,
     byte for byte, at every step; the fused step writes it, except on the first step and where that rounded
     amax moved (then a pass of its own does); the step's own result (weights, states) is unchanged by it."""
@@ -222,7 +211,7 @@ def test_copy_amax():
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-def test_fused_weight_regions(ext, simd, threads):
+def test_fused_weight_regions(step_ext, simd, threads):
     """Registered regions of a flat parameter (offsets off the chunk grid, ragged rows and columns, bands
     that straddle the threads' chunk ranges) come out as the codec's encode of each slice with the given
     amax; the step's weights and states are the same bits as without regions; a region without an amax, or

@@ -3,7 +3,6 @@ stochastically and repeats itself (fp4offload/optim/master.py, docs/numerics.md 
 
 import pytest
 import torch
-from _extensions import avx512_switched, fused_extension
 
 from fp4offload.errors import ConfigError
 from fp4offload.optim import FP4AdamW
@@ -11,21 +10,11 @@ from fp4offload.optim import master as MW
 from fp4offload.optim import reference_step as R
 
 
-@pytest.fixture(scope="module")
-def ext():
-    return fused_extension(cuda=False)
-
-
-@pytest.fixture(params=[True, False], ids=["avx512", "scalar"])
-def simd(request, ext):
-    yield from avx512_switched(ext, request.param, "AVX-512 path not compiled for this CPU")
-
-
 # ---- the representation ---------------------------------------------------------------------------------
 
-def test_split_rebuilds_every_fp32_pattern_exhaustively(ext):
+def test_split_rebuilds_every_fp32_pattern_exhaustively(step_ext):
     """All 2**32 patterns in the C++ rules the fused step uses: finite ones rebuild bit for bit, NaN stays NaN."""
-    assert ext.split_selfcheck(0, 1 << 32) == 0
+    assert step_ext.split_selfcheck(0, 1 << 32) == 0
 
 
 def _patterns(hi: int) -> torch.Tensor:
@@ -133,7 +122,7 @@ def _masters(opt, params):
     return out
 
 
-def test_split_trains_bit_for_bit_as_fp32_master_for_200_steps(ext):
+def test_split_trains_bit_for_bit_as_fp32_master_for_200_steps(step_ext):
     la, pa, oa = _train("fp32", 200, return_opt=True)
     lb, pb, ob = _train("split", 200, return_opt=True)
     assert la == lb
@@ -157,7 +146,7 @@ def _plant_ties(params, opt):
         st["master"].view(torch.int32)[k] = ((b << 16) | 0x8000).to(torch.int32)
 
 
-def test_split_from_fp32_state_with_ties_keeps_training_identically(ext):
+def test_split_from_fp32_state_with_ties_keeps_training_identically(step_ext):
     """An fp32 master full of ties, loaded into split, trains exactly as it does in fp32 (the odd positions)."""
     odd_at_start = []
 
@@ -189,14 +178,14 @@ def test_split_from_fp32_state_with_ties_keeps_training_identically(ext):
 
 
 @pytest.mark.parametrize("master", ["split", "bf16"])
-def test_fused_master_step_equals_reference(ext, simd, master):
+def test_fused_master_step_equals_reference(step_ext, simd, master):
     la, pa = _train(master, 4, big=(1 << 20) + 1043)
     lb, pb = _train(master, 4, big=(1 << 20) + 1043, backend="reference")
     assert la == lb
     assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pa, pb))
 
 
-def test_bf16_master_is_deterministic_for_a_seed_and_trains(ext):
+def test_bf16_master_is_deterministic_for_a_seed_and_trains(step_ext):
     la, pa = _train("bf16", 40)
     lb, pb = _train("bf16", 40)
     lc, pc = _train("bf16", 40, seed=1)
@@ -207,7 +196,7 @@ def test_bf16_master_is_deterministic_for_a_seed_and_trains(ext):
 
 
 @pytest.mark.parametrize("master", ["split", "bf16"])
-def test_resume_from_state_dict_repeats_the_run(ext, master, tmp_path):
+def test_resume_from_state_dict_repeats_the_run(step_ext, master, tmp_path):
     full, pf = _train(master, 12)
     first, p1, o1 = _train(master, 6, return_opt=True)
     torch.save({"opt": o1.state_dict(), "params": [p.detach() for p in p1]}, tmp_path / "ck.pt")
@@ -244,7 +233,7 @@ def _train_more(master, steps, start):
     return losses, params
 
 
-def test_state_dict_survives_a_cast_and_converts_between_forms(ext):
+def test_state_dict_survives_a_cast_and_converts_between_forms(step_ext):
     _, pa, oa = _train("split", 5, return_opt=True)
     sd = oa.state_dict()
     for e in sd["state"].values():  # DeepSpeed's loader casts state tensors to the parameter dtype
@@ -264,7 +253,7 @@ def test_state_dict_survives_a_cast_and_converts_between_forms(ext):
     assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(masters, _masters(back, pa)))
 
 
-def test_torch_adamw_state_converts_into_split(ext):
+def test_torch_adamw_state_converts_into_split(step_ext):
     model = _model().to(torch.bfloat16)
     params = list(model.parameters())
     ta = torch.optim.AdamW(params, lr=1e-3)
@@ -278,7 +267,7 @@ def test_torch_adamw_state_converts_into_split(ext):
     assert all(opt.state[p]["master_lo"].dtype == torch.int16 for p in params)
 
 
-def test_split_on_the_nvme_tier_equals_fp32(ext, tmp_path):
+def test_split_on_the_nvme_tier_equals_fp32(step_ext, tmp_path):
     kw = dict(state_device="nvme", nvme_path=str(tmp_path), nvme_io="threads")
     la, pa = _train("fp32", 6, big=(2 << 20) + 77, opt_kwargs=kw)
     lb, pb = _train("split", 6, big=(2 << 20) + 77, opt_kwargs=kw)
@@ -302,7 +291,7 @@ def test_bad_master_settings_are_refused_before_anything_is_built():
         opt.register_weight_regions(pb, [WeightRegion(0, 2, 5)])
 
 
-def test_nonfinite_master_keeps_fp32_behaviour(ext):
+def test_nonfinite_master_keeps_fp32_behaviour(step_ext):
     """A NaN or Inf weight stays so under split, as it does with the fp32 master."""
     res = {}
     for master in ("fp32", "split"):
@@ -320,7 +309,7 @@ def test_nonfinite_master_keeps_fp32_behaviour(ext):
     assert torch.equal(a[~torch.isnan(a)].view(torch.int16), b[~torch.isnan(b)].view(torch.int16))
 
 
-def test_reference_segments_match_fused_across_a_segment_boundary(ext):
+def test_reference_segments_match_fused_across_a_segment_boundary(step_ext):
     """Streams and odd positions per segment: a parameter of two segments and a tail."""
     la, pa = _train("bf16", 2, big=2 * R.SEGMENT + 5)
     lb, pb = _train("bf16", 2, big=2 * R.SEGMENT + 5, backend="reference")
@@ -370,7 +359,7 @@ def test_cuda_compact_master_equals_the_cpu_step(master):
         assert torch.equal(res[("cuda", "split")], res[("cuda", "fp32")])
 
 
-def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(ext):
+def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(step_ext):
     """set_grad_scale (DeepSpeed ZeRO-3's clipping when the master's gradient is its bf16 gradient partition):
     split with bf16 gradients, and the fp32 master with bf16 gradients (scaled in fp32 segment by segment, the
     gradient left as it is), step exactly as the fp32 master whose fp32 gradients were multiplied by the scale

@@ -4,22 +4,11 @@ average, with the same bits on every backend and after a resume."""
 
 import pytest
 import torch
-from _extensions import avx512_switched, fused_extension
 
 import fp4offload
 from fp4offload import FP4AdamW
 from fp4offload.errors import ConfigError
 from fp4offload.optim import reference_step as R
-
-
-@pytest.fixture(scope="module")
-def ext():
-    return fused_extension(cuda=False)
-
-
-@pytest.fixture(params=[True, False], ids=["avx512", "scalar"])
-def simd(request, ext):
-    yield from avx512_switched(ext, request.param, "AVX-512 path not compiled for this CPU")
 
 
 def _train(backend, master, v_rounding, n=2 * R.CHUNK * 5 + 77, steps=3, dtype=torch.float32):
@@ -36,7 +25,7 @@ def _train(backend, master, v_rounding, n=2 * R.CHUNK * 5 + 77, steps=3, dtype=t
 
 @pytest.mark.parametrize("master,dtype", [("fp32", torch.float32), ("split", torch.bfloat16),
                                           ("bf16", torch.bfloat16)])
-def test_v_stochastic_fused_equals_reference(ext, simd, master, dtype):
+def test_v_stochastic_fused_equals_reference(step_ext, simd, master, dtype):
     """Every master form: the fused CPU step (AVX-512 and scalar) writes the torch reference's bytes."""
     ref_p, ref = _train("reference", master, "stochastic", dtype=dtype)
     got_p, got = _train("auto", master, "stochastic", dtype=dtype)

@@ -10,30 +10,12 @@
 #include <algorithm>
 
 #include "fp4_codec.h"
+#include "cpu/adam_chunk.h"
 #include "cpu/nvfp4_avx512.h"
 
 namespace fp4adam {
 
-constexpr int kChunk = 1024;           // elements per fp32 chunk scale (reference_step.CHUNK)
-constexpr int64_t kSegment = 1 << 20;  // elements per segment / stochastic-rounding stream (reference_step.SEGMENT)
 constexpr int64_t kPrefetch = 4096;    // software prefetch distance in elements
-
-struct Scalars {
-  float b1, omb1, b2, omb2, eps, decay, step_size, rsbc2;
-  bool weight_decay;
-};
-
-struct ChunkArgs {
-  int64_t n;
-  float* param;
-  uint8_t *m_codes, *m_scales, *v_codes, *v_scales;
-  float *m_ts, *v_ts;
-  Scalars s;
-  bool maximize, m_stochastic, v_stochastic;
-  int v_kind;  // fp4::VKind
-  uint32_t seed, stream0;
-  uint16_t* bf16_out;
-};
 
 #if FP4_HAVE_AVX512
 

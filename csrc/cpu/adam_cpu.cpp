@@ -3,8 +3,9 @@
 // the new weight. The operation order is the one in fp4offload/optim/reference_step.py (normative);
 // every scalar rule comes from csrc/fp4_codec.h, so the bytes equal the torch reference's.
 //
-// Parallel over chunks with at::parallel_for (OpenMP). The AVX-512 path (adam_avx512.h) and the scalar
-// path give the same bits; set_avx512(False) selects the scalar path for tests.
+// Parallel over chunks with at::parallel_for (OpenMP). The chunk itself is one of three paths, all with the
+// same bits: the AVX-512 kernels (adam_avx512.h) in the AVX-512 build, the portable vector path (adam_chunk.h)
+// in the AVX2, NEON and SVE builds, and the scalar path, which set_simd(False) selects for tests (isa.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -17,6 +18,7 @@
 
 #include "fp4_codec.h"
 #include "master_bits.h"
+#include "cpu/adam_chunk.h"
 #include "cpu/nvfp4_avx512.h"
 #include "cpu/adam_avx512.h"
 #include "cpu/nvfp4_rows.h"
@@ -27,115 +29,21 @@ using fp4adam::ChunkArgs;
 using fp4adam::kChunk;
 using fp4adam::kSegment;
 using fp4adam::Scalars;
-using fp4master::bf16_stochastic;
 using fp4master::split_join;
 using fp4master::split_residual;
 using fp4master::to_bf16;
 
-// ---- scalar path ------------------------------------------------------------------------------------
-
-inline float load_grad(const float* g, int64_t i) { return g[i]; }
-inline float load_grad(const uint16_t* g, int64_t i) { return fp4::u2f((uint32_t)g[i] << 16); }
-
-// Decodes one packed 1x16 chunk of `cnt` elements into out[0..cnt), zeros after it up to the block end.
-// mbits 0: E2M1 codes; else the unsigned grid with that many mantissa bits (fp4::ugrid_value).
-inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, float s_dec, int cnt, int mbits,
-                                float* out) {
-  const int nb = (cnt + 15) / 16;
-  for (int b = 0; b < nb; ++b) {
-    const float sv = fp4::e4m3_value(scales[b]);
-    for (int j = 0; j < 16; ++j) {
-      const int i = b * 16 + j;
-      const uint8_t c = fp4::code_at(codes, i);
-      const float val = mbits ? fp4::ugrid_value(c, mbits) : fp4::e2m1_value(c);
-      out[i] = i < cnt ? (val * sv) * s_dec : 0.0f;
-    }
-  }
-}
-
-// Encodes x[0..16*nb) (zeros past cnt) as one chunk: one fp32 scale, E4M3 scale per 16, codes.
-// Non-finite values (only from overflow) are left out of the amax and their block is written as zeros,
-// as the reference does with nonfinite='propagate' off.
-inline void encode_chunk_scalar(const float* x, int cnt, int mbits, bool stochastic, uint32_t key,
-                                uint32_t index0, uint8_t* codes, uint8_t* scales, float* s_dec_out) {
-  const int nb = (cnt + 15) / 16;
-  const float elem_max = fp4::grid_max(mbits);
-  float amax_b[kChunk / 16];
-  bool bad_b[kChunk / 16];
-  float amax = 0.0f;
-  for (int b = 0; b < nb; ++b) {
-    float m = 0.0f;
-    bool bad = false;
-    for (int j = 0; j < 16; ++j) {
-      const float v = x[b * 16 + j];
-      const bool fin = fp4::is_finite(v);
-      bad |= !fin;
-      m = fp4::fmax_(m, fin ? fp4::fabs_(v) : 0.0f);
-    }
-    amax_b[b] = m;
-    bad_b[b] = bad;
-    amax = fp4::fmax_(amax, m);
-  }
-  const fp4::TensorScale ts = fp4::tensor_scale(amax, elem_max);
-  *s_dec_out = ts.dec;
-  for (int b = 0; b < nb; ++b) {
-    float k;
-    bool live;
-    scales[b] = fp4::block_scale(amax_b[b], bad_b[b], elem_max, ts, k, live);
-    uint8_t c[16];
-    for (int j = 0; j < 16; ++j) {
-      if (!live) {
-        c[j] = 0;
-        continue;
-      }
-      const float y = x[b * 16 + j] * k;
-      const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + b * 16 + j)) : 0u;
-      if (mbits)
-        c[j] = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits) : fp4::ugrid_encode(fp4::fabs_(y), mbits);
-      else
-        c[j] = fp4::e2m1_encode(y, stochastic, rnd);
-    }
-    fp4::pack_codes(c, 16, codes + b * 8);
-  }
-}
-
+// Chunks [c0, c1) of one thread on the build's fast path, or the scalar path when simd is off.
 template <typename G>
-void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
-  const Scalars& s = a.s;
-  const int64_t i0 = c * kChunk;
-  const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
-  const int nb = (cnt + 15) / 16;
-  float mbuf[kChunk], ubuf[kChunk];
-  const int vmb = fp4::v_mbits(a.v_kind);
-  const bool v_nv = a.v_kind == fp4::kVNvfp4;
-  decode_chunk_scalar(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], cnt, 0, mbuf);
-  decode_chunk_scalar(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], cnt, vmb, ubuf);
-  for (int j = 0; j < cnt; ++j) {
-    const int64_t i = i0 + j;
-    float g = load_grad(grad, i);
-    if (a.maximize) g = -g;
-    float p = a.param[i];
-    if (s.weight_decay) p = p * s.decay;
-    const float m = (mbuf[j] * s.b1) + (g * s.omb1);
-    const float vo = v_nv ? ubuf[j] : ubuf[j] * ubuf[j];
-    const float v = (vo * s.b2) + ((g * g) * s.omb2);
-    const float u = std::sqrt(v);
-    const float d = (u * s.rsbc2) + s.eps;
-    p = p - ((m / d) * s.step_size);
-    a.param[i] = p;
-    if (a.bf16_out) a.bf16_out[i] = to_bf16(p);
-    mbuf[j] = m;
-    ubuf[j] = v_nv ? v : u;
-  }
-  for (int j = cnt; j < nb * 16; ++j) mbuf[j] = ubuf[j] = 0.0f;
-  const int64_t seg = i0 / kSegment;
-  const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 0u) : 0u;
-  const uint32_t vkey = a.v_stochastic ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, (uint32_t)(a.stream0 + seg), 0u) : 0u;
-  const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
-  encode_chunk_scalar(mbuf, cnt, 0, a.m_stochastic, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16,
-                      &a.m_ts[c]);
-  encode_chunk_scalar(ubuf, cnt, vmb, a.v_stochastic, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16,
-                      &a.v_ts[c]);
+void step_range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1, bool simd) {
+  if (c0 >= c1) return;
+#if FP4_HAVE_AVX512
+  if (simd) return fp4adam::step_range_avx512(a, grad, c0, c1);  // chunks pipelined (adam_avx512.h)
+#elif FP4_CPU_VEC
+  if (simd) return fp4adam::step_range_vec(a, grad, c0, c1);
+#endif
+  (void)simd;
+  fp4adam::step_range_scalar(a, grad, c0, c1);
 }
 
 uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
@@ -195,24 +103,16 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
                 "fused_step: bf16_out must be a contiguous bf16 tensor of the param's size");
     a.bf16_out = reinterpret_cast<uint16_t*>(bf16_out->data_ptr<at::BFloat16>());
   }
-  const bool simd = fp4cpu::have_avx512();
+  const bool vec = fp4cpu::have_simd();
+  const bool simd = fp4cpu::have_avx512();  // the weight copy's encode: AVX-512 or scalar (nvfp4_rows.h)
   const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
   auto step_chunks = [&](int64_t c0, int64_t c1) {
-    if (simd) {  // chunks pipelined: the encode of chunk c-1 runs inside the update loop of chunk c
-      if (bf16_grad)
-        fp4adam::step_range_avx512(a, gb, c0, c1);
-      else
-        fp4adam::step_range_avx512(a, gf, c0, c1);
-      return;
-    }
-    for (int64_t c = c0; c < c1; ++c) {
-      if (bf16_grad)
-        chunk_scalar(a, gb, c);
-      else
-        chunk_scalar(a, gf, c);
-    }
+    if (bf16_grad)
+      step_range(a, gb, c0, c1, vec);
+    else
+      step_range(a, gf, c0, c1, vec);
   };
   const size_t R = w_data.size();
   if (R == 0) {
@@ -362,7 +262,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
   a.stream0 = (uint32_t)stream0;
   uint16_t* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
   a.bf16_out = mode == 1 ? hp : nullptr;  // split: the step writes rne(new master) into the parameter itself
-  const bool simd = fp4cpu::have_avx512();
+  const bool simd = fp4cpu::have_simd();
   const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
@@ -377,47 +277,14 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
       const int64_t g1 = std::min(c1, g0 + kGroup);
       const int64_t e0 = g0 * kChunk, e1 = std::min(g1 * kChunk, n);
       uint32_t* bb = reinterpret_cast<uint32_t*>(buf.data());
-      if (mode == 1) {
-        for (int64_t i = e0; i < e1; ++i) {
-          const bool is_odd = k < op + nodd && *k == i;
-          k += is_odd;
-          bb[i - e0] = split_join(hp[i], lp[i], is_odd);
-        }
-      } else {
-        for (int64_t i = e0; i < e1; ++i) bb[i - e0] = (uint32_t)hp[i] << 16;
-      }
+      fp4adam::master_rebuild((int)mode, hp, lp, k, op + nodd, e0, e1, bb);
       ChunkArgs ag = a;
       ag.param = buf.data() - e0;  // the chunk step indexes the parameter by its flat position
-      if (simd) {
-        if (bf16_grad)
-          fp4adam::step_range_avx512(ag, gb, g0, g1);
-        else
-          fp4adam::step_range_avx512(ag, gf, g0, g1);
-      } else {
-        for (int64_t c = g0; c < g1; ++c) {
-          if (bf16_grad)
-            chunk_scalar(ag, gb, c);
-          else
-            chunk_scalar(ag, gf, c);
-        }
-      }
-      if (mode == 1) {
-        for (int64_t i = e0; i < e1; ++i) {
-          bool o;
-          lp[i] = split_residual(bb[i - e0], o);
-          if (o) mine.push_back(i);
-        }
-      } else {
-        int64_t seg = -1;
-        uint32_t key = 0;
-        for (int64_t i = e0; i < e1; ++i) {
-          if (i / kSegment != seg) {
-            seg = i / kSegment;
-            key = fp4::sr_key(a.seed, (uint32_t)(a.stream0 + seg), 1u);
-          }
-          hp[i] = bf16_stochastic(bb[i - e0], fp4::sr_bits(key, (uint64_t)(i - seg * kSegment)) >> 16);
-        }
-      }
+      if (bf16_grad)
+        step_range(ag, gb, g0, g1, simd);
+      else
+        step_range(ag, gf, g0, g1, simd);
+      fp4adam::master_store((int)mode, bb, e0, e1, a.seed, a.stream0, hp, lp, mine);
     }
     std::lock_guard<std::mutex> g(mu);
     found.emplace_back(c0, std::move(mine));
@@ -479,8 +346,9 @@ bool all_finite(torch::Tensor t) {
   return ok.load();
 }
 
-bool have_avx512() { return fp4cpu::have_avx512(); }
-bool set_avx512(bool on) { return fp4cpu::set_avx512(on); }
+bool have_simd() { return fp4cpu::have_simd(); }
+bool set_simd(bool on) { return fp4cpu::set_simd(on); }
+std::string isa() { return fp4cpu::kIsa; }
 
 }  // namespace
 
@@ -502,6 +370,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seed"), py::arg("stream0"), py::arg("mode"), py::arg("v_stochastic") = false);
   m.def("split_selfcheck", &split_selfcheck, "split master: patterns in [start, stop) that do not rebuild exactly");
   m.def("all_finite", &all_finite, "whether every element is finite");
-  m.def("have_avx512", &have_avx512, "whether the AVX-512 path is compiled in and enabled");
-  m.def("set_avx512", &set_avx512, "enable/disable the AVX-512 path; returns the state");
+  m.def("have_simd", &have_simd, "whether the build's vector path is compiled in and enabled");
+  m.def("set_simd", &set_simd, "enable/disable the build's vector path (tests compare it with the scalar path)");
+  m.def("isa", &isa, "the instruction set this build targets (avx512, avx2, neon, sve or scalar)");
 }

@@ -367,6 +367,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nvfp4_decode", &nvfp4_decode, "NVFP4/ufp4 decode (CPU)");
   m.def("mx_encode", &mx_encode, "MXFP4/MXFP8 encode (CPU)");
   m.def("mx_decode", &mx_decode, "MXFP4/MXFP8 decode (CPU)");
-  m.def("have_avx512", &fp4cpu::have_avx512, "whether the AVX-512 paths are compiled in and enabled");
-  m.def("set_avx512", &fp4cpu::set_avx512, "enable/disable the AVX-512 paths (tests compare both); returns the state");
+  m.def("have_simd", &fp4cpu::have_simd, "whether the build's vector paths are compiled in and enabled");
+  m.def("set_simd", &fp4cpu::set_simd, "enable/disable the vector paths (tests compare them with the scalar ones)");
+  m.def("isa", [] { return std::string(fp4cpu::kIsa); }, "the instruction set this build targets");
 }

@@ -12,6 +12,7 @@
 #include <c10/util/Half.h>
 
 #include "fp4_codec.h"
+#include "cpu/isa.h"
 
 // The AVX-512 paths use F, BW, VL, DQ (vrangeps), VBMI (vpermb, vpmultishiftqb) and BMI2 (pdep).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
@@ -24,15 +25,8 @@
 
 namespace fp4cpu {
 
-inline std::atomic<bool>& avx512_enabled() {
-  static std::atomic<bool> on{FP4_HAVE_AVX512 != 0};
-  return on;
-}
-inline bool have_avx512() { return avx512_enabled().load(std::memory_order_relaxed); }
-inline bool set_avx512(bool on) {
-  avx512_enabled().store(on && FP4_HAVE_AVX512 != 0);
-  return have_avx512();
-}
+// The AVX-512 paths run in the AVX-512 build while its vector path is on (isa.h).
+inline bool have_avx512() { return FP4_HAVE_AVX512 != 0 && have_simd(); }
 
 #if FP4_HAVE_AVX512
 

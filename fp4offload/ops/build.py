@@ -22,7 +22,7 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
     root = csrc_dir()
     verbose = os.environ.get("FP4OFFLOAD_VERBOSE_BUILD", "") not in ("", "0")
     kwargs = dict(name=name, sources=[str(root / s) for s in sources], extra_include_paths=[str(root)],
-                  extra_cflags=["-O3", "-ffp-contract=off", *extra_cflags], verbose=verbose)
+                  extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *extra_cflags], verbose=verbose)
     if cuda:
         kwargs["extra_cuda_cflags"] = ["-O3", "--fmad=false", *extra_cuda_cflags]
     return cpp_extension.load(**kwargs)

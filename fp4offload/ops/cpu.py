@@ -1,4 +1,4 @@
-"""The CPU backend: OpenMP + AVX-512/AVX2 kernels around csrc/fp4_codec.h."""
+"""The CPU backend: OpenMP kernels around csrc/fp4_codec.h, built for the host's vector path (ops/cpu_isa.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,20 @@ from ._bindings import make_kernel_api
 NAME = "cpu"
 
 
+def extension(isa: str | None = None):
+    """The codec extension built for `isa` (default: this CPU's path, or FP4OFFLOAD_CPU_ISA)."""
+    from . import cpu_isa
+
+    return _build(cpu_isa.chosen()[0] if isa is None else isa)
+
+
 @functools.lru_cache(maxsize=None)
-def extension():
+def _build(isa: str):
+    from . import cpu_isa
     from .build import build
 
-    return build("fp4offload_cpu", ["cpu/fp4_cpu.cpp"], extra_cflags=["-march=native", "-fopenmp"])
+    return build(cpu_isa.module_name("fp4offload_cpu", isa), ["cpu/fp4_cpu.cpp"],
+                 extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
 
 
 nvfp4_encode, nvfp4_decode, mx_encode, mx_decode = make_kernel_api(extension)

@@ -128,8 +128,9 @@ def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_n
     check_bool("skip_nonfinite", skip_nonfinite)
     check_int("metrics_every", metrics_every, minimum=0)
     if backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():
+        why = "; ".join(v for k, v in fused.failures().items() if k.startswith("cpu"))
         raise ConfigError("backend", backend, "'auto' or 'reference' on this machine",
-                          f"the fused CPU step does not build: {fused.failures().get('cpu')}")
+                          f"the fused CPU step does not build: {why}")
     if state_device == "nvme":
         return check_directory("nvme_path", nvme_path)
     return nvme_path

@@ -13,10 +13,12 @@ _failed: dict[str, str] = {}
 
 
 @functools.lru_cache(maxsize=None)
-def _build_cpu():
+def _build_cpu(isa: str):
+    from ..ops import cpu_isa
     from ..ops.build import build
 
-    return build("fp4offload_cpu_adam", ["cpu/adam_cpu.cpp"], extra_cflags=["-march=native", "-fopenmp"])
+    return build(cpu_isa.module_name("fp4offload_cpu_adam", isa), ["cpu/adam_cpu.cpp"],
+                 extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,9 +29,16 @@ def _build_cuda():
                  extra_cuda_cflags=["-std=c++17"])
 
 
-def cpu_extension():
-    """The CPU extension module, or None (with one warning) when it does not build."""
-    return _get("cpu", _build_cpu)
+def cpu_extension(isa: str | None = None):
+    """The CPU extension module for the vector path `isa` (default: the one this CPU runs, or
+    FP4OFFLOAD_CPU_ISA; see fp4offload.ops.cpu_isa), or None (with one warning) when it does not build."""
+    from ..ops import cpu_isa
+
+    if isa is None:
+        isa = cpu_isa.chosen()[0]
+    elif isa not in cpu_isa.available():
+        raise ValueError(f"this CPU cannot run the {isa} path; it has {', '.join(cpu_isa.available())}")
+    return _get(f"cpu ({isa})", lambda: _build_cpu(isa))
 
 
 def cuda_extension():
@@ -55,5 +64,5 @@ def _get(name, builder):
 
 
 def failures() -> dict[str, str]:
-    """Why a fused step is unavailable, by backend name."""
+    """Why a fused step is unavailable, by backend name ("cuda", or "cpu (<path>)")."""
     return dict(_failed)

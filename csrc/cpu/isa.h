@@ -1,0 +1,44 @@
+// Which vector path this build of a CPU extension carries, and the run-time switch to its scalar path.
+//
+// fp4offload builds each CPU extension once per instruction set, each with its own target flags and module
+// name (fp4offload/ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build (0 scalar, 1 avx512, 2 avx2, 3 neon, 4 sve).
+// The AVX-512 build runs the hand-scheduled kernels (nvfp4_avx512.h, adam_avx512.h); the AVX2, NEON and SVE
+// builds run the portable vector path (adam_chunk.h), vectorized by the compiler for their target; every
+// build keeps the scalar path, which tests select with set_simd(false) to compare the two.
+#pragma once
+
+#include <atomic>
+
+#ifndef FP4_CPU_ISA_ID
+#define FP4_CPU_ISA_ID 0
+#endif
+// The portable vector path is the step's fast path in the AVX2, NEON and SVE builds.
+#ifndef FP4_CPU_VEC
+#define FP4_CPU_VEC 0
+#endif
+
+namespace fp4cpu {
+
+constexpr const char* kIsaNames[] = {"scalar", "avx512", "avx2", "neon", "sve"};
+constexpr const char* kIsa = kIsaNames[FP4_CPU_ISA_ID];
+
+// Whether the build has a vector path at all (the scalar build has none).
+constexpr bool kHasSimd =
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VBMI__) && defined(__BMI2__)
+    true;
+#else
+    FP4_CPU_VEC != 0;
+#endif
+
+inline std::atomic<bool>& simd_enabled() {
+  static std::atomic<bool> on{kHasSimd};
+  return on;
+}
+inline bool have_simd() { return simd_enabled().load(std::memory_order_relaxed); }
+inline bool set_simd(bool on) {
+  simd_enabled().store(on && kHasSimd);
+  return have_simd();
+}
+
+}  // namespace fp4cpu
