@@ -22,7 +22,7 @@ from fp4offload.ops.build import csrc_dir
 DRIVER = Path(__file__).parent / "isa_driver" / "driver.cpp"
 INSTALL = "apt-get install -y qemu-user-static g++-aarch64-linux-gnu"
 # the flags of the extension builds (fp4offload/ops/build.py): no fast math, no FMA contraction
-CFLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno"]
+CFLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 
 
 def _build(cxx: str, out: Path, flags: list[str]) -> Path:

@@ -21,8 +21,11 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
 
     root = csrc_dir()
     verbose = os.environ.get("FP4OFFLOAD_VERBOSE_BUILD", "") not in ("", "0")
+    # no fast math and no FMA contraction (every operation rounds as the reference's does); errno and FP traps off,
+    # which change no value but let the compiler vectorize sqrt and turn selects of FP results into blends
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *extra_cflags]
     kwargs = dict(name=name, sources=[str(root / s) for s in sources], extra_include_paths=[str(root)],
-                  extra_cflags=["-O3", "-ffp-contract=off", "-fno-math-errno", *extra_cflags], verbose=verbose)
+                  extra_cflags=flags, verbose=verbose)
     if cuda:
         kwargs["extra_cuda_cflags"] = ["-O3", "--fmad=false", *extra_cuda_cflags]
     return cpp_extension.load(**kwargs)

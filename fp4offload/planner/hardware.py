@@ -17,7 +17,7 @@ from fp4offload.planner.sizes import STATE_BYTES, step_bytes_per_param
 
 __all__ = ["GpuSpec", "NodeSpec", "Cluster", "GPU_PRESETS", "NODE_PRESETS", "DEFAULT_MFU", "match_gpu",
            "pcie_bandwidth", "build_cluster", "DEFAULT_CPU_ADAM_PER_CORE", "CPU_ADAM_BYTES_PER_PARAM",
-           "DEFAULT_GPU"]
+           "CPU_FP4_PER_CORE", "DEFAULT_GPU"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -39,6 +39,12 @@ _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 #: --threads 1 --rounds 5 --optimizers fp4adamw,deepspeed_cpu_adam`: DeepSpeedCPUAdam 1611 M/s, FP4AdamW
 #: (defaults) 738 M/s; rounded down. On a many-core node the memory-bandwidth cap below binds first.
 DEFAULT_CPU_ADAM_PER_CORE: dict[str, float] = {"fp32": 1.6e9, "nvfp4": 7.0e8}
+#: The FP4 step's rate per core by the CPU path the host runs (fp4offload/ops/cpu_isa.py), parameters/s. avx512 as
+#: above; avx2 measured 2026-12-04 on a 2-core Intel Xeon VM with the path forced (`python benchmarks/optimizer.py
+#: --numel 16M --threads 2 --optimizers fp4adamw@avx2`: 489 M/s), rounded down; neon and sve (128-bit vectors, as
+#: on Grace) are a model, half the AVX2 rate, not a measurement; scalar measured on an AVX2 host before its vector
+#: path existed (59 M/s on 2 threads).
+CPU_FP4_PER_CORE: dict[str, float] = {"avx512": 7.0e8, "avx2": 2.4e8, "sve": 1.2e8, "neon": 1.2e8, "scalar": 3.0e7}
 #: Host memory traffic per parameter of one step: fp32 Adam reads/writes master, m, v and reads
 #: the gradient (28 B); the FP4 step moves packed m and v instead (14.265625 B).
 CPU_ADAM_BYTES_PER_PARAM: dict[str, float] = {fmt: step_bytes_per_param(fmt, bf16_copy=False) for fmt in STATE_BYTES}
@@ -80,6 +86,7 @@ class NodeSpec:
     nvme_read_gbps: float
     nvme_write_gbps: float
     host_mem_gbps: float
+    cpu_isa: str = "avx512"  # the vector path of the host CPU (DGX A100: AMD EPYC 7742, AVX2; GH200: Grace, SVE2)
 
 
 def _g(key, name, mib, cc, tflops, hbm, gen, **kw) -> GpuSpec:
@@ -107,10 +114,10 @@ NODE_PRESETS: dict[str, NodeSpec] = {
     "h100-80gb": NodeSpec(8, 2048 * GiB, 112, 30 * TB, 20, 12, 400),
     "h100-pcie-80gb": NodeSpec(8, 1024 * GiB, 64, 15 * TB, 12, 8, 300),
     "h200-141gb": NodeSpec(8, 2048 * GiB, 112, 30 * TB, 20, 12, 400),
-    "gh200-96gb": NodeSpec(1, 480 * GiB, 72, 4 * TB, 6, 4, 450),
+    "gh200-96gb": NodeSpec(1, 480 * GiB, 72, 4 * TB, 6, 4, 450, "sve"),
     "b200-180gb": NodeSpec(8, 2048 * GiB, 112, 30 * TB, 25, 15, 500),
-    "a100-80gb": NodeSpec(8, 1024 * GiB, 128, 15 * TB, 12, 8, 300),
-    "a100-40gb": NodeSpec(8, 1024 * GiB, 128, 15 * TB, 12, 8, 300),
+    "a100-80gb": NodeSpec(8, 1024 * GiB, 128, 15 * TB, 12, 8, 300, "avx2"),
+    "a100-40gb": NodeSpec(8, 1024 * GiB, 128, 15 * TB, 12, 8, 300, "avx2"),
     "l40s-48gb": NodeSpec(8, 1024 * GiB, 64, 8 * TB, 12, 6, 300),
     "rtx-6000-ada-48gb": NodeSpec(4, 512 * GiB, 32, 4 * TB, 7, 5, 200),
     "rtx-4090-24gb": NodeSpec(1, 128 * GiB, 16, 2 * TB, 6, 4, 60),
@@ -165,6 +172,7 @@ class Cluster:
     h2d_bps: float
     d2h_bps: float
     cpu_adam: Mapping[str, float] = field(default_factory=dict)
+    cpu_isa: str = "avx512"
     mfu: float = DEFAULT_MFU
     source: str = "preset"
     notes: tuple[str, ...] = ()
@@ -192,12 +200,16 @@ class Cluster:
                 f"host {self.host_ram / GiB:.0f} GiB RAM / {self.host_cores} cores per node{nv} [{self.source}]")
 
 
-def _default_rate(fmt: str, cores: int, mem_gbps: float) -> float:
-    return min(DEFAULT_CPU_ADAM_PER_CORE[fmt] * cores, mem_gbps * 1e9 / CPU_ADAM_BYTES_PER_PARAM[fmt])
+def _default_rate(fmt: str, cores: int, mem_gbps: float, isa: str = "avx512") -> float:
+    if fmt == "nvfp4":
+        per_core = CPU_FP4_PER_CORE.get(isa, CPU_FP4_PER_CORE["scalar"])
+    else:
+        per_core = DEFAULT_CPU_ADAM_PER_CORE[fmt]
+    return min(per_core * cores, mem_gbps * 1e9 / CPU_ADAM_BYTES_PER_PARAM[fmt])
 
 
 def _cpu_adam_rates(cores: int, mem_gbps: float, measured: Mapping[str, float], measured_threads: int | None,
-                    same_host: bool) -> dict[str, float]:
+                    same_host: bool, isa: str = "avx512") -> dict[str, float]:
     """Per-node CPU optimizer rates (parameters/s): the measured ones (scaled by cores and capped by
     memory bandwidth when the target host is another machine), else the defaults. When only the
     fp32 step was measured, the FP4 rate keeps the defaults' FP4/fp32 ratio."""
@@ -207,9 +219,10 @@ def _cpu_adam_rates(cores: int, mem_gbps: float, measured: Mapping[str, float], 
             cap = mem_gbps * 1e9 / CPU_ADAM_BYTES_PER_PARAM[fmt]
             out[fmt] = measured[fmt] if same_host else min(measured[fmt] / measured_threads * cores, cap)
         else:
-            out[fmt] = _default_rate(fmt, cores, mem_gbps)
+            out[fmt] = _default_rate(fmt, cores, mem_gbps, isa)
     if "nvfp4" not in measured and "fp32" in measured and measured_threads:
-        out["nvfp4"] = out["fp32"] * _default_rate("nvfp4", cores, mem_gbps) / _default_rate("fp32", cores, mem_gbps)
+        out["nvfp4"] = (out["fp32"] * _default_rate("nvfp4", cores, mem_gbps, isa)
+                        / _default_rate("fp32", cores, mem_gbps, isa))
     return out
 
 
@@ -294,8 +307,17 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
 
     measured = readings.cpu_adam if readings else {}
     threads = readings.cpu_adam_threads if readings else None
-    rates = _cpu_adam_rates(cores, mem_gbps, measured, threads, same_host)
+    if host is not None:  # planning for this machine: the path its CPU runs (or FP4OFFLOAD_CPU_ISA forces)
+        from fp4offload.ops import cpu_isa
+
+        isa = cpu_isa.chosen()[0]
+    else:
+        isa = node.cpu_isa
+    if isa != "avx512" and "nvfp4" not in measured:
+        notes.append(f"the host CPU runs the {isa} path: FP4 step planned at {CPU_FP4_PER_CORE[isa] / 1e6:.0f} M "
+                     f"parameters/s per core (AVX-512: {CPU_FP4_PER_CORE['avx512'] / 1e6:.0f} M)")
+    rates = _cpu_adam_rates(cores, mem_gbps, measured, threads, same_host, isa)
     return Cluster(gpu=spec, gpu_memory=int(memory), gpus_per_node=n_gpus, nodes=nodes, host_ram=int(ram),
                    host_cores=int(cores), host_mem_bps=mem_gbps * 1e9, nvme_path=path, nvme_free=nv_free,
-                   nvme_read_bps=rd, nvme_write_bps=wr, h2d_bps=h2d, d2h_bps=d2h, cpu_adam=rates,
+                   nvme_read_bps=rd, nvme_write_bps=wr, h2d_bps=h2d, d2h_bps=d2h, cpu_adam=rates, cpu_isa=isa,
                    mfu=mfu or DEFAULT_MFU, source=source, notes=tuple(notes))
