@@ -117,6 +117,32 @@ def test_all_finite(step_ext):
         assert not step_ext.all_finite(y) and not step_ext.all_finite(y.bfloat16())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grads_ok_is_the_aminmax_rule(step_ext, dtype):
+    """grads_ok (FP4AdamW's gradient check on the CPU) agrees with the torch rule it replaces: finite and of
+    magnitude below GRAD_LIMIT (2^64), at the boundary, for every special value and position."""
+    from fp4offload.optim.adamw import GRAD_LIMIT
+
+    def rule(t):
+        lo, hi = torch.aminmax(t)
+        return bool((hi < GRAD_LIMIT) & (lo > -GRAD_LIMIT))
+
+    x = torch.randn(200_003)
+    big = torch.tensor(GRAD_LIMIT)
+    below = torch.nextafter(big, torch.tensor(0.0))
+    specials = [float("inf"), float("-inf"), float("nan"), GRAD_LIMIT, -GRAD_LIMIT, float(below), -float(below),
+                float(below.to(dtype)), 65504.0, -0.0, 1e-45]
+    assert step_ext.grads_ok(x.to(dtype)) and rule(x.to(dtype))
+    for pos in (0, 1, 65_535, 65_536, 131_071, 200_002):
+        for v in specials:
+            y = x.clone().to(dtype)
+            y[pos] = v
+            assert step_ext.grads_ok(y) == rule(y), (dtype, pos, v)
+    assert step_ext.grads_ok(torch.empty(0, dtype=dtype))
+    with pytest.raises(RuntimeError, match="fp32, bf16 or fp16"):
+        step_ext.grads_ok(torch.zeros(3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("n", [1, 15, 33, 64, 127, 129, 1000, 65_537, 200_003])
 def test_all_finite_positions(step_ext, simd, n):
     """Both paths (vector loop, masked tail, several threads' ranges): one non-finite value anywhere is found."""

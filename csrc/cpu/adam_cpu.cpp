@@ -346,6 +346,40 @@ bool all_finite(torch::Tensor t) {
   return ok.load();
 }
 
+// True when every element of a fp32/bf16/fp16 CPU tensor is finite and of magnitude below 2^64 (FP4AdamW's
+// GRAD_LIMIT: a larger gradient overflows g*g in fp32). One integer compare of the magnitude's pattern per
+// element: the patterns of |x| order as the values, and every non-finite pattern lies above 2^64's. fp16 holds
+// nothing as large, so there only the non-finite patterns fail. Reads the gradient once, at memory speed.
+bool grads_ok(torch::Tensor t) {
+  TORCH_CHECK(t.device().is_cpu(), "grads_ok: expects a CPU tensor");
+  auto x = t.contiguous();
+  const int64_t n = x.numel();
+  if (n == 0) return true;
+  std::atomic<bool> ok{true};
+  auto scan = [&](auto* p, auto mag_mask, auto limit) {
+    at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
+      if (!ok.load(std::memory_order_relaxed)) return;
+      uint32_t bad = 0;
+      for (int64_t i = i0; i < i1; ++i) bad |= (uint32_t)((p[i] & mag_mask) >= limit);
+      if (bad) ok = false;
+    });
+  };
+  switch (x.scalar_type()) {
+    case torch::kFloat32:
+      scan(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), 0x7FFFFFFFu, 0x5F800000u);  // 2^64
+      break;
+    case torch::kBFloat16:
+      scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, (uint16_t)0x5F80);
+      break;
+    case torch::kHalf:
+      scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, (uint16_t)0x7C00);  // inf
+      break;
+    default:
+      TORCH_CHECK(false, "grads_ok: expects a fp32, bf16 or fp16 tensor, got ", x.scalar_type());
+  }
+  return ok.load();
+}
+
 bool have_simd() { return fp4cpu::have_simd(); }
 bool set_simd(bool on) { return fp4cpu::set_simd(on); }
 std::string isa() { return fp4cpu::kIsa; }
@@ -370,6 +404,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("seed"), py::arg("stream0"), py::arg("mode"), py::arg("v_stochastic") = false);
   m.def("split_selfcheck", &split_selfcheck, "split master: patterns in [start, stop) that do not rebuild exactly");
   m.def("all_finite", &all_finite, "whether every element is finite");
+  m.def("grads_ok", &grads_ok, "whether every element is finite and of magnitude below 2^64");
   m.def("have_simd", &have_simd, "whether the build's vector path is compiled in and enabled");
   m.def("set_simd", &set_simd, "enable/disable the build's vector path (tests compare it with the scalar path)");
   m.def("isa", &isa, "the instruction set this build targets (avx512, avx2, neon, sve or scalar)");

@@ -291,8 +291,14 @@ class FP4AdamW(Optimizer):
         """Whether every gradient is finite and below GRAD_LIMIT in magnitude (one min/max pass per gradient,
         one host read per device). A larger one would overflow g*g in fp32 (docs/numerics.md)."""
         flags: dict[torch.device, list[torch.Tensor]] = {}
+        ext = self._cpu_ext() if any(g.device.type == "cpu" for g in grads) else None
         for g in grads:
             if g.numel() == 0:
+                continue
+            if ext is not None and g.device.type == "cpu" and g.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                # one integer compare per element on the pattern, at memory speed (csrc/cpu/adam_cpu.cpp)
+                if not ext.grads_ok(g.detach()):
+                    return False
                 continue
             lo, hi = torch.aminmax(g.detach())
             flags.setdefault(g.device, []).append(((hi < GRAD_LIMIT) & (lo > -GRAD_LIMIT)).reshape(1))
