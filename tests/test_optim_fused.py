@@ -13,9 +13,10 @@ def _bits(t):
 
 
 def _run(step_ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=False, pid=3, special=None,
-         v_stochastic=False):
+         v_stochastic=False, grad_scale=None):
     """Runs `steps` steps both ways on the same data; asserts every byte of p, bf16 copy, m and v agrees.
-    `stochastic` / `v_stochastic`: m / the second moment rounded stochastically."""
+    `stochastic` / `v_stochastic`: m / the second moment rounded stochastically. `grad_scale`: the kernel scales
+    each gradient as it reads it; the reference gets the gradient scaled in fp32 first (FP4AdamW's _scaled)."""
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
     pa, pb = p.clone(), p.clone()
@@ -29,14 +30,15 @@ def _run(step_ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maximize=F
         sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=wd, step=t)
         seed = R.sr_seed(7, t)
         bfa, bfb = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+        gr = g if grad_scale is None else g.to(torch.float32, copy=True).mul_(grad_scale)
         for k, s0 in enumerate(range(0, n, R.SEGMENT)):
             s1 = min(n, s0 + R.SEGMENT)
-            R.packed_step(pa[s0:s1], g[s0:s1], R.segment_view(ma, s0, s1), R.segment_view(va, s0, s1), sc,
+            R.packed_step(pa[s0:s1], gr[s0:s1], R.segment_view(ma, s0, s1), R.segment_view(va, s0, s1), sc,
                           v_format=v_format, m_stochastic=stochastic, seed=seed, stream=R.sr_stream(pid, k),
                           maximize=maximize, bf16_out=bfa[s0:s1], v_stochastic=v_stochastic)
         step_ext.fused_step(pb, g, *mb, *vb, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2,
                        sc.weight_decay, maximize, R.V_KIND[v_format], stochastic, seed, R.sr_stream(pid, 0), bfb,
-                       v_stochastic=v_stochastic)
+                       v_stochastic=v_stochastic, **({} if grad_scale is None else {"grad_scale": grad_scale}))
         assert torch.equal(_bits(pa), _bits(pb)), f"weights differ at step {t}"
         if special is not None:  # NaN weights: torch's bf16 cast keeps the NaN's sign/payload, the kernel writes 0x7FC0
             nan = pa.isnan()
@@ -115,6 +117,25 @@ def test_all_finite(step_ext):
         y = x.clone()
         y[77_777] = bad
         assert not step_ext.all_finite(y) and not step_ext.all_finite(y.bfloat16())
+
+
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16], ids=["g32", "g16"])
+@pytest.mark.parametrize("scale", [0.3183, 0.999, 2.5])
+@pytest.mark.parametrize("n", [17, 1025, 70001])
+def test_fused_grad_scale_equals_scaling_first(step_ext, simd, gdt, scale, n):
+    """The engine's clipping factor applied inside the step, as each gradient is read, gives the bits of the
+    gradient scaled in fp32 first (how FP4AdamW scales it for every other backend)."""
+    _run(step_ext, n, "ue2m2", True, gdt, maximize=n == 17, grad_scale=scale)
+
+
+def test_fused_grad_scale_is_checked(step_ext):
+    p, g = torch.zeros(16), torch.zeros(16)
+    m, v = R.empty_packed(16, "cpu"), R.empty_packed(16, "cpu")
+    sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(RuntimeError, match="grad_scale must be finite and > 0"):
+            step_ext.fused_step(p, g, *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size,
+                                sc.rsbc2, sc.weight_decay, False, 2, True, 1, 0, grad_scale=bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -297,6 +297,7 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
     const __m512 mo = _mm512_permutexvar_ps(fp4cpu::unpack16(mc + b * 8), mt);
     const __m512 uo = _mm512_permutexvar_ps(fp4cpu::unpack16(vc + b * 8), vt);
     __m512 g = load_grad16(grad, i, mk);
+    if (a.gscaled) g = _mm512_mul_ps(g, _mm512_set1_ps(a.gscale));
     if (a.maximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), signbit));
     __m512 p = Tail ? _mm512_maskz_loadu_ps(mk, a.param + i) : _mm512_loadu_ps(a.param + i);
     if (s.weight_decay) p = _mm512_mul_ps(p, decay);

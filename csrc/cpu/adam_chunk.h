@@ -49,6 +49,8 @@ struct ChunkArgs {
   int v_kind;  // fp4::VKind
   uint32_t seed, stream0;
   uint16_t* bf16_out;
+  bool gscaled;  // multiply each gradient by gscale in fp32 as it is read (an engine's clipping factor)
+  float gscale;
 };
 
 // The stochastic-rounding keys of m and sqrt(v) for the segment holding element i0.
@@ -129,7 +131,7 @@ inline void encode_chunk_scalar(const float* x, int cnt, int mbits, bool stochas
 // The update of one element (reference_step.py's order). u_old is the decoded sqrt(v) (or v itself when v_nv).
 inline void update_one(const Scalars& s, bool maximize, bool v_nv, float g, float& p, float mo, float uo, float& m,
                        float& ustore) {
-  if (maximize) g = -g;
+  if (maximize) g = -g;  // (the caller applied the gradient scale)
   if (s.weight_decay) p = p * s.decay;
   m = (mo * s.b1) + (g * s.omb1);
   const float vo = v_nv ? uo : uo * uo;
@@ -153,7 +155,8 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
   for (int j = 0; j < cnt; ++j) {
     const int64_t i = i0 + j;
     float p = a.param[i];
-    update_one(a.s, a.maximize, v_nv, load_grad(grad, i), p, mbuf[j], ubuf[j], mbuf[j], ubuf[j]);
+    const float g = a.gscaled ? load_grad(grad, i) * a.gscale : load_grad(grad, i);
+    update_one(a.s, a.maximize, v_nv, g, p, mbuf[j], ubuf[j], mbuf[j], ubuf[j]);
     a.param[i] = p;
     if (a.bf16_out) a.bf16_out[i] = fp4master::to_bf16(p);
   }
@@ -308,17 +311,19 @@ static inline float grad_value(const G* g, int64_t i) {
   return load_grad(g, i);
 }
 
-template <typename G, int VK, bool WD, bool MAX, bool BF16>
+template <typename G, int VK, bool WD, bool MAX, bool BF16, bool GS>
 static inline void update(const ChunkArgs& a, const G* __restrict grad, int64_t i0, int n16, float* __restrict mbuf,
                           float* __restrict ubuf) {
   constexpr bool VNv = VK == fp4::kVNvfp4;
   const Scalars s = a.s;
+  const float gs = a.gscale;
   float* __restrict param = a.param + i0;
   uint16_t* __restrict bf = BF16 ? a.bf16_out + i0 : nullptr;
   const G* __restrict g0 = grad + i0;
   FP4_VEC_LOOP
   for (int j = 0; j < n16; ++j) {
     float g = grad_value(g0, j);
+    if (GS) g = g * gs;
     if (MAX) g = -g;
     float p = param[j];
     if (WD) p = p * s.decay;
@@ -345,9 +350,15 @@ void chunk(const ChunkArgs& a, const G* grad, int64_t c) {
   decode_chunk<0>(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], nb, mbuf);
   decode_chunk<VMB>(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], nb, ubuf);
   if (cnt == kChunk) {
-    update<G, VK, WD, MAX, BF16>(a, grad, i0, kChunk, mbuf, ubuf);
+    if (a.gscaled)
+      update<G, VK, WD, MAX, BF16, true>(a, grad, i0, kChunk, mbuf, ubuf);
+    else
+      update<G, VK, WD, MAX, BF16, false>(a, grad, i0, kChunk, mbuf, ubuf);
   } else {
-    update<G, VK, WD, MAX, BF16>(a, grad, i0, cnt, mbuf, ubuf);
+    if (a.gscaled)
+      update<G, VK, WD, MAX, BF16, true>(a, grad, i0, cnt, mbuf, ubuf);
+    else
+      update<G, VK, WD, MAX, BF16, false>(a, grad, i0, cnt, mbuf, ubuf);
     for (int j = cnt; j < nb * 16; ++j) mbuf[j] = ubuf[j] = 0.0f;
   }
   const uint32_t index0 = (uint32_t)(i0 % kSegment);

@@ -69,7 +69,7 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
                 bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, int64_t seed, int64_t stream0,
                 c10::optional<torch::Tensor> bf16_out, std::vector<torch::Tensor> w_data,
                 std::vector<torch::Tensor> w_scales, std::vector<int64_t> w_offsets, std::vector<int64_t> w_rows,
-                std::vector<int64_t> w_cols, std::vector<double> w_amax, bool v_stochastic) {
+                std::vector<int64_t> w_cols, std::vector<double> w_amax, bool v_stochastic, double grad_scale) {
   TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
               "fused_step: param must be a contiguous fp32 CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() &&
@@ -97,6 +97,9 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   a.v_stochastic = v_stochastic;
   a.seed = (uint32_t)seed;
   a.stream0 = (uint32_t)stream0;
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "fused_step: grad_scale must be finite and > 0");
+  a.gscale = (float)grad_scale;
+  a.gscaled = grad_scale != 1.0;
   a.bf16_out = nullptr;
   if (bf16_out.has_value() && bf16_out->defined()) {
     TORCH_CHECK(bf16_out->is_contiguous() && bf16_out->scalar_type() == torch::kBFloat16 && bf16_out->numel() == n,
@@ -260,6 +263,8 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
   a.v_stochastic = v_stochastic;
   a.seed = (uint32_t)seed;
   a.stream0 = (uint32_t)stream0;
+  a.gscaled = false;
+  a.gscale = 1.0f;
   uint16_t* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
   a.bf16_out = mode == 1 ? hp : nullptr;  // split: the step writes rne(new master) into the parameter itself
   const bool simd = fp4cpu::have_simd();
@@ -395,7 +400,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bf16_out") = py::none(), py::arg("w_data") = std::vector<torch::Tensor>{},
         py::arg("w_scales") = std::vector<torch::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
         py::arg("w_rows") = std::vector<int64_t>{}, py::arg("w_cols") = std::vector<int64_t>{},
-        py::arg("w_amax") = std::vector<double>{}, py::arg("v_stochastic") = false);
+        py::arg("w_amax") = std::vector<double>{}, py::arg("v_stochastic") = false, py::arg("grad_scale") = 1.0);
   m.def("fused_step_master", &fused_step_master, "fused FP4AdamW step of a bf16 parameter with a compact master",
         py::arg("hi"), py::arg("lo"), py::arg("odd"), py::arg("grad"), py::arg("m_codes"), py::arg("m_scales"),
         py::arg("m_tscale"), py::arg("v_codes"), py::arg("v_scales"), py::arg("v_tscale"), py::arg("b1"),

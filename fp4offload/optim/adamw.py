@@ -316,7 +316,8 @@ class FP4AdamW(Optimizer):
     def set_grad_scale(self, p, scale) -> None:
         """The next step multiplies p's gradient by `scale` (a float or a 0-d tensor) in fp32, as it reads each
         segment: what an engine's clipping does to an fp32 gradient partition, kept exact for a bf16 gradient,
-        which a multiply in place would round to bf16 (an fp32 gradient is multiplied in place). DeepSpeed ZeRO-3
+        which a multiply in place would round to bf16. The fused CPU step applies it as it reads each gradient and
+        leaves the gradient as it was; the other backends multiply an fp32 gradient in place. DeepSpeed ZeRO-3
         clips this way when the master's gradient is its bf16 gradient partition (integrations/ds_host.fp32_clip),
         so its steps see the gradients of the run with an fp32 gradient buffer. A step that is
         skipped drops the scale. `p` need not be in param_groups yet (ZeRO-3 points them at each sub-group only
@@ -467,12 +468,15 @@ class FP4AdamW(Optimizer):
         if self.master != "fp32":
             self._step_compact(group, p, pid, st, sc, t, undo, fresh, scale)
             return sample
-        # an fp32 gradient is scaled in place (exact); a bf16 one in fp32, segment by segment as it is read
-        seg_scale = scale if scale is not None and p.grad.dtype != torch.float32 else None
-        if scale is not None and seg_scale is None:
-            p.grad.mul_(scale)
         master = st.get("master")
         w = master if master is not None else p.data.view(-1)
+        # the gradient scale: inside the fused CPU step, as each gradient is read; else an fp32 gradient is scaled
+        # in place (exact) and a bf16 one in fp32, segment by segment as it is read
+        fused_scale = scale is not None and self._packed(group, p) and w.device.type == "cpu" \
+            and self._cpu_ext() is not None and p.grad.dtype in (torch.float32, torch.bfloat16)
+        seg_scale = scale if scale is not None and not fused_scale and p.grad.dtype != torch.float32 else None
+        if scale is not None and not fused_scale and seg_scale is None:
+            p.grad.mul_(scale)
         if undo is not None and (not self._tier.segmented(p) or not self._packed(group, p)):  # whole, up front
             for kept in (p.data, *(() if fresh else (st[k] for k in ("master", "exp_avg", "exp_avg_sq") if k in st))):
                 undo.save(kept)
@@ -487,13 +491,14 @@ class FP4AdamW(Optimizer):
             return sample
         args = dict(sc=sc, maximize=group["maximize"], v_format=st["v_format"],
                     stochastic=group["m_rounding"] == "stochastic", v_stochastic=group["v_rounding"] == "stochastic",
-                    seed=R.sr_seed(group["seed"], t))
+                    seed=R.sr_seed(group["seed"], t), grad_scale=float(scale) if fused_scale else None)
         bf = self._copies.bf16_out(p, w, p.is_cuda and w.device.type == "cpu" and p.dtype == torch.bfloat16,
                                    self._tier.pinned(p))
         stream = self._stream_id(p, pid)
         if not self._tier.segmented(p) and seg_scale is None:
             m, v = self._tier.states(st, p)
-            check = self._sampler(w, p.grad.reshape(-1), m, v, args) if sample else None
+            check = self._sampler(w, _scaled(p.grad.reshape(-1)[:R.CHUNK], scale if fused_scale else None), m, v,
+                                  args) if sample else None
             regions, own = self._copies.fused_regions(p, w, self._cpu_ext() is not None)
             with metrics.timer("optim.time.compute"):
                 res = self._compute(w, p.grad.reshape(-1), m, v, args, R.sr_stream(stream, 0), bf, regions)
@@ -516,7 +521,8 @@ class FP4AdamW(Optimizer):
                     undo.save(w, s0, s1)
                 if p_seg:
                     undo.save(p.data, s0, s1)
-            check = self._sampler(w[s0:s1], g, m, v, args) if (sample and s0 == 0) else None
+            check = self._sampler(w[s0:s1], _scaled(g[:R.CHUNK], scale if fused_scale else None), m, v, args) \
+                if (sample and s0 == 0) else None
             with metrics.timer("optim.time.compute"):
                 self._compute(w[s0:s1], g, m, v, args, R.sr_stream(stream, s0 // R.SEGMENT),
                               None if bf is None else bf[s0:s1])
@@ -646,10 +652,11 @@ class FP4AdamW(Optimizer):
         if ext is not None:  # the fused step (C++ on the CPU, CUDA kernel on the GPU): same signature, same bits
             if g.dtype not in (torch.float32, torch.bfloat16):
                 g = g.float()
+            extra = {} if args.get("grad_scale") is None else {"grad_scale": args["grad_scale"]}  # CPU only
             return ext.fused_step(w, g.contiguous(), *m, *v, sc.b1, sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay,
                                   sc.step_size, sc.rsbc2, sc.weight_decay, args["maximize"],
                                   R.V_KIND[args["v_format"]], args["stochastic"], args["seed"], stream0, bf,
-                                  **region_kernel_args(regions), v_stochastic=args["v_stochastic"])
+                                  **region_kernel_args(regions), v_stochastic=args["v_stochastic"], **extra)
         kern = backend_for(w.device)
         for k, (s0, s1) in enumerate(R.segment_ranges(w.numel())):
             R.packed_step(w[s0:s1], g[s0:s1], R.segment_view(m, s0, s1), R.segment_view(v, s0, s1), sc,

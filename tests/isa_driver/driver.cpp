@@ -155,11 +155,13 @@ std::vector<uint16_t> to_bf16(const std::vector<float>& g) {
 
 // The fused step: 3 steps of one configuration.
 uint64_t run_step(int64_t n, int v_kind, bool msr, bool vsr, bool bf16_grad, bool wd, bool maximize, bool bf16_out,
-                  int special, bool vec) {
+                  int special, bool vec, float gscale = 1.0f) {
   State s = make_state(n, (uint32_t)n);
   for (int t = 1; t <= 3; ++t) {
     const std::vector<float> g = gradient(n, (uint32_t)(n * 31 + t), special);
-    const ChunkArgs a = args(s, n, v_kind, msr, vsr, wd, maximize, bf16_out, t);
+    ChunkArgs a = args(s, n, v_kind, msr, vsr, wd, maximize, bf16_out, t);
+    a.gscaled = gscale != 1.0f;
+    a.gscale = gscale;
     if (bf16_grad) {
       const std::vector<uint16_t> gb = to_bf16(g);
       step(a, gb.data(), vec);
@@ -257,6 +259,12 @@ int main(int argc, char** argv) {
       char name[96];
       snprintf(name, sizeof name, "step-bf16grad-n%lld-f%d", (long long)n, f);
       emit(name, [&](bool v) { return run_step(n, 2, true, false, true, f & 1, f & 2, true, 0, v); });
+    }
+  for (int64_t n : {17, 5003})
+    for (int bf = 0; bf < 2; ++bf) {  // an engine's clipping factor, applied as each gradient is read
+      char name[96];
+      snprintf(name, sizeof name, "step-gscale-n%lld-bf%d", (long long)n, bf);
+      emit(name, [&](bool v) { return run_step(n, 2, true, true, bf, true, n == 17, false, 0, v, 0.3183f); });
     }
   for (int vk = 0; vk < 3; ++vk) {
     char name[96];
