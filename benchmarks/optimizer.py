@@ -8,7 +8,8 @@ Also reports the host bytes per parameter each optimizer holds for m and v (meas
 for FP4AdamW, for the master weight (``fp4adamw_bf16_*``: a bf16 parameter with an fp32, split or bf16
 master; ``fp4adamw_norm``: the engine's gradient norm given, so the non-finite pass over the gradients is
 skipped, as under DeepSpeed; ``fp4adamw_clip_g32`` / ``fp4adamw_clip_g16``: an fp32 master with a clipping factor
-handed over, as under DeepSpeed ZeRO-3, its gradient fp32 or the bf16 gradient partition; ``fp4adamw_noclip_g16``
+handed over, as under DeepSpeed ZeRO-3, its gradient fp32 or the bf16 gradient partition (the fused step applies
+the factor as it reads each gradient); ``fp4adamw_noclip_g16``
 the same at factor 1, no clipping; ``fp4adamw_vnearest`` / ``fp4adamw_vsr``: sqrt(v) rounded to nearest /
 stochastically; ``fp4adamw_ufp4``: sqrt(v) on the ufp4 grid instead of ue2m2),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
@@ -18,7 +19,7 @@ forced to the AVX2 build, as FP4OFFLOAD_CPU_ISA=avx2 does; ``deepspeed_cpu_adam@
 op built as its ``__AVX256__`` variant with ``-mavx2 -mfma -mf16c``, its own module name). Each row's ratio is
 against DeepSpeedCPUAdam on the same path (``deepspeed_cpu_adam@<path>``, or the plain arm: DeepSpeed's own
 build, ``-march=native``). Each row also gives the host bytes one step moves per parameter, the GB/s that makes,
-and its share of this machine's stream bandwidth (an in-place pass over 256 MiB, timed in the same rounds: the
+and its share of this machine's stream bandwidth (an in-place pass over 1 GiB, timed in the same rounds: the
 optimizers update their tensors in place too).
 
 ``--residual-numel``: the split master with its residual in RAM (``master_device="same"``) against the residual
@@ -250,9 +251,8 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                           "fp4adamw_bf16_mbf16": "bf16"}[name]
                 out[name] = (FP4AdamW([p], lr=lr, backend="fused", master=master), p)
             elif name in ("fp4adamw_clip_g32", "fp4adamw_clip_g16", "fp4adamw_noclip_g16"):
-                # ZeRO-3's fp32 master under the block: its gradient an fp32 buffer (scaled in place) or DeepSpeed's
-                # bf16 gradient partition (scaled in fp32 segment by segment as it is read); clipping at 0.999
-                # (the in-place multiply leaves the fp32 gradient near its size over the rounds), or none
+                # ZeRO-3's fp32 master under the block: its gradient an fp32 buffer or DeepSpeed's bf16 gradient
+                # partition, a clipping factor of 0.999 (applied as the step reads the gradient), or none
                 from fp4offload import FP4AdamW
                 from fp4offload.integrations.ds_host import _set_grad
 
@@ -293,7 +293,8 @@ def make_optimizers(n: int, lr: float, which: list[str]):
 #: host bytes one step moves per parameter (read + written), by optimizer (without its @path): fp32 Adam reads and
 #: writes the parameter, m and v and reads the gradient; FP4AdamW moves packed m and v (2 x (0.5 + 1/16 + 4/1024) B
 #: each way) instead, reads the gradient a second time for its non-finite check unless the engine's norm is given
-#: (`_norm`, `_clip_*`, `_noclip_*`, `_nocheck`), and a bf16 gradient is 2 B (scaled as it is read)
+#: (`_norm`, `_clip_*`, `_noclip_*`, `_nocheck`), and a bf16 gradient is 2 B (a clipping factor is applied as the
+#: fused step reads the gradient: no pass of its own)
 _FP4_STATES = 2 * 2 * (0.5 + 1 / 16 + 4 / 1024)
 
 
@@ -303,10 +304,8 @@ def bytes_per_param(name: str) -> float | None:
         return 28.0
     if name in ("fp4adamw", "fp4adamw_nearest", "fp4adamw_vnearest", "fp4adamw_vsr", "fp4adamw_ufp4"):
         return 8 + 4 + 4 + _FP4_STATES
-    if name in ("fp4adamw_norm", "fp4adamw_nocheck"):
+    if name in ("fp4adamw_norm", "fp4adamw_nocheck", "fp4adamw_clip_g32"):
         return 8 + 4 + _FP4_STATES
-    if name == "fp4adamw_clip_g32":  # the clip factor multiplies the fp32 gradient in place first
-        return 8 + 4 + 8 + _FP4_STATES
     if name in ("fp4adamw_clip_g16", "fp4adamw_noclip_g16"):
         return 8 + 2 + _FP4_STATES
     return None
@@ -318,8 +317,8 @@ def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[
         opt.step()
         opt.step()
     # the reference stream: an in-place pass (read and write back, as the optimizers update their tensors, so no
-    # write-allocate reads) over 256 MiB, past the last-level cache of the machines measured here
-    stream = torch.ones(max(n, 1 << 26))
+    # write-allocate reads) over 1 GiB, past the last-level cache of the machines measured here (up to 260 MiB)
+    stream = torch.ones(max(n, 1 << 28))
     stream.mul_(1.0)
     times = {k: [] for k in opts}
     copy_t = []
@@ -489,7 +488,7 @@ def main(argv=None) -> None:
         return
     if any(r["bench"] == "step" for r in rows):
         copy = next(r["copy_gbps"] for r in rows if r["bench"] == "step")
-        print(f"stream bandwidth in the same rounds (in-place read + write, 256 MiB): {copy:.1f} GB/s")
+        print(f"stream bandwidth in the same rounds (in-place read + write, 1 GiB): {copy:.1f} GB/s")
         print("| optimizer | params | threads | median step (s) | updates/s | vs DeepSpeedCPUAdam (same path) | "
               "m+v bytes/param | bytes moved/param | GB/s | share of stream |")
         print("|---|---|---|---|---|---|---|---|---|---|")
