@@ -42,6 +42,20 @@ def test_table_output(capsys):
         assert text in out, text
 
 
+def test_the_table_says_estimate_and_ends_with_a_next_step(capsys, tmp_path):
+    rc, out, _ = run(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--gpus", "1")
+    assert rc == 0
+    assert "estimate: memory, step times and tokens/s come from a model" in out and "fp4offload bench" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("next: rerun with --emit deepspeed ds_config.json") and "zero2-opt-cpu-fp4-split" in last
+    cfg = tmp_path / "ds.json"
+    rc, out, _ = run(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--gpus", "1",
+                     "--emit", "deepspeed", str(cfg))
+    assert rc == 0 and cfg.exists()
+    assert out.strip().splitlines()[-1].startswith(f"next: deepspeed --num_gpus 1 train.py --deepspeed {cfg}")
+    assert json.loads(cfg.read_text())["fp4offload"]["optimizer_states"]["master"] == "split"
+
+
 def test_json_output_and_emitted_deepspeed_config(capsys, tmp_path):
     out_json = tmp_path / "ds.json"
     rc, out, _ = run(capsys, "plan", "--model", "mixtral-8x7b", "--gpu", "a100-80gb", "--nodes", "2",

@@ -172,3 +172,19 @@ def test_nothing_fits(cat):
     c = build_cluster(gpu="rtx-4090-24gb", gpus=1, host_ram_gb=32)
     plan = make_plan(cat.values(), PRESETS["llama-3.1-405b"], c, TrainSetup())
     assert plan.winner is None and plan.ranked == () and any("nothing fits" in n for n in plan.notes)
+
+
+def test_the_exact_master_wins_a_tie():
+    """llama-3.1-8b on one H100: the split, fp32 and bf16 masters run at the same estimated speed and all fit; the
+    exact forms outrank the lossy bf16 master, and split (less host RAM) the fp32 master."""
+    from fp4offload.planner.rank import risk_profile
+
+    cat = load_catalogue()
+    c = build_cluster(gpu="h100-80gb", gpus=1)
+    plan = make_plan(cat.values(), PRESETS["llama-3.1-8b"], c, TrainSetup())
+    names = [x.name for x in plan.ranked]
+    split, bf16 = "zero2-opt-cpu-fp4-split", "zero2-opt-cpu-fp4-bf16master"
+    assert plan.winner.name == split, names[:5]
+    assert names.index(split) < names.index("zero2-opt-cpu-fp4") < names.index(bf16)
+    assert risk_profile(cat[split]) < risk_profile(cat[bf16])
+    assert risk_profile(cat[split]) == risk_profile(cat["zero2-opt-cpu-fp4"])

@@ -234,6 +234,9 @@ def format_table(plan) -> str:
              f"step:    micro batch {t.micro_batch} x seq {t.seq_len} x accum {t.grad_accum} on {c.world} GPU(s) "
              f"= {t.tokens * t.grad_accum * c.world:,} tokens"]
     lines += [f"note:    {n}" for n in plan.notes]
+    lines.append("estimate: memory, step times and tokens/s come from a model (vendor peaks x MFU "
+                 f"{c.mfu:.2f}, presets where nothing was read); `fp4offload bench` measures this machine and "
+                 "`--readings` plans with the measurements")
     w = max([26] + [len(c.name) for c in (*plan.ranked, *plan.rejected)])  # the strategy column fits every name
     head = f"{'#':>2}  {'strategy':{w}s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GB/node':>12s} " \
            f"{'s/step':>8s} {'tokens/s':>10s}  {'bound':14s} risk"
@@ -264,6 +267,20 @@ def format_table(plan) -> str:
     if risks:
         lines += ["", "accuracy risk of the compressions above:"] + [f"    {n}" for n in sorted(risks)]
     return "\n".join(lines)
+
+
+def next_step(plan, emitted: tuple[str, str] | None) -> str:
+    """The closing "next:" line: how to write the winner's config, or how to launch with the one written."""
+    w, gpus = plan.winner, plan.cluster.gpus_per_node
+    deepspeed = w.strategy.engine == "deepspeed"
+    if emitted is None:
+        kind, out = ("deepspeed", "ds_config.json") if deepspeed else ("fsdp", "fsdp_fp4.yaml")
+        return f"next: rerun with --emit {kind} {out} to write {w.name}'s config, then launch with it"
+    out = emitted[1]
+    if deepspeed:
+        return f"next: deepspeed --num_gpus {gpus} train.py --deepspeed {out}   (train.py: your DeepSpeed script)"
+    return (f"next: torchrun --nproc_per_node {gpus} train.py, where train.py applies {out}: "
+            f"fp4offload.fsdp.apply(model, fp4offload.fsdp.policy_from_yaml('{out}'))")
 
 
 def plan_to_json(plan) -> dict[str, Any]:
@@ -402,6 +419,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(format_table(plan))
         if args.emit and emitted:
             print(f"\nwrote {args.emit[0]} config for {emitted} to {args.emit[1]}")
+        if plan.winner is not None:
+            print("\n" + next_step(plan, args.emit if emitted else None))
     if args.emit and not emitted:
         engine = "deepspeed" if args.emit[0] == "deepspeed" else "fsdp2"
         print(f"fp4offload plan: no {engine} strategy fits, nothing written to {args.emit[1]}", file=sys.stderr)
