@@ -302,6 +302,35 @@ def test_plan_check_prints_the_preflight_estimate_with_and_without_the_block(tmp
     assert text.returncode == 0 and "with the block: fits" in text.stdout and "optimizer states (nvfp4)" in text.stdout
 
 
+def test_plan_check_takes_a_hugging_face_config_full_of_auto(tmp_path):
+    """The Trainer writes "auto" where TrainingArguments decides; --check estimates with the block's defaults
+    and says which values it filled."""
+    cfg = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+           "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                    "weight_decay": "auto"}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                        "warmup_num_steps": "auto"}},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True,
+           "fp4offload": {"optimizer_states": {"master": "split"}}}
+    path = tmp_path / "hf.json"
+    path.write_text(json.dumps(cfg))
+    dims = "hidden=512,layers=8,heads=8,kv_heads=8,ffn=1408,vocab=256"
+    out = _plan_check("--check", str(path), "--model", dims, "--gpus", "2")
+    assert out.returncode in (0, 1), out.stderr[-2000:]
+    assert 'fills the "auto" values' in out.stdout and "optimizer.params.lr=0.001" in out.stdout
+    assert "train_batch_size=2" in out.stdout and "with the block:" in out.stdout
+    doc = json.loads(_plan_check("--check", str(path), "--model", dims, "--format", "json").stdout)
+    filled = doc["hf_auto_filled"]
+    assert "bf16.enabled=True" in filled and "scheduler.params.warmup_num_steps=0" in filled
+    bad = json.loads(json.dumps(cfg))  # only "auto" is filled: any other string is still refused
+    bad["optimizer"]["params"]["lr"] = "sometimes"
+    path.write_text(json.dumps(bad))
+    out = _plan_check("--check", str(path), "--model", dims)
+    assert out.returncode == 2 and "optimizer.params.lr='sometimes'" in out.stderr
+
+
 def test_plan_check_bad_inputs_exit_2_naming_them(tmp_path):
     out = _plan_check("--check", str(tmp_path / "missing.json"), "--model", "llama-3.1-8b")
     assert out.returncode == 2 and "missing.json" in out.stderr

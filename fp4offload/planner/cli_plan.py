@@ -333,6 +333,36 @@ def _emit(plan, args: argparse.Namespace) -> str:
     return pick.name
 
 
+#: What `plan --check` estimates with in place of the Hugging Face Trainer's "auto" values (the Trainer fills them
+#: from its TrainingArguments before DeepSpeed, and the block, see the config): FP4AdamW's defaults, one
+#: micro-batch of one sample, bf16 on. None of them moves the host-RAM estimate except the batch sizes, through
+#: the activations.
+HF_AUTO = {("train_micro_batch_size_per_gpu",): 1, ("gradient_accumulation_steps",): 1,
+           ("gradient_clipping",): 1.0, ("bf16", "enabled"): True, ("fp16", "enabled"): False,
+           ("optimizer", "params", "lr"): 1e-3, ("optimizer", "params", "betas"): [0.9, 0.999],
+           ("optimizer", "params", "eps"): 1e-8, ("optimizer", "params", "weight_decay"): 0.01,
+           ("scheduler", "params", "warmup_min_lr"): 0.0, ("scheduler", "params", "warmup_max_lr"): 1e-3,
+           ("scheduler", "params", "warmup_num_steps"): 0, ("scheduler", "params", "total_num_steps"): 1}
+
+
+def fill_hf_auto(cfg: dict, world: int) -> list[str]:
+    """Replaces the Hugging Face Trainer's "auto" values in `cfg` (in place) with HF_AUTO's, and
+    train_batch_size's with micro-batch x accumulation x ranks; returns what it filled, as "key=value"."""
+    filled = []
+    for path, value in HF_AUTO.items():
+        node = cfg
+        for k in path[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(path[-1]) == "auto":
+            node[path[-1]] = value
+            filled.append(f"{'.'.join(path)}={value}")
+    if cfg.get("train_batch_size") == "auto":
+        mb, ga = cfg.get("train_micro_batch_size_per_gpu", 1), cfg.get("gradient_accumulation_steps", 1)
+        cfg["train_batch_size"] = (mb if isinstance(mb, int) else 1) * (ga if isinstance(ga, int) else 1) * world
+        filled.append(f"train_batch_size={cfg['train_batch_size']}")
+    return filled
+
+
 def run_check(args: argparse.Namespace) -> int:
     """``fp4offload plan --check CONFIG.json``: the preflight's estimate for ``--model``, with and without the
     block, against what this machine (and its cgroup) lets a process use. Exit 0 fits, 1 does not, 2 bad input."""
@@ -358,6 +388,7 @@ def run_check(args: argparse.Namespace) -> int:
                                     readable="a readable DeepSpeed JSON file", valid="valid JSON",
                                     detail="line {exc.lineno} column {exc.colno}: {exc.msg}",
                                     top="a JSON object at the top level"))
+        auto = fill_hf_auto(raw, world)
         prepared = prepare_config(raw, world_size=world) if BLOCK_KEY in raw else None
     except ConfigError as exc:
         print(f"fp4offload plan --check: {exc}", file=sys.stderr)
@@ -390,11 +421,13 @@ def run_check(args: argparse.Namespace) -> int:
                     ds_preflight.render(est, lim)})
     if args.format == "json":
         print(json.dumps({"config": args.check, "model": model.name, "params": params, "accelerator": accelerator,
-                          "world": world, "local_ranks": local, "free_bytes": lim.free, "arms":
-                          [{k: v for k, v in a.items() if k != "text"} for a in out]}, indent=2))
+                          "world": world, "local_ranks": local, "free_bytes": lim.free, "hf_auto_filled": auto,
+                          "arms": [{k: v for k, v in a.items() if k != "text"} for a in out]}, indent=2))
     else:
         print(f"host RAM of {args.check} for {model.name} ({params / 1e9:.2f}B parameters), {world} rank(s), "
               f"{local} per node, accelerator {accelerator}:")
+        if auto:
+            print("note: the Hugging Face Trainer fills the \"auto\" values; estimated with " + ", ".join(auto))
         for a in out:
             print(f"\n{a['arm']}: {'fits' if a['fits'] else 'does NOT fit'}\n{a['text']}")
     return EXIT_OK if fits_all else EXIT_NO_FIT
