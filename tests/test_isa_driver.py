@@ -3,7 +3,8 @@
 tests/isa_driver/driver.cpp runs the fused step (every v format and rounding, fp32 and bf16 gradients, decay,
 maximize, the bf16 copy, special values, tails shorter than a vector or a block), the split and bf16 masters and
 the codec rules, on the scalar path and on its build's vector path, and prints a digest of every output byte
-per case. The x86 scalar build is the reference (its path is the one the torch reference step is tested against);
+per case. The x86 scalar build is the reference (its step is the path the torch reference step is tested against,
+and its codec digests are checked here against the torch reference codec);
 the AVX2 build runs natively, the aarch64 builds (NEON; SVE, vector-length agnostic) under qemu-aarch64-static
 at 128, 256 and 512 bits and on a NEON-only CPU model."""
 
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import skip_or_fail
 
@@ -47,7 +49,7 @@ def reference(tmp_path_factory):
         pytest.skip("needs g++ (apt-get install -y g++)")
     exe = _build("g++", tmp_path_factory.mktemp("drv") / "scalar", [])
     rows = _digests([str(exe)])
-    assert len(rows) > 100 and all(p == "scalar" for _, p in rows)
+    assert len(rows) > 100 and all(p in ("scalar", "codec") for _, p in rows)
     return {case: d for (case, _), d in rows.items()}
 
 
@@ -57,6 +59,59 @@ def _check(rows, reference, vector_name="vector"):
     assert len(vec) >= 100, f"only {len(vec)} vector cases ran"
     bad = [f"{case} ({p})" for (case, p), d in rows.items() if reference.get(case) != d]
     assert not bad, f"{len(bad)} case(s) differ from the x86 scalar reference: {bad[:8]}"
+
+
+def _fmix32(h):
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x85EBCA6B)
+    h = h ^ (h >> np.uint32(13))
+    h = h * np.uint32(0xC2B2AE35)
+    return h ^ (h >> np.uint32(16))
+
+
+def _fnv(h: int, data: bytes) -> int:
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 12, 16],
+                         ids=["nv", "nv-sr", "nv16x16", "nv16x16-sr", "mxfp4", "mxfp8"])
+def test_the_driver_codec_is_the_reference_codec(reference, variant):
+    """The driver's codec digests (x86 build) equal the torch reference codec's bytes on the same inputs, so the
+    aarch64 builds that match the driver match the reference."""
+    import torch
+
+    from fp4offload.formats import reference as ref
+
+    rows, cols = 17, 31
+    n = rows * cols
+    with np.errstate(over="ignore"):
+        i = np.arange(n, dtype=np.uint32)
+        seed = np.uint32(rows * 7919 + cols)
+        h = _fmix32((seed * np.uint32(0x9E3779B9)) ^ _fmix32(i + np.uint32(0x1234567)))
+        h2 = _fmix32(h ^ np.uint32(0xA5A5A5A5))
+        e = (np.uint32(127 + 3) - h2 % np.uint32(24)).astype(np.uint32)
+        bits = (h & np.uint32(0x80000000)) | (e << np.uint32(23)) | (h & np.uint32(0x7FFFFF))
+    x = torch.from_numpy(bits.view(np.float32).copy())
+    stochastic, kind = bool(variant & 1), variant >> 1
+    d = 0xCBF29CE484222325
+    if kind <= 1:
+        tile = 16 if kind == 1 else 1
+        data, scales, ts, bad = ref.nvfp4_encode(x, rows, cols, tile, 0, False, stochastic, 0xC0DE, 5, False)
+        for t in (data, scales, ts.to(torch.float32)):
+            d = _fnv(d, t.contiguous().numpy().tobytes())
+        d = _fnv(d, int(bad).to_bytes(8, "little"))
+        back = ref.nvfp4_decode(data, scales, ts, rows, cols, tile, 0, False, torch.float32)
+    else:
+        fp8 = kind == 8
+        data, scales, bad = ref.mx_encode(x, fp8, False, False, 0xC0DE, 5, False)
+        for t in (data, scales):
+            d = _fnv(d, t.contiguous().numpy().tobytes())
+        d = _fnv(d, int(bad).to_bytes(8, "little"))
+        back = ref.mx_decode(data, scales, n, fp8, torch.float32)
+    d = _fnv(d, back.contiguous().numpy().tobytes())
+    assert reference[f"codec-{rows}x{cols}-v{variant}-s0"] == f"{d:016x}"
 
 
 def test_the_driver_sees_wrong_bits(tmp_path, reference):

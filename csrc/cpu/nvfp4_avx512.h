@@ -2,21 +2,21 @@
 // the same bytes as the scalar rules in fp4_codec.h (tests compare both with the switch set_avx512(False)).
 #pragma once
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <atomic>
 #include <vector>
 
+#if !defined(FP4_STANDALONE)  // the torch extensions (the standalone driver has no AVX-512 code and no torch)
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#endif
 
 #include "fp4_codec.h"
 #include "cpu/isa.h"
 
 // The AVX-512 paths use F, BW, VL, DQ (vrangeps), VBMI (vpermb, vpmultishiftqb) and BMI2 (pdep).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VBMI__) && defined(__BMI2__)
+    defined(__AVX512VBMI__) && defined(__BMI2__) && !defined(FP4_STANDALONE)
 #define FP4_HAVE_AVX512 1
 #include <immintrin.h>
 #else

@@ -1,6 +1,7 @@
 // A standalone driver (no torch) of the host kernels' shared code: the fused FP4AdamW chunk step on the scalar
-// path and on the build's vector path (csrc/cpu/adam_chunk.h), the compact masters, and the codec rules of
-// csrc/fp4_codec.h. It prints one line per case, "<case> <path> <FNV-1a 64 of every output byte>", from inputs
+// path and on the build's vector path (csrc/cpu/adam_chunk.h), the compact masters, the codec's loops
+// (csrc/cpu/codec_impl.h: NVFP4 1x16 and 16x16, per-scope scales, ufp4, MXFP4 rceil and floor, MXFP8; nearest and
+// stochastic; encode and decode) and the codec rules of csrc/fp4_codec.h. It prints one line per case, "<case> <path> <FNV-1a 64 of every output byte>", from inputs
 // it makes itself from integer hashes (no libm, so every architecture sees the same inputs).
 //
 // tests/test_isa_driver.py builds it natively (the x86 reference) and cross-built for aarch64 (NEON; SVE), runs
@@ -12,7 +13,10 @@
 #include <string>
 #include <vector>
 
+#define FP4_STANDALONE 1  // the codec without torch: serial parallel_for, no AVX-512 code (csrc/cpu/parallel.h)
+
 #include "cpu/adam_chunk.h"
+#include "cpu/codec_impl.h"
 
 #ifndef FP4_CPU_VEC
 #define FP4_CPU_VEC 0  // the build has only the scalar path
@@ -236,6 +240,64 @@ uint64_t run_rules() {
   return h;
 }
 
+// The codec on a (rows, cols) fp32 tensor: every NVFP4/ufp4 and MX variant, encode then decode, one digest.
+uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials) {
+  const int64_t n = rows * cols;
+  std::vector<float> x(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = rnd_float((uint32_t)(rows * 7919 + cols), (uint32_t)i, 3, 24, specials ? 61 : 0);
+  uint64_t h = kFnv0;
+  const bool stochastic = variant & 1;
+  const int kind = variant >> 1;  // 0 nv 1x16, 1 nv 16x16, 2 nv scope 1024, 3 ufp4, 4 ufp4 16x16, 5 nv amax given,
+                                  // 6 mxfp4 rceil, 7 mxfp4 floor, 8 mxfp8
+  if (kind <= 5) {
+    const bool ufp4 = kind == 3 || kind == 4;
+    const int64_t tile = (kind == 1 || kind == 4) ? 16 : 1;
+    const int64_t scope = kind == 2 ? 1024 : 0;
+    const fp4codec::NvGeom g(rows, cols, tile, scope);
+    std::vector<uint8_t> data(g.data_bytes()), scales(g.nb);
+    std::vector<float> s_dec, amax;
+    int64_t bad = 0;
+    const float* amax_in = nullptr;
+    if (kind == 5) {
+      amax.assign(g.nscopes, 0.0f);
+      for (int64_t i = 0; i < n; ++i)
+        if (fp4::is_finite(x[i])) amax[0] = fp4::fmax_(amax[0], fp4::fabs_(x[i]) * 0.75f);  // some saturate
+      amax_in = amax.data();
+    }
+    fp4codec::nvfp4_encode_impl<float>(x.data(), g, ufp4, stochastic, 0xC0DEu, 5u, specials, amax_in, false,
+                                       data.data(), scales.data(), s_dec, bad);
+    h = fnv(h, data.data(), data.size());
+    h = fnv(h, scales.data(), scales.size());
+    h = fnv(h, s_dec.data(), s_dec.size() * 4);
+    h = fnv(h, &bad, 8);
+    if (!bad || specials) {
+      std::vector<float> back(n);
+      fp4codec::nvfp4_decode_impl<float>(data.data(), scales.data(), s_dec.data(), g, ufp4, false, back.data());
+      for (float v : back) {  // NaN blocks decode to NaN: one value, whatever the payload
+        const uint32_t b = (fp4::f2u(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : fp4::f2u(v);
+        h = fnv(h, &b, 4);
+      }
+    }
+    return h;
+  }
+  const bool fp8 = kind == 8, floor_mode = kind == 7;
+  const int64_t nb = (n + fp4::kMxBlock - 1) / fp4::kMxBlock;
+  std::vector<uint8_t> data(fp8 ? nb * fp4::kMxBlock : nb * fp4::kMxBlock / 2), scales(nb);
+  int64_t bad = 0;
+  fp4codec::mx_encode_impl<float>(x.data(), n, fp8, floor_mode, stochastic && !fp8, 0xC0DEu, 5u, specials,
+                                  data.data(), scales.data(), bad);
+  h = fnv(h, data.data(), data.size());
+  h = fnv(h, scales.data(), scales.size());
+  h = fnv(h, &bad, 8);
+  std::vector<float> back(n);
+  fp4codec::mx_decode_impl<float>(data.data(), scales.data(), n, fp8, back.data());
+  for (float v : back) {
+    const uint32_t b = (fp4::f2u(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : fp4::f2u(v);
+    h = fnv(h, &b, 4);
+  }
+  return h;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -277,6 +339,17 @@ int main(int argc, char** argv) {
       snprintf(name, sizeof name, "master%d-n%lld", mode, (long long)n);
       emit(name, [&](bool v) { return run_master(n, mode, 2, true, v); });
     }
-  if (!vec_only) printf("rules scalar %016llx\n", (unsigned long long)run_rules());
+  if (!vec_only) {
+    printf("rules scalar %016llx\n", (unsigned long long)run_rules());
+    const int64_t shapes[][2] = {{1, 1}, {1, 7}, {1, 16}, {1, 33}, {3, 5}, {16, 16}, {17, 31}, {64, 48}, {130, 257},
+                                 {1, 4097}};
+    for (const auto& sh : shapes)
+      for (int variant = 0; variant < 18; ++variant)
+        for (int sp = 0; sp < 2; ++sp) {
+          char name[96];
+          snprintf(name, sizeof name, "codec-%lldx%lld-v%d-s%d", (long long)sh[0], (long long)sh[1], variant, sp);
+          printf("%s codec %016llx\n", name, (unsigned long long)run_codec(sh[0], sh[1], variant, sp));
+        }
+  }
   return 0;
 }
