@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -248,6 +249,21 @@ def test_example_deepspeed_configs_validate(path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_example_fsdp_policies_validate(path):
     assert isinstance(load_fsdp_policy_yaml(path), FsdpPolicyConfig)
+
+
+def test_the_plain_offload_configs_carry_optimizer_states_only():
+    """The configs a host-RAM-short ZeRO-Offload user starts from pin no activation memory; activation offload has
+    its own file, and configs/README.md names every file."""
+    for stage in (1, 2, 3):
+        cfg = json.loads((ROOT / "configs" / f"deepspeed_zero{stage}_offload_cpu.json").read_text())
+        assert set(cfg["fp4offload"]) <= {"optimizer_states", "monitor"}, cfg["fp4offload"]
+    acts = json.loads((ROOT / "configs" / "deepspeed_zero2_offload_cpu_activations.json").read_text())
+    assert acts["fp4offload"]["activations"]["format"] == "nvfp4"
+    readme = (ROOT / "configs" / "README.md").read_text()
+    for p in (ROOT / "configs").iterdir():
+        if p.suffix in (".json", ".yaml"):
+            family = re.sub(r"zero[123]", "zero{1,2,3}", p.name)
+            assert p.name in readme or family in readme, p.name
 
 
 def test_example_state_devices_match_their_names():
