@@ -170,7 +170,7 @@ def test_cluster_from_presets():
     assert 0 < c.cpu_adam["fp32"] < c.cpu_adam["nvfp4"]  # a big host is bandwidth-bound: FP4 moves half the bytes
     c2 = build_cluster(gpu="l40s-48gb", host_ram_gb=256, host_cores=32, nvme_path="/scratch", nvme_gb=1000, mfu=0.3)
     assert c2.host_ram == 256 * GiB and c2.host_cores == 32 and c2.nvme_path == "/scratch"
-    assert c2.nvme_free == 10**12 and c2.mfu == 0.3
+    assert c2.nvme_free == 1000 * 2**30 and c2.mfu == 0.3  # --nvme-gb is GiB, as --host-ram-gb
 
 
 def test_gpu_less_readings_from_a_laptop_do_not_describe_the_cluster():

@@ -56,7 +56,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--measure", action="store_true",
                    help="also measure NVMe read/write bandwidth at --nvme-path and host<->device bandwidth")
     g.add_argument("--nvme-path", metavar="DIR", help="directory on the NVMe drive used for offload")
-    g.add_argument("--nvme-gb", type=float, metavar="GB", help="NVMe space to assume per node")
+    g.add_argument("--nvme-gb", type=float, metavar="GiB", help="NVMe space to assume per node")
     g.add_argument("--host-ram-gb", type=float, metavar="GiB", help="host RAM per node to plan with")
     g.add_argument("--host-cores", type=int, metavar="N", help="CPU cores per node to plan with")
     g.add_argument("--mfu", type=float, help="achievable fraction of the GPU's dense bf16 peak (default 0.45)")
@@ -125,7 +125,7 @@ LIMITS: dict[str, tuple[type, float, float, str]] = {
     "--seq-len": (int, 1, 1 << 30, "tokens per sequence"),
     "--grad-accum": (int, 1, 1 << 20, "micro-steps per optimizer step"),
     "--host-ram-gb": (float, 0, 1e9, "GiB of host RAM per node"),
-    "--nvme-gb": (float, 0, 1e12, "GB of NVMe space per node"),
+    "--nvme-gb": (float, 0, 1e12, "GiB of NVMe space per node"),
     "--mfu": (float, 0.001, 1.0, "the fraction of the GPU's dense bf16 peak a step achieves"),
     "--lr": (float, 0, 1.0, "the AdamW learning rate"),
     "--seconds": (float, 0, 3600.0, "seconds per benchmark"),
@@ -238,14 +238,14 @@ def format_table(plan) -> str:
                  f"{c.mfu:.2f}, presets where nothing was read); `fp4offload bench` measures this machine and "
                  "`--readings` plans with the measurements")
     w = max([26] + [len(c.name) for c in (*plan.ranked, *plan.rejected)])  # the strategy column fits every name
-    head = f"{'#':>2}  {'strategy':{w}s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GB/node':>12s} " \
+    head = f"{'#':>2}  {'strategy':{w}s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GiB/node':>13s} " \
            f"{'s/step':>8s} {'tokens/s':>10s}  {'bound':14s} risk"
     lines += ["", head, "-" * len(head)]
     for i, cand in enumerate(plan.ranked, 1):
         m, tm = cand.memory, cand.time
-        nv = f"{m.nvme_total / 1e9:.0f}" if m.nvme_total else "-"
+        nv = f"{m.nvme_total / GiB:.0f}" if m.nvme_total else "-"
         lines.append(f"{i:>2}  {cand.name:{w}s} {'on' if m.checkpointing else 'off':4s} {_gib(m.device_total):>8s} "
-                     f"{_gib(m.host_total):>13s} {nv:>12s} {tm.step_s:8.2f} {tm.tokens_per_s:10,.0f}  "
+                     f"{_gib(m.host_total):>13s} {nv:>13s} {tm.step_s:8.2f} {tm.tokens_per_s:10,.0f}  "
                      f"{tm.bound:14s} {cand.risk}")
     if plan.rejected:
         lines += ["", "does not fit:"]

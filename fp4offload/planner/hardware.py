@@ -195,7 +195,7 @@ class Cluster:
         return pcie_bandwidth(self.gpu.pcie_gen, self.gpu.pcie_width) / 2
 
     def describe(self) -> str:
-        nv = f", NVMe {self.nvme_free / 1e12:.1f} TB free at {self.nvme_path}" if self.nvme_free else ", no NVMe"
+        nv = f", NVMe {self.nvme_free / GiB:,.0f} GiB free at {self.nvme_path}" if self.nvme_free else ", no NVMe"
         return (f"{self.nodes} node(s) x {self.gpus_per_node} x {self.gpu.name} ({self.gpu_memory / GiB:.0f} GiB), "
                 f"host {self.host_ram / GiB:.0f} GiB RAM / {self.host_cores} cores per node{nv} [{self.source}]")
 
@@ -284,7 +284,7 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
         disk = None
     path = nvme_path or (disk.path if disk else None)
     if nvme_gb is not None:
-        nv_free: int | None = int(nvme_gb * 1e9)
+        nv_free: int | None = int(nvme_gb * GiB)
     elif disk is not None:
         nv_free = disk.free
     elif not target and path is not None:

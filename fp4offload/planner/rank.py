@@ -108,7 +108,7 @@ def _shortfalls(s: Strategy, mem: MemoryEstimate, c: Cluster) -> tuple[str, ...]
         if c.nvme_free is None:
             out.append("needs an NVMe path (--nvme-path)")
         elif mem.nvme_total > c.nvme_free:
-            out.append(f"NVMe short by {(mem.nvme_total - c.nvme_free) / 1e9:.0f} GB per node")
+            out.append(f"NVMe short by {(mem.nvme_total - c.nvme_free) / GiB:.0f} GiB per node")
     return tuple(out)
 
 
