@@ -75,6 +75,38 @@ def test_policy_takes_module_classes_as_well_as_names():
     assert by_class.to_config().block_classes == ("Block",)
 
 
+def test_a_keep_bf16_entry_that_names_nothing_is_refused_with_the_nearest_names():
+    """A typo, or first:N past the blocks, would pack a weight meant to stay bf16: ConfigError naming the entry
+    and what the model has. The generic defaults (\"bias\" in a model without biases) may name nothing."""
+    from fp4offload.config import KEEP_BF16
+    from fp4offload.errors import ConfigError
+    from fp4offload.integrations import keep_bf16
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = nn.Linear(16, 16, bias=False)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed_tokens = nn.Embedding(8, 16)
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+
+    net = Net()
+    blocks = keep_bf16.find_blocks(net, ("Block",))
+    with pytest.raises(ConfigError, match=r"weights.keep_bf16='embd'.*nearest names: 'embed_tokens'"):
+        keep_bf16.kept_parameters(net, ("embd",), blocks)
+    with pytest.raises(ConfigError, match=r"weights.keep_bf16='first:99999999999'.*at most 3.*layers.0"):
+        keep_bf16.kept_parameters(net, ("first:99999999999",), blocks)
+    with pytest.raises(ConfigError, match=r"'last:4'"):
+        keep_bf16.kept_parameters(net, ("last:4",), blocks)
+    kept = keep_bf16.kept_parameters(net, KEEP_BF16, blocks)  # no bias, no lm_head, no norm: fine
+    assert {n for n, p in net.named_parameters() if id(p) in kept} == {
+        "embed_tokens.weight", "layers.0.mlp.weight", "layers.2.mlp.weight"}
+    assert len(keep_bf16.kept_parameters(net, ("first:3", "embed"), blocks)) == 4
+
+
 @pytest.mark.parametrize("kwargs, key", [
     ({"weights": {"format": "nvfp8"}}, "weights.format"),
     ({"weights": {"device": "nvme"}}, "weights.device"),

@@ -62,7 +62,15 @@ def top_blocks(blocks: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module
 
 
 def kept_parameters(model: nn.Module, rules: Iterable[str], blocks: list[tuple[str, nn.Module]]) -> dict[int, str]:
-    """``id(param) -> the rule that keeps it bf16``, for every parameter of ``model`` a rule names."""
+    """``id(param) -> the rule that keeps it bf16``, for every parameter of ``model`` a rule names.
+
+    An entry that names nothing in this model (a typo such as ``"embd"``, or ``"first:N"`` past the model's
+    blocks) is a ConfigError naming the entry and the nearest names, so a weight meant to stay bf16 is never
+    packed silently. The defaults (config.KEEP_BF16: ``"bias"`` in a model without biases, ...) are generic and
+    may name nothing."""
+    from fp4offload.config import KEEP_BF16
+    from fp4offload.errors import ConfigError
+
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -70,14 +78,38 @@ def kept_parameters(model: nn.Module, rules: Iterable[str], blocks: list[tuple[s
     keep: dict[int, str] = {}
     for rule in rules:
         which, _, count = rule.partition(":")
+        generic = rule in KEEP_BF16
         if which in ("first", "last") and count.isdigit():
             n = int(count)
+            if n > len(top) and not generic:
+                raise ConfigError("weights.keep_bf16", rule, f"'{which}:N' with N at most {len(top)}, the blocks of "
+                                  "this model", f"its blocks: {_sample([b for b, _ in top])}")
             chosen = top[:n] if which == "first" else (top[len(top) - n:] if n else [])
             for _, m in chosen:
                 for p in m.parameters():
                     keep.setdefault(id(p), rule)
         else:
+            hit = False
             for pid, fqns in names.items():
                 if any(rule in f for f in fqns):
                     keep.setdefault(pid, rule)
+                    hit = True
+            if not hit and not generic:
+                raise ConfigError("weights.keep_bf16", rule, "a substring of a parameter name of this model",
+                                  f"nearest names: {_nearest(rule, [f for fqns in names.values() for f in fqns])}")
     return keep
+
+
+def _nearest(rule: str, fqns: list[str]) -> str:
+    import difflib
+
+    parts = sorted({part for f in fqns for part in f.split(".") if not part.isdigit()})
+    close = difflib.get_close_matches(rule, parts, n=5, cutoff=0.5) or parts[:5]
+    return ", ".join(repr(c) for c in close) or "(the model has no parameters)"
+
+
+def _sample(names: list[str]) -> str:
+    if not names:
+        return "none found (name the block classes, or use name substrings)"
+    return ", ".join(names[:2] + (["..."] if len(names) > 3 else []) + names[-1:]) if len(names) > 2 else \
+        ", ".join(names)
