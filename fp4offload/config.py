@@ -545,6 +545,9 @@ class ActivationsConfig:
         modules: glob patterns (fnmatch) over module qualified names whose saved tensors are
             handled, e.g. ``["*.mlp"]``. Default ``[]``: every module (the whole forward).
         exclude: glob patterns of modules to leave alone even if ``modules`` matches. Default [].
+        max_host_bytes: cap on the pinned host RAM each rank's activation pool may hold, in bytes; past it
+            tensors stay on their device, compressed. Default None: half of the RAM available when the pool
+            is created, divided by the node's local ranks (LOCAL_WORLD_SIZE), so the ranks of a node share half.
     """
 
     format: str = "nvfp4"
@@ -553,6 +556,7 @@ class ActivationsConfig:
     min_numel: int = ACTIVATION_MIN_NUMEL
     modules: tuple[str, ...] = ACTIVATION_MODULES
     exclude: tuple[str, ...] = ()
+    max_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _as_tuple(self, "modules")
@@ -563,6 +567,8 @@ class ActivationsConfig:
         _check_int("activations.min_numel", self.min_numel)
         _check_names("activations.modules", self.modules)
         _check_names("activations.exclude", self.exclude)
+        if self.max_host_bytes is not None:
+            _check_int("activations.max_host_bytes", self.max_host_bytes)
         _check_nvme("activations", self.device, self.nvme_path)
         if self.nvme_path is not None and self.device != "nvme":
             raise _error("activations.nvme_path", self.nvme_path, "null unless device is 'nvme'",

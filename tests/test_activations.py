@@ -377,3 +377,36 @@ def test_rounding_policy():
     g3, _, _ = step(P(format="nvfp4", seed=7))
     g4, _, _ = step(P(format="nvfp4", seed=7))
     assert all(torch.equal(g3[n], g4[n]) for n in g3)
+
+
+def test_the_default_pool_cap_is_shared_by_the_local_ranks(monkeypatch):
+    """8 ranks of a node must not each pin half of its RAM: the default cap is half the available RAM over the
+    node's local ranks (LOCAL_WORLD_SIZE)."""
+    import psutil
+
+    from fp4offload.offload import pinned_pool
+
+    class Mem:
+        available = 64 << 30
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Mem)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert pinned_pool.default_max_host_bytes() == 32 << 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert pinned_pool.default_max_host_bytes() == 4 << 30
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "junk")
+    assert pinned_pool.default_max_host_bytes() == 32 << 30
+
+
+def test_the_block_sets_the_pool_cap():
+    from fp4offload.config import validate_deepspeed_config
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
+           "fp4offload": {"activations": {"format": "nvfp4", "device": "cpu", "max_host_bytes": 1 << 30}}}
+    block = validate_deepspeed_config(cfg)
+    assert ActivationPolicy.from_config(block.activations).max_host_bytes == 1 << 30
+    cfg["fp4offload"]["activations"]["max_host_bytes"] = -5
+    with pytest.raises(ConfigError, match="activations.max_host_bytes=-5"):
+        validate_deepspeed_config(cfg)
+    cfg["fp4offload"]["activations"].pop("max_host_bytes")
+    assert ActivationPolicy.from_config(validate_deepspeed_config(cfg).activations).max_host_bytes is None

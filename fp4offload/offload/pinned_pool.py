@@ -167,11 +167,22 @@ _SHARED: dict[tuple, HostSlabPool] = {}
 _SHARED_LOCK = threading.Lock()
 
 
+def local_ranks() -> int:
+    """The ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun and the DeepSpeed launcher; 1 without)."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def default_max_host_bytes() -> int:
-    """Half of the RAM available right now (psutil), the default cap of the shared pools."""
+    """The default cap of the shared pools: half of the RAM available right now (psutil), shared by the node's
+    local ranks, so 8 ranks of a node do not each try to pin half of it."""
     import psutil
 
-    return int(psutil.virtual_memory().available // 2)
+    return int(psutil.virtual_memory().available // 2 // local_ranks())
 
 
 def shared_pool(max_bytes: int | None, slab_bytes: int = 1 << 25, pin: bool | None = None) -> HostSlabPool:

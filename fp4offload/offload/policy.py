@@ -39,7 +39,8 @@ class ActivationPolicy:
         min_numel: tensors with fewer elements are left alone (default 2**16 elements).
         nvme_path: folder for ``device="nvme"`` (required there); a temporary folder is made inside it.
         max_host_bytes: cap on host RAM the pool may hold, in bytes. ``None`` (default): half of the
-            RAM available when the pool is created. Past the cap tensors stay on their device,
+            RAM available when the pool is created, divided by the node's local ranks (``LOCAL_WORLD_SIZE``,
+            as torchrun and the DeepSpeed launcher set it). Past the cap tensors stay on their device,
             compressed, and ``overflow_tensors`` counts them.
         slab_bytes: size of one host slab in bytes (default 32 MiB, a power of two, because the
             caching host allocator rounds every pinned request up to one); bigger tensors get a slab
@@ -122,7 +123,8 @@ class ActivationPolicy:
             raise ConfigError(k + "slab_bytes", sb, "a power of two >= 4096 (bytes)", "e.g. 1 << 25 for 32 MiB")
         mh = self.max_host_bytes
         if mh is not None and (isinstance(mh, bool) or not isinstance(mh, int) or mh < 0):
-            raise ConfigError(k + "max_host_bytes", mh, "None (half the available RAM) or bytes >= 0")
+            raise ConfigError(k + "max_host_bytes", mh,
+                              "None (half the available RAM over the local ranks) or bytes >= 0")
         if self.device == "nvme" and not self.nvme_path:
             raise ConfigError(k + "nvme_path", self.nvme_path, "a folder on a fast local disk when device='nvme'",
                               "e.g. ActivationPolicy(device='nvme', nvme_path='/local_nvme')")
@@ -160,7 +162,7 @@ class ActivationPolicy:
         as the DeepSpeed block and the FSDP2 policies apply it; everything the schema does not name keeps
         this class's defaults."""
         return cls(format=cfg.format, device=cfg.device, nvme_path=cfg.nvme_path, min_numel=max(1, int(cfg.min_numel)),
-                   modules=tuple(cfg.modules), exclude=tuple(cfg.exclude))
+                   modules=tuple(cfg.modules), exclude=tuple(cfg.exclude), max_host_bytes=cfg.max_host_bytes)
 
     def stochastic(self, fmt: str) -> bool:
         """Whether tensors stored in `fmt` are rounded stochastically under this policy."""
