@@ -107,7 +107,7 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
     a.bf16_out = reinterpret_cast<uint16_t*>(bf16_out->data_ptr<at::BFloat16>());
   }
   const bool vec = fp4cpu::have_simd();
-  const bool simd = fp4cpu::have_avx512();  // the weight copy's encode: AVX-512 or scalar (nvfp4_rows.h)
+  const bool simd = fp4cpu::have_simd();  // the weight copy's encode: AVX-512, the portable rows, or scalar (nvfp4_rows.h)
   const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;

@@ -46,7 +46,7 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
   }
   std::vector<float> s_dec;
   int64_t nonfinite = 0;
-  const bool simd = fp4cpu::have_avx512();
+  const bool simd = fp4cpu::have_simd();  // AVX-512 kernels, or the portable vector rows (nvfp4_rows.h)
   FP4_DISPATCH(x.scalar_type(), "nvfp4_encode", [&] {
     nvfp4_encode_impl<scalar_t>(x.data_ptr<scalar_t>(), g, ufp4, stochastic, (uint32_t)seed, (uint32_t)stream,
                                 propagate, amax_in, simd, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec,
@@ -64,7 +64,7 @@ torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tens
   TORCH_CHECK(data.numel() >= g.data_bytes() && scales.numel() >= g.nb && tensor_scale.numel() >= g.nscopes,
               "nvfp4_decode: data/scales/tensor_scale are smaller than the shape needs");
   auto ts = tensor_scale.to(torch::kFloat32).contiguous();
-  const bool simd = fp4cpu::have_avx512();
+  const bool simd = fp4cpu::have_simd();  // AVX-512 kernels, or the portable vector rows (nvfp4_rows.h)
   FP4_DISPATCH(out_dtype, "nvfp4_decode", [&] {
     nvfp4_decode_impl<scalar_t>(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), ts.data_ptr<float>(), g, ufp4,
                                 simd, out.data_ptr<scalar_t>());

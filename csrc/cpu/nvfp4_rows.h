@@ -1,6 +1,8 @@
-// Row-level NVFP4/ufp4 helpers shared by the codec (fp4_cpu.cpp) and the fused optimizer step
+// Row-level NVFP4/ufp4 helpers shared by the codec (codec_impl.h) and the fused optimizer step
 // (adam_cpu.cpp, which encodes the NVFP4 16x16 working copy of the weight band by band): the scalar rule of
-// fp4_codec.h, or its AVX-512 form from nvfp4_avx512.h when `simd` is set; both give the same bytes.
+// fp4_codec.h, or when `simd` is set its AVX-512 form (nvfp4_avx512.h) in the AVX-512 build and its portable
+// vector form (below, written for the compiler's vectorizer, as adam_chunk.h) in the AVX2, NEON and SVE builds;
+// all give the same bytes.
 #pragma once
 
 #include <stdint.h>
@@ -9,6 +11,7 @@
 #include <algorithm>
 
 #include "fp4_codec.h"
+#include "cpu/adam_chunk.h"
 #include "cpu/nvfp4_avx512.h"
 
 namespace fp4cpu {
@@ -16,11 +19,63 @@ namespace fp4cpu {
 template <typename T>
 inline float load(const T* p, int64_t i) { return static_cast<float>(p[i]); }
 
+#if FP4_CPU_VEC
+namespace vrow {
+
+// A whole row of 16: finite amax (as the pattern's integer max) and the non-finite count.
+template <typename T>
+inline void amax16(const T* p, float& amax, int32_t& bad) {
+  uint32_t m = 0, nb = 0;
+  FP4_VEC_LOOP
+  for (int j = 0; j < 16; ++j) {
+    const uint32_t u = fp4::f2u(load(p, j)) & 0x7FFFFFFFu;
+    const uint32_t nonfin = u >= 0x7F800000u;
+    nb += nonfin;
+    m = std::max(m, nonfin ? 0u : u);
+  }
+  amax = fp4::u2f(m);
+  bad = (int32_t)nb;
+}
+
+// A whole row of 16 times k, as codes (E2M1 with sign, or ufp4), packed into 8 bytes.
+template <int MB, bool SR, typename T>
+inline void encode16(const T* p, float k, uint32_t key, uint32_t idx0, uint8_t* out) {
+  uint32_t c[16];
+  const uint32_t base = key + idx0 * 0x9E3779B1u;
+  FP4_VEC_LOOP
+  for (int j = 0; j < 16; ++j) {
+    const uint32_t rnd = SR ? fp4::fmix32(base + (uint32_t)j * 0x9E3779B1u) : 0u;  // fp4::sr_bits(key, idx0 + j)
+    c[j] = fp4adam::vec::code_of<MB, SR>(load(p, j) * k, rnd);
+  }
+  for (int j = 0; j < 8; ++j) out[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
+}
+
+// 8 packed bytes of a row of 16 -> (value * scale_b) * s_dec, the first cnt stored.
+template <int MB, typename T>
+inline void decode16(const uint8_t* in, float scale_b, float s_dec, int cnt, T* out) {
+  uint32_t lo, hi;
+  memcpy(&lo, in, 4);
+  memcpy(&hi, in + 4, 4);
+  float v[16];
+  FP4_VEC_LOOP
+  for (int j = 0; j < 8; ++j) {
+    const uint32_t c0 = (lo >> (4 * j)) & 15u, c1 = (hi >> (4 * j)) & 15u;
+    v[j] = (fp4::u2f(MB ? fp4adam::vec::ugrid_bits<MB>(c0) : fp4adam::vec::e2m1_bits(c0)) * scale_b) * s_dec;
+    v[8 + j] = (fp4::u2f(MB ? fp4adam::vec::ugrid_bits<MB>(c1) : fp4adam::vec::e2m1_bits(c1)) * scale_b) * s_dec;
+  }
+  for (int j = 0; j < cnt; ++j) out[j] = static_cast<T>(v[j]);
+}
+
+}  // namespace vrow
+#endif  // FP4_CPU_VEC
+
 // Finite amax and non-finite count over `nrows` rows of `cnt` (<= 16) values, `stride` elements apart.
 template <typename T>
 inline void amax_rows(const T* p, int64_t stride, int nrows, int cnt, bool simd, float& amax, int32_t& bad) {
 #if FP4_HAVE_AVX512
   if (simd) return fp4cpu::amax_rows16(p, stride, nrows, cnt, amax, bad);
+#elif FP4_CPU_VEC
+  if (simd && nrows == 1 && cnt == 16) return vrow::amax16(p, amax, bad);
 #endif
   float m = 0.0f;
   int32_t nb = 0;
@@ -41,6 +96,13 @@ inline void encode_row(const T* p, int cnt, float k, bool ufp4, bool stochastic,
                        bool simd, uint8_t* out) {
 #if FP4_HAVE_AVX512
   if (simd) return fp4cpu::encode_row16(p, cnt, k, ufp4, stochastic, key, (uint32_t)index0, out);
+#elif FP4_CPU_VEC
+  if (simd && cnt == 16) {
+    const uint32_t i0 = (uint32_t)index0;
+    if (ufp4)
+      return stochastic ? vrow::encode16<1, true>(p, k, key, i0, out) : vrow::encode16<1, false>(p, k, key, i0, out);
+    return stochastic ? vrow::encode16<0, true>(p, k, key, i0, out) : vrow::encode16<0, false>(p, k, key, i0, out);
+  }
 #endif
   uint8_t codes[16];
   for (int j = 0; j < 16; ++j) {
@@ -58,6 +120,8 @@ template <typename T>
 inline void decode_row(const uint8_t* in, bool ufp4, float scale_b, float s_dec, int cnt, bool simd, T* out) {
 #if FP4_HAVE_AVX512
   if (simd) return fp4cpu::decode_row16(in, fp4cpu::decode_table16(ufp4, scale_b, s_dec), cnt, out);
+#elif FP4_CPU_VEC
+  if (simd) return ufp4 ? vrow::decode16<1>(in, scale_b, s_dec, cnt, out) : vrow::decode16<0>(in, scale_b, s_dec, cnt, out);
 #endif
   for (int j = 0; j < cnt; ++j) {
     const uint8_t code = fp4::code_at(in, j);

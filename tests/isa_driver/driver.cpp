@@ -241,7 +241,7 @@ uint64_t run_rules() {
 }
 
 // The codec on a (rows, cols) fp32 tensor: every NVFP4/ufp4 and MX variant, encode then decode, one digest.
-uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials) {
+uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials, bool vec) {
   const int64_t n = rows * cols;
   std::vector<float> x(n);
   for (int64_t i = 0; i < n; ++i) x[i] = rnd_float((uint32_t)(rows * 7919 + cols), (uint32_t)i, 3, 24, specials ? 61 : 0);
@@ -264,7 +264,7 @@ uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials) {
         if (fp4::is_finite(x[i])) amax[0] = fp4::fmax_(amax[0], fp4::fabs_(x[i]) * 0.75f);  // some saturate
       amax_in = amax.data();
     }
-    fp4codec::nvfp4_encode_impl<float>(x.data(), g, ufp4, stochastic, 0xC0DEu, 5u, specials, amax_in, false,
+    fp4codec::nvfp4_encode_impl<float>(x.data(), g, ufp4, stochastic, 0xC0DEu, 5u, specials, amax_in, vec,
                                        data.data(), scales.data(), s_dec, bad);
     h = fnv(h, data.data(), data.size());
     h = fnv(h, scales.data(), scales.size());
@@ -272,7 +272,7 @@ uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials) {
     h = fnv(h, &bad, 8);
     if (!bad || specials) {
       std::vector<float> back(n);
-      fp4codec::nvfp4_decode_impl<float>(data.data(), scales.data(), s_dec.data(), g, ufp4, false, back.data());
+      fp4codec::nvfp4_decode_impl<float>(data.data(), scales.data(), s_dec.data(), g, ufp4, vec, back.data());
       for (float v : back) {  // NaN blocks decode to NaN: one value, whatever the payload
         const uint32_t b = (fp4::f2u(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : fp4::f2u(v);
         h = fnv(h, &b, 4);
@@ -348,7 +348,9 @@ int main(int argc, char** argv) {
         for (int sp = 0; sp < 2; ++sp) {
           char name[96];
           snprintf(name, sizeof name, "codec-%lldx%lld-v%d-s%d", (long long)sh[0], (long long)sh[1], variant, sp);
-          printf("%s codec %016llx\n", name, (unsigned long long)run_codec(sh[0], sh[1], variant, sp));
+          printf("%s codec %016llx\n", name, (unsigned long long)run_codec(sh[0], sh[1], variant, sp, false));
+          if (FP4_CPU_VEC)  // the build's vector rows (nvfp4_rows.h)
+            printf("%s codec-vector %016llx\n", name, (unsigned long long)run_codec(sh[0], sh[1], variant, sp, true));
         }
   }
   return 0;
