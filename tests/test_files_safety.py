@@ -1,4 +1,4 @@
-"""Files that cannot be redirected, lent permissions, or misread (issue 16: items 3, 7, 9).
+"""Files that cannot be redirected, lent permissions, or misread.
 
 Real files, real symlinks and FIFOs, and a real tmpfs that fills up:
 
