@@ -3,6 +3,8 @@ inside a memory cgroup (initialize refuses before it allocates; ``warn`` goes on
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -91,10 +93,16 @@ def test_alternatives_are_estimated_by_the_same_model():
                                       accelerator="gpu")
     base = host_model.estimate_host(x).added
     alts = dict(host_model.alternatives(x))
-    assert any("optimizer_states" in k for k in alts) and any("weights" in k for k in alts)
+    assert any("optimizer_states" in k for k in alts)
+    # packed ZeRO-3 weights add a partition beside DeepSpeed's bf16 one: never offered as a host-RAM fix
+    assert not any("weights" in k for k in alts)
     for what, alt in alts.items():
         if "fp4offload" in what:  # the block's changes always lower it; DeepSpeed's own may not
             assert host_model.estimate_host(alt).added < base, what
+    packed = dataclasses.replace(x, packed_weights=True)
+    cons = host_model.estimate_host(packed).consumers
+    assert cons["bf16 parameter partition"] == host_model.estimate_host(x).consumers["bf16 parameter partition"]
+    assert "packed weight partition (NVFP4)" in cons and host_model.estimate_host(packed).added > base
 
 
 def _tree(tmp: Path, files: dict[str, str]) -> None:
@@ -137,12 +145,12 @@ def test_check_raises_capacity_error_naming_estimate_limit_consumers_and_fixes(c
     model = torch.nn.Linear(8192, 4096, bias=False).to(torch.bfloat16)  # 33.6M parameters
     cfg = _cfg(stage=3, offload="cpu", offload_param={"device": "cpu"}, block={"optimizer_states": {}})
     need = ds_preflight.estimate(cfg, model, _Prepared(cfg).host).added - ds_preflight.model_bytes(model)[1]
-    lim = ds_preflight.Limits(available=need - (10 << 20))  # packed weights save 48 MiB, states on NVMe 33
+    lim = ds_preflight.Limits(available=need - (10 << 20))  # the states on NVMe save 33 MiB
     with pytest.raises(CapacityError) as e:
         ds_preflight.check(_Prepared(cfg), model, lim=lim)
     msg = str(e.value)
     assert "33.6M parameters" in msg and "largest: fp32 master partition" in msg
-    assert 'optimizer_states.device "nvme"' in msg and "fp4offload.weights" in msg
+    assert 'optimizer_states.device "nvme"' in msg and "fp4offload.weights" not in msg  # packing adds host RAM
     assert 'preflight "warn"' in msg
     assert ds_preflight.check(_Prepared(cfg, "warn"), model, lim=lim) is not None  # warn: logged, goes on
     assert "host-memory preflight" in caplog.text

@@ -231,11 +231,11 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
     else:
         if x.offload_param == "none":
             device("bf16 parameter partition", e * part)
-        elif x.packed_weights:  # the block's NVFP4 host partitions (keep_bf16 parts are small; counted packed)
-            put("packed weight partition (NVFP4)", WEIGHT_PACKED_BYTES * part, "host" if x.offload_param == "cpu"
-                else "nvme")
         else:
             put("bf16 parameter partition", e * part, "host" if x.offload_param == "cpu" else "nvme")
+            if x.packed_weights:  # the block's NVFP4 partitions for the gathers, beside DeepSpeed's bf16 partition
+                put("packed weight partition (NVFP4)", WEIGHT_PACKED_BYTES * part, "host" if x.offload_param == "cpu"
+                    else "nvme")
         device("gathered parameters", e * min(P, x.max_live + x.prefetch_bucket))
 
     # fp32 master and gradients.
@@ -328,9 +328,6 @@ def alternatives(x: Inputs) -> list[tuple[str, Inputs]]:
         sub = min(x.sub_group, 100_000_000)  # DeepSpeed's swap buffers: buffer_count x the sub-group, in fp32
         out.append((f'zero_optimization.offload_optimizer.device "nvme" with sub_group_size {sub:.0e}',
                     replace(x, offload_optimizer="nvme", sub_group=sub)))
-    if x.stage == 3 and x.offload_param != "none" and not x.packed_weights:
-        out.append(('fp4offload.weights {"format": "nvfp4"} (packed ZeRO-3 weight partitions)',
-                    replace(x, packed_weights=True)))
     if x.stage == 3 and x.offload_param == "cpu":
         out.append(('zero_optimization.offload_param.device "nvme"', replace(x, offload_param="nvme")))
     if x.stage in (1, 2) and x.world > 1:

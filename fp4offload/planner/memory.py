@@ -110,17 +110,21 @@ class MemoryEstimate:
         return sum(self.nvme.values())
 
 
-def weight_host_bytes(model: ModelSpec, fmt: str, e: int, keep_first: int = 1, keep_last: int = 1) -> float:
+def weight_host_bytes(model: ModelSpec, fmt: str, e: int, keep_first: int = 1, keep_last: int = 1,
+                      packed_only: bool = False) -> float:
     """Bytes of the whole weight working copy in ``fmt``. NVFP4 keeps embeddings, head, norms and
-    the first/last blocks in bf16, as the default ``keep_bf16`` rule does."""
+    the first/last blocks in bf16, as the default ``keep_bf16`` rule does. ``packed_only``: the NVFP4 part alone
+    (what DeepSpeed ZeRO-3's packed partitions add beside its own bf16 partition)."""
     total = model.param_count()
     if fmt != "nvfp4":
-        return e * total
+        return 0.0 if packed_only else e * total
     kept_blocks = set(range(min(keep_first, model.layers))) | set(range(max(model.layers - keep_last, 0), model.layers))
     keep = model.embed_params + model.head_params + model.extra_params
     keep += sum(model.layer_params(i) for i in kept_blocks)
     keep += (model.layers - len(kept_blocks)) * model.norms_per_layer * model._norm()  # norms of the other blocks
     keep = min(keep, total)
+    if packed_only:
+        return WEIGHT_PACKED_BYTES * (total - keep)
     return 2 * keep + WEIGHT_PACKED_BYTES * (total - keep)
 
 
@@ -161,7 +165,8 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
             put(s.weights.device, "weights", weight_host_bytes(m, "nvfp4", e) / N)
     elif stage == 3:
         live = min(e * (top2 + t.prefetch_bucket), e * P)
-        put(s.weights.device, "weights", weight_host_bytes(m, s.weights.format, e) / N)
+        # DeepSpeed keeps its bf16 partition; the block's packed NVFP4 partition (for the gathers) comes on top
+        put(s.weights.device, "weights", e * P / N + weight_host_bytes(m, s.weights.format, e, packed_only=True) / N)
     else:
         put("gpu", "weights", e * P)
 
