@@ -432,3 +432,24 @@ def test_plan_check_counts_the_residual_on_nvme(tmp_path):
     held = host_model.estimate_host(x).consumers
     assert held["split master residual"] == 2 * params
     assert sum(held.values()) - sum(block["consumers"].values()) == pytest.approx(_host_saving(params), abs=4)
+
+
+def test_the_activation_pool_is_counted():
+    """Offloaded activations take pinned host RAM up to the pool's cap: the estimate counts the cap given in the
+    block, or the default one (half of what is left per local rank), and nothing without activations."""
+    base = _cfg(stage=2, offload="cpu", block={"optimizer_states": {}})
+    acts = json.loads(json.dumps(base))
+    acts["fp4offload"]["activations"] = {"format": "nvfp4", "device": "cpu", "max_host_bytes": 3 << 30}
+    key = "activation pool (pinned, at most)"
+    x0 = host_model.inputs_from_config(base, P, free_bytes=64 << 30)
+    assert key not in host_model.estimate_host(x0).consumers
+    x1 = host_model.inputs_from_config(acts, P, free_bytes=64 << 30)
+    assert host_model.estimate_host(x1).consumers[key] == 3 << 30
+    acts["fp4offload"]["activations"].pop("max_host_bytes")
+    x2 = host_model.inputs_from_config(acts, P, local_ranks=4, free_bytes=64 << 30)
+    est = host_model.estimate_host(x2, runtime_bytes=1 << 30)
+    rest = sum(v for k, v in est.consumers.items() if k != key and "cache" not in k and "freed" not in k)
+    assert est.consumers[key] == ((16 << 30) - (1 << 30) - rest) // 2
+    acts["fp4offload"]["activations"]["device"] = "nvme"
+    acts["fp4offload"]["activations"]["nvme_path"] = "/tmp"
+    assert key not in host_model.estimate_host(host_model.inputs_from_config(acts, P, free_bytes=1 << 40)).consumers

@@ -170,7 +170,7 @@ def estimate(ds_config: dict, model: Any, host_settings: Any = None, *, rss: int
     rss = psutil.Process().memory_info().rss if rss is None else rss
     x = host_model.inputs_from_config(ds_config, params, world=world or w, local_ranks=local_ranks or local,
                                       accelerator=accelerator or accelerator_kind(), host=host_settings,
-                                      states=states)
+                                      states=states, free_bytes=limits().free)
     return host_model.estimate_host(x, runtime_bytes=max(0, rss - held), built_bytes=held)
 
 

@@ -178,11 +178,21 @@ def local_ranks() -> int:
 
 
 def default_max_host_bytes() -> int:
-    """The default cap of the shared pools: half of the RAM available right now (psutil), shared by the node's
-    local ranks, so 8 ranks of a node do not each try to pin half of it."""
+    """The default cap of the shared pools: half of the RAM this process may use right now (what the machine has
+    available, within its cgroup's limit), shared by the node's local ranks, so 8 ranks of a node do not each try
+    to pin half of it."""
     import psutil
 
-    return int(psutil.virtual_memory().available // 2 // local_ranks())
+    free = int(psutil.virtual_memory().available)
+    try:
+        from fp4offload.integrations.ds_preflight import cgroup_limit
+
+        cg = cgroup_limit()
+        if cg is not None:
+            free = min(free, max(0, cg[0] - cg[1]))
+    except Exception:  # no cgroup information: the machine's figure
+        pass
+    return free // 2 // local_ranks()
 
 
 def shared_pool(max_bytes: int | None, slab_bytes: int = 1 << 25, pin: bool | None = None) -> HostSlabPool:

@@ -412,7 +412,7 @@ def run_check(args: argparse.Namespace) -> int:
     out, fits_all = [], True
     for label, cfg, host, states in arms:
         x = host_model.inputs_from_config(cfg, params, world=world, local_ranks=local, accelerator=accelerator,
-                                          host=host, states=states)
+                                          host=host, states=states, free_bytes=lim.free)
         est = host_model.estimate_host(x, runtime)
         fits = ds_preflight.fits(est, lim, 0)
         fits_all = fits_all and (fits or label == "without the block")

@@ -59,7 +59,10 @@ class Inputs:
         block's: a bf16 partition and a 16-bit residual); with the block's compact masters the bf16 copy-back
         buffer is the master itself. master_device: the block's ``optimizer_states.master_device``; ``"nvme"``
         (with split and the states on NVMe) keeps split's residual in the NVMe state files, not in host RAM.
-        ds_bf16_states: DeepSpeed's ``bf16_optimizer_states`` (bf16 m and v).
+        ds_bf16_states: DeepSpeed's ``bf16_optimizer_states`` (bf16 m and v). activation_pool: the cap of the
+        block's pinned activation pool (``activations`` with device cpu), counted whole since it may fill; -1 for
+        the default cap, half of what is left of ``free_bytes`` (per local rank) once the rest is allocated, as
+        offload.pinned_pool.default_max_host_bytes sizes it when the pool is created.
     """
 
     params: int
@@ -85,6 +88,8 @@ class Inputs:
     master: str = "fp32"
     master_device: str = "same"
     ds_bf16_states: bool = False
+    activation_pool: int = 0  # the block's pinned activation pool: its cap in bytes per rank, -1 the default cap
+    free_bytes: int = 0  # what the node's processes may use (for the default cap)
 
     @property
     def block(self) -> bool:
@@ -133,7 +138,8 @@ def _zero_key(zero: Mapping[str, Any], key: str) -> int:
 
 
 def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, local_ranks: int = 1,
-                       accelerator: str = "gpu", host: Any = None, states: Any = None) -> Inputs:
+                       accelerator: str = "gpu", host: Any = None, states: Any = None,
+                       free_bytes: int | None = None) -> Inputs:
     """:class:`Inputs` from a DeepSpeed config dict with the block's rewrites applied (as
     ``fp4offload.integrations.deepspeed.prepare_config`` returns it) or a plain one.
 
@@ -190,7 +196,19 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
         master = "bf16"
     ds_bf16_states = placed is None and master == "bf16" and bf16.get("bf16_optimizer_states") is True
     master_device = "nvme" if st is not None and st.get("master_device") == "nvme" else "same"
-    return Inputs(master=master if master in ("fp32", "bf16", "split") else "fp32", ds_bf16_states=ds_bf16_states,
+    # the activation pool's cap: activations.max_host_bytes, else half of what this process may use over the
+    # node's local ranks (offload.pinned_pool.default_max_host_bytes); `free_bytes`: that memory (default: now)
+    acts = block.get("activations") if isinstance(block.get("activations"), Mapping) else None
+    pool = 0
+    if acts is not None and acts.get("device", "cpu") == "cpu":
+        cap = acts.get("max_host_bytes")
+        pool = cap if isinstance(cap, int) and not isinstance(cap, bool) else -1
+        if pool == -1 and free_bytes is None:
+            import psutil
+
+            free_bytes = int(psutil.virtual_memory().available)
+    return Inputs(activation_pool=pool, free_bytes=int(free_bytes or 0),
+                  master=master if master in ("fp32", "bf16", "split") else "fp32", ds_bf16_states=ds_bf16_states,
         master_device=master_device,
         params=int(params), world=max(1, int(world)), local_ranks=max(1, int(local_ranks)), accelerator=accelerator,
         stage=stage, compute_bytes=BF16_BYTES if mixed else FP32_BYTES,
@@ -297,6 +315,11 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         else:
             device(f"optimizer states ({fmt})", b * part)
     put("initialize's own (modules, ops, communicator)", INIT_BYTES)
+    if x.activation_pool == -1:  # the default cap: half of what is left per local rank
+        left = x.free_bytes // max(1, x.local_ranks) - int(runtime_bytes) - int(sum(host.values()))
+        put("activation pool (pinned, at most)", max(0, left) // 2)
+    else:
+        put("activation pool (pinned, at most)", x.activation_pool)
     # Memory freed but still resident. Under glibc's adaptive threshold the heap keeps the model as built
     # (replaced by DeepSpeed's flat buffers), the parameter gradients freed block by block in backward and,
     # for ZeRO-3, the fp32 gradient buffer that initialize_optimizer_states drops. With the block's fixed
