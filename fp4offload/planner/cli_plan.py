@@ -8,6 +8,7 @@ sets ``func(args) -> int`` (exit code: 0 done, 1 nothing fits / nothing to emit,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -43,13 +44,14 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                     "strategy in the catalogue, and rank those that fit.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="model presets: " + ", ".join(PRESETS) + "\nGPU presets: " + ", ".join(GPU_PRESETS))
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=None,
                    help=f"(default {DEFAULT_MODEL}) a preset, a Hugging Face config.json (or its folder), or dims "
                         "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256[,experts=8,top_k=2,...]")
     g = p.add_argument_group("machine")
     g.add_argument("--gpu", metavar="PRESET", help="plan for this GPU instead of the probed ones (default: the probed "
                    f"GPUs; on a machine without one, {DEFAULT_GPU})")
-    g.add_argument("--gpus", type=int, metavar="N", help="GPUs per node (default: probed, or the preset node's)")
+    g.add_argument("--gpus", type=int, metavar="N", help="GPUs per node, one rank each (default: probed, or the preset "
+                   "node's; with --check, 1)")
     g.add_argument("--nodes", type=int, default=1, metavar="N", help="nodes (default 1)")
     g.add_argument("--readings", metavar="FILE", help="replay saved readings instead of probing this machine")
     g.add_argument("--save-readings", metavar="FILE", help="save the readings used to FILE")
@@ -61,23 +63,25 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     g.add_argument("--host-cores", type=int, metavar="N", help="CPU cores per node to plan with")
     g.add_argument("--mfu", type=float, help="achievable fraction of the GPU's dense bf16 peak (default 0.45)")
     t = p.add_argument_group("training step")
-    t.add_argument("--micro-batch", type=int, default=1, metavar="N", help="sequences per GPU per micro-step")
-    t.add_argument("--seq-len", type=int, default=4096, metavar="N", help="tokens per sequence")
-    t.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step")
+    t.add_argument("--micro-batch", type=int, default=1, metavar="N",
+                   help="sequences per GPU per micro-step (default 1)")
+    t.add_argument("--seq-len", type=int, default=4096, metavar="N", help="tokens per sequence (default 4096)")
+    t.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step (default 1)")
     t.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
-                   help="activation checkpointing: auto tries without first")
-    t.add_argument("--lr", type=float, default=1e-4, help="learning rate written into the emitted config")
+                   help="activation checkpointing: auto tries without first (default auto)")
+    t.add_argument("--lr", type=float, default=1e-4,
+                   help="learning rate written into the emitted config (default 1e-4)")
     s = p.add_argument_group("strategies and output")
     s.add_argument("--strategy", action="append", metavar="NAME", help="only these strategies (repeatable)")
     s.add_argument("--engine", choices=("deepspeed", "fsdp2"), help="only strategies of this engine")
     s.add_argument("--strategies", metavar="DIR", help="read the catalogue from DIR instead of the installed one")
-    s.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    s.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
     s.add_argument("--emit", nargs=2, metavar=("KIND", "OUT"),
                    help="write the config of the best strategy of KIND: 'deepspeed OUT.json' or 'fsdp OUT.yaml'")
     s.add_argument("--check", metavar="CONFIG.json",
                    help="instead of planning: the host-RAM estimate of this DeepSpeed config for --model on this "
                         "machine (the preflight initialize runs), with and without its fp4offload block; "
-                        "--gpus is the ranks per node (default 1), --nodes the nodes")
+                        "--gpus the GPUs (ranks) per node, default 1; --nodes the nodes")
     p.set_defaults(func=run_plan)
     return p
 
@@ -207,7 +211,7 @@ def build_plan(args: argparse.Namespace):
     from fp4offload.planner.strategies import load_catalogue, select
 
     check_plan_args(args)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model or DEFAULT_MODEL)
     readings = _readings(args)
     if args.save_readings is not None:
         readings.save(args.save_readings, "--save-readings")
@@ -220,7 +224,11 @@ def build_plan(args: argparse.Namespace):
     if not strategies:
         raise ConfigError("--engine", args.engine, "an engine with strategies among those selected")
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
-    return make_plan(strategies, model, cluster, setup, ckpt), readings
+    plan = make_plan(strategies, model, cluster, setup, ckpt)
+    if not args.model:
+        plan = dataclasses.replace(plan, notes=(f"no --model given: planning for {DEFAULT_MODEL} (name yours with "
+                                                "--model PRESET, a config.json or dims)", *plan.notes))
+    return plan, readings
 
 
 def _gib(n: int) -> str:
@@ -381,7 +389,7 @@ def run_check(args: argparse.Namespace) -> int:
         from fp4offload.integrations.deepspeed import BLOCK_KEY, prepare_config, read_config
         from fp4offload.jsonfile import read_json
 
-        model = resolve_model(args.model)
+        model = resolve_model(args.model or DEFAULT_MODEL)
         local = args.gpus or 1
         world = local * (args.nodes or 1)
         raw = read_config(read_json(Path(args.check), "--check", args.check,
