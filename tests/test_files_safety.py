@@ -1,4 +1,4 @@
-"""Files that cannot be redirected, lent permissions, or misread.
+"""Files that cannot be redirected, opened to other users, or misread.
 
 Real files, real symlinks and FIFOs, and a real tmpfs that fills up:
 

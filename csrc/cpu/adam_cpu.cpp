@@ -323,43 +323,14 @@ int64_t split_selfcheck(int64_t start, int64_t stop) {
   return bad.load();
 }
 
-// True when every element of a fp32/bf16/fp16 CPU tensor is finite.
-bool all_finite(torch::Tensor t) {
-  TORCH_CHECK(t.device().is_cpu(), "all_finite: expects a CPU tensor");
+// True when the magnitude pattern of every element of a fp32/bf16/fp16 CPU tensor is below the dtype's limit:
+// the patterns of |x| order as the values, and every non-finite pattern lies at or above the infinity's. One
+// integer compare per element, read once at memory speed. Other dtypes: None (the caller decides).
+c10::optional<bool> magnitudes_below(const torch::Tensor& t, uint32_t f32_limit, uint16_t bf16_limit,
+                                     uint16_t f16_limit) {
+  TORCH_CHECK(t.device().is_cpu(), "expects a CPU tensor");
   auto x = t.contiguous();
   const int64_t n = x.numel();
-  if (n == 0) return true;
-  std::atomic<bool> ok{true};
-  if (x.scalar_type() == torch::kFloat32) {
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
-    at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
-      uint32_t acc = 0;  // all-ones exponent found?
-      for (int64_t i = i0; i < i1; ++i) acc |= ((p[i] & 0x7F800000u) == 0x7F800000u);
-      if (acc) ok = false;
-    });
-  } else if (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kHalf) {
-    const uint16_t mask = x.scalar_type() == torch::kBFloat16 ? 0x7F80 : 0x7C00;
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
-      uint32_t acc = 0;
-      for (int64_t i = i0; i < i1; ++i) acc |= ((p[i] & mask) == mask);
-      if (acc) ok = false;
-    });
-  } else {
-    return torch::isfinite(x).all().item<bool>();
-  }
-  return ok.load();
-}
-
-// True when every element of a fp32/bf16/fp16 CPU tensor is finite and of magnitude below 2^64 (FP4AdamW's
-// GRAD_LIMIT: a larger gradient overflows g*g in fp32). One integer compare of the magnitude's pattern per
-// element: the patterns of |x| order as the values, and every non-finite pattern lies above 2^64's. fp16 holds
-// nothing as large, so there only the non-finite patterns fail. Reads the gradient once, at memory speed.
-bool grads_ok(torch::Tensor t) {
-  TORCH_CHECK(t.device().is_cpu(), "grads_ok: expects a CPU tensor");
-  auto x = t.contiguous();
-  const int64_t n = x.numel();
-  if (n == 0) return true;
   std::atomic<bool> ok{true};
   auto scan = [&](auto* p, auto mag_mask, auto limit) {
     at::parallel_for(0, n, 1 << 16, [&](int64_t i0, int64_t i1) {
@@ -371,18 +342,35 @@ bool grads_ok(torch::Tensor t) {
   };
   switch (x.scalar_type()) {
     case torch::kFloat32:
-      scan(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), 0x7FFFFFFFu, 0x5F800000u);  // 2^64
+      scan(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), 0x7FFFFFFFu, f32_limit);
       break;
     case torch::kBFloat16:
-      scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, (uint16_t)0x5F80);
+      scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, bf16_limit);
       break;
     case torch::kHalf:
-      scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, (uint16_t)0x7C00);  // inf
+      scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, f16_limit);
       break;
     default:
-      TORCH_CHECK(false, "grads_ok: expects a fp32, bf16 or fp16 tensor, got ", x.scalar_type());
+      return c10::nullopt;
   }
   return ok.load();
+}
+
+// True when every element of a CPU tensor is finite (below the infinity's pattern).
+bool all_finite(torch::Tensor t) {
+  TORCH_CHECK(t.device().is_cpu(), "all_finite: expects a CPU tensor");
+  const auto r = magnitudes_below(t, 0x7F800000u, 0x7F80, 0x7C00);
+  return r.has_value() ? *r : torch::isfinite(t).all().item<bool>();
+}
+
+// True when every element of a fp32/bf16/fp16 CPU tensor is finite and of magnitude below 2^64 (FP4AdamW's
+// GRAD_LIMIT: a larger gradient overflows g*g in fp32); fp16 holds nothing as large, so there only the
+// non-finite patterns fail.
+bool grads_ok(torch::Tensor t) {
+  TORCH_CHECK(t.device().is_cpu(), "grads_ok: expects a CPU tensor");
+  const auto r = magnitudes_below(t, 0x5F800000u, 0x5F80, 0x7C00);  // 2^64 in fp32 and bf16
+  TORCH_CHECK(r.has_value(), "grads_ok: expects a fp32, bf16 or fp16 tensor, got ", t.scalar_type());
+  return *r;
 }
 
 bool have_simd() { return fp4cpu::have_simd(); }
