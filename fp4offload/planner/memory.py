@@ -132,172 +132,246 @@ def _act_ratio(fmt: str, e: int) -> float:
     return 1.0 if fmt == "bf16" else ACT_BYTES[fmt] / e
 
 
-def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup,
-                    checkpointing: bool) -> MemoryEstimate:
-    """Bytes per GPU (peak), per node in host RAM and on NVMe, for ``strategy``."""
-    s, m, t = strategy, model, setup
-    e = t.compute_bytes
-    P = m.param_count()
-    N = cluster.world
-    per_node = cluster.gpus_per_node
-    fsdp = s.engine == "fsdp2"
-    stage = s.zero_stage if not fsdp else 3
-    shard_g = N if stage >= 2 else 1
-    shard_o = N if stage >= 1 else 1
-    pure_fp32 = e == 4
-    top2 = sum(m.largest_units(2))
+@dataclass
+class _Ledger:
+    """Named byte terms, per GPU (static), per rank in host RAM, per rank on NVMe."""
 
-    static: dict[str, float] = {}
-    host: dict[str, float] = {"runtime": t.host_runtime_bytes}
-    nvme: dict[str, float] = {}
+    gpu: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)
+    nvme: dict[str, float] = field(default_factory=dict)
 
-    def put(where: str, key: str, nbytes: float) -> None:
+    def put(self, where: str, key: str, nbytes: float) -> None:
         if nbytes <= 0:
             return
-        target = static if where == "gpu" else host if where == "cpu" else nvme
+        target = self.gpu if where == "gpu" else self.host if where == "cpu" else self.nvme
         target[key] = target.get(key, 0) + nbytes
 
-    # Weights: the working copy. Under FSDP2 the sharded parameter is the fp32 master itself.
-    live = 0.0
-    if fsdp:
-        live = e * (top2 if s.fsdp_reshard else P)
-        if s.weights.format == "nvfp4":  # the packed all-gather input, cached next to the fp32 shard
-            put(s.weights.device, "weights", weight_host_bytes(m, "nvfp4", e) / N)
-    elif stage == 3:
-        live = min(e * (top2 + t.prefetch_bucket), e * P)
-        # DeepSpeed keeps its bf16 partition; the block's packed NVFP4 partition (for the gathers) comes on top
-        put(s.weights.device, "weights", e * P / N + weight_host_bytes(m, s.weights.format, e, packed_only=True) / N)
-    else:
-        put("gpu", "weights", e * P)
 
-    # fp32 master (pure fp32 training: the weights are the master) and Adam states. Split's residual in the NVMe
-    # state files leaves the master's device with only the bf16 half, and is stored there with its tie bitmap.
+@dataclass(frozen=True)
+class _Shape:
+    """What every term below reads: the strategy, model and setup, with the sharding they imply."""
+
+    s: Strategy
+    m: ModelSpec
+    t: TrainSetup
+    world: int
+
+    @property
+    def e(self) -> int:
+        return self.t.compute_bytes
+
+    @property
+    def P(self) -> int:
+        return self.m.param_count()
+
+    @property
+    def fsdp(self) -> bool:
+        return self.s.engine == "fsdp2"
+
+    @property
+    def stage(self) -> int:
+        return 3 if self.fsdp else self.s.zero_stage
+
+    @property
+    def shard_g(self) -> int:
+        return self.world if self.stage >= 2 else 1
+
+    @property
+    def shard_o(self) -> int:
+        return self.world if self.stage >= 1 else 1
+
+
+def _weights(x: _Shape, led: _Ledger) -> float:
+    """The working copy; returns the bytes of gathered (live) weights on the GPU. Under FSDP2 the sharded
+    parameter is the fp32 master itself."""
+    s, m, e, P, N = x.s, x.m, x.e, x.P, x.world
+    top2 = sum(m.largest_units(2))
+    if x.fsdp:
+        if s.weights.format == "nvfp4":  # the packed all-gather input, cached next to the fp32 shard
+            led.put(s.weights.device, "weights", weight_host_bytes(m, "nvfp4", e) / N)
+        return e * (top2 if s.fsdp_reshard else P)
+    if x.stage == 3:
+        # DeepSpeed keeps its bf16 partition; the block's packed NVFP4 partition (for the gathers) comes on top
+        packed = weight_host_bytes(m, s.weights.format, e, packed_only=True)
+        led.put(s.weights.device, "weights", e * P / N + packed / N)
+        return min(e * (top2 + x.t.prefetch_bucket), e * P)
+    led.put("gpu", "weights", e * P)
+    return 0.0
+
+
+def _master_and_states(x: _Shape, led: _Ledger) -> None:
+    """fp32 master (pure fp32 training: the weights are the master) and Adam states. Split's residual in the NVMe
+    state files leaves the master's device with only the bf16 half, and is stored there with its tie bitmap."""
+    s, P, N = x.s, x.P, x.world
     residual = s.residual_on_nvme
     master_bytes = MASTER_BYTES[s.master.format] - (BF16_BYTES if residual else 0)
-    if fsdp and s.master.format != "fp32":  # the bf16 shard is the master's upper half
-        put(s.master.device, "master", (master_bytes - BF16_BYTES) / N * P)
-    elif fsdp or not pure_fp32 or s.master.device != "gpu":
-        put(s.master.device, "master", master_bytes * P / shard_o)
+    if x.fsdp and s.master.format != "fp32":  # the bf16 shard is the master's upper half
+        led.put(s.master.device, "master", (master_bytes - BF16_BYTES) / N * P)
+    elif x.fsdp or x.e != 4 or s.master.device != "gpu":
+        led.put(s.master.device, "master", master_bytes * P / x.shard_o)
     if residual:
-        put("nvme", "master_residual", RESIDUAL_NVME_BYTES * P / shard_o)
-    put(s.optimizer_states.device, "optimizer_states", STATE_BYTES[s.optimizer_states.format] * P / shard_o)
+        led.put("nvme", "master_residual", RESIDUAL_NVME_BYTES * P / x.shard_o)
+    led.put(s.optimizer_states.device, "optimizer_states", STATE_BYTES[s.optimizer_states.format] * P / x.shard_o)
 
-    # Gradients: resident per-parameter bytes on the GPU, and their host copy when offloaded.
+
+def _gradients(x: _Shape, led: _Ledger) -> tuple[float, float]:
+    """Resident gradient bytes per parameter on the GPU, and the fp32 gradient partition at the step; the host copy
+    of offloaded gradients goes into the ledger."""
+    s, e, P, t = x.s, x.e, x.P, x.t
     if s.grads.device == "gpu":
-        g_per_param = 4 / N if fsdp else (e / shard_g)
-        host_grads = 0.0
+        g_per_param = 4 / x.world if x.fsdp else (e / x.shard_g)
     else:
         g_per_param = 0.0
         # the DeepSpeed block keeps ZeRO-1/2's host gradient partition in bf16 when FP4AdamW runs the step and
         # nothing accumulates into it (ds_host.bf16_gradient_partition); under ZeRO-3 the master's gradient is
         # DeepSpeed's bf16 gradient partition (ds_host.zero3_gradient_partition)
         block_bf16 = (s.engine == "deepspeed" and s.optimizer_states.format == "nvfp4" and e == 2
-                      and ((stage == 3 and s.weights.format != "nvfp4") or (stage in (1, 2) and t.grad_accum == 1)))
+                      and ((x.stage == 3 and s.weights.format != "nvfp4")
+                           or (x.stage in (1, 2) and t.grad_accum == 1)))
         bf16_grads = block_bf16 or s.master.format != "fp32"
-        host_grads = (2 if bf16_grads else 4) * P / shard_o
-        put("cpu", "grads", host_grads)
-        if s.engine == "deepspeed" and stage in (1, 2) and s.master.format == "fp32":
+        led.put("cpu", "grads", (2 if bf16_grads else 4) * P / x.shard_o)
+        if s.engine == "deepspeed" and x.stage in (1, 2) and s.master.format == "fp32":
             # ZeRO-1/2 offload's bf16 copy of the updated partition on its way to the GPU
             # (param_buffer_of_bit16_for_cpu_offload_groups); a compact master is that copy itself
-            put("cpu", "staging", e * P / shard_o)
-    g_end = g_per_param * P
-    fp32_grad_at_step = 4 * P / shard_o if (s.master.device == "gpu" and not pure_fp32 and not fsdp) else 0.0
+            led.put("cpu", "staging", e * P / x.shard_o)
+    fp32_grad_at_step = 4 * P / x.shard_o if (s.master.device == "gpu" and e != 4 and not x.fsdp) else 0.0
+    return g_per_param, fp32_grad_at_step
 
-    # Communication buffers.
-    if fsdp:
-        buffers = (4 + e) * m.largest_units(1)[0]
-    elif stage == 3:
-        buffers = e * 2 * t.reduce_bucket
-    else:
-        buffers = 4.5 * e * max(t.reduce_bucket, t.allgather_bucket) if (t.reduce_bucket or t.allgather_bucket) else 0
 
-    # Activations. Blocks come in runs of one kind (model.layer_runs: one run for a dense model), so every
-    # per-block sum below is a sum over runs, and the work does not grow with the number of blocks.
+def _buffers(x: _Shape) -> float:
+    """Communication buffers on the GPU."""
+    e, t = x.e, x.t
+    if x.fsdp:
+        return (4 + e) * x.m.largest_units(1)[0]
+    if x.stage == 3:
+        return e * 2 * t.reduce_bucket
+    return 4.5 * e * max(t.reduce_bucket, t.allgather_bucket) if (t.reduce_bucket or t.allgather_bucket) else 0
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """Saved activations per block kind (False dense, True MoE): what the loss phase and backward hold."""
+
+    count: dict[bool, int]
+    layer_saved: dict[bool, float]  # per block, as autograd saves them (bytes of the compute dtype)
+    on_gpu: dict[bool, float]  # per block, what stays on the GPU until backward reaches it
+    final_saved: float
+    window: float  # offloaded: the blocks in flight on the GPU
+    gpu_all: float  # on the GPU at the loss
+    saved_total: float  # in the stored format, wherever it lives
+    offloaded: bool
+
+
+def _activations(x: _Shape, led: _Ledger, checkpointing: bool) -> _Activations:
+    """Blocks come in runs of one kind (model.layer_runs: one run for a dense model), so every per-block sum is a
+    sum over runs, and the work does not grow with the number of blocks."""
+    s, m, t, e = x.s, x.m, x.t, x.e
     T = t.tokens
-    runs = m.layer_runs
     n_moe = m.moe_layer_count
     count = {k: c for k, c in ((False, m.layers - n_moe), (True, n_moe)) if c}  # blocks of each kind
     kinds = set(count)
     layer_saved = {k: T * m.kind_saved_bytes_per_token(k, e) for k in kinds}
     final_saved = T * m._norm_saved(e)
-    logits_peak = T * m.logits_peak_bytes_per_token(e)
-    logits_held = T * e * m.vocab
     ratio = _act_ratio(s.activations.format, e)
     stored = {k: T * e * m.hidden for k in kinds} if checkpointing else layer_saved
     max_saved = max(layer_saved.values())
     offloaded = s.activations.device != "gpu"
     saved_total = (sum(c * stored[k] for k, c in count.items()) + final_saved) * ratio
-    pcie_act = saved_total if offloaded else 0.0  # NVMe-bound activations pass through host RAM
     if offloaded:
-        pool = saved_total * (1 + t.pinned_pool_overhead)
         if s.activations.device == "cpu":
-            put("cpu", "activations", pool)
+            led.put("cpu", "activations", saved_total * (1 + t.pinned_pool_overhead))
         else:
-            put("nvme", "activations", saved_total)
-            put("cpu", "staging", 2 * t.act_window_layers * max_saved * ratio)
+            led.put("nvme", "activations", saved_total)
+            led.put("cpu", "staging", 2 * t.act_window_layers * max_saved * ratio)
         window = t.act_window_layers * max_saved
         on_gpu = {k: 0.0 for k in kinds}
-        gpu_act_all = window + final_saved * ratio
+        gpu_all = window + final_saved * ratio
     else:
         on_gpu = {k: stored[k] * ratio for k in kinds}
         window = 0.0
-        gpu_act_all = sum(c * on_gpu[k] for k, c in count.items()) + final_saved * ratio
+        gpu_all = sum(c * on_gpu[k] for k, c in count.items()) + final_saved * ratio
+    return _Activations(count, layer_saved, on_gpu, final_saved, window, gpu_all, saved_total, offloaded)
 
-    # Phases: the named terms at each phase's peak; the largest phase sets the GPU peak.
-    g_accum = g_end if t.grad_accum > 1 else 0.0
-    phases: dict[str, dict[str, float]] = {
-        "loss": {"activations": gpu_act_all, "logits": logits_peak, "grads": g_accum, "gathered_weights": live},
-        "optimizer step": {"grads": g_end, "fp32_grads": fp32_grad_at_step},
-    }
-    # Backward, block by block from the last: gradients of the blocks done so far grow, the saved activations
-    # of the blocks still to do shrink. Within a run of equal blocks the sum of the terms is convex in the block
-    # (a max of linear terms plus a linear one), so its largest value is at an end of the run or where the
-    # gradients overtake the accumulated ones: those blocks are the ones evaluated, in the order a walk over
-    # every block would meet them.
+
+def _backward_peak(x: _Shape, a: _Activations, g_per_param: float, g_end: float, g_accum: float, live: float,
+                   checkpointing: bool) -> dict[str, float]:
+    """Backward, block by block from the last: gradients of the blocks done so far grow, the saved activations of
+    the blocks still to do shrink. Within a run of equal blocks the sum of the terms is convex in the block (a max
+    of linear terms plus a linear one), so its largest value is at an end of the run or where the gradients
+    overtake the accumulated ones: those blocks are the ones evaluated, in the order a walk over every block
+    would meet them."""
+    m = x.m
+    logits_held = x.t.tokens * x.e * m.vocab
     grads_before = g_per_param * (m.head_params + m.hidden)
     worst: dict[str, float] = {"grads": max(g_end, g_accum), "logits": logits_held}
     worst_sum = sum(worst.values())
-    below = sum(c * on_gpu[k] for k, c in count.items())  # on_gpu of every block up to the current one
-    step_of = {k: g_per_param * m.kind_params(k) for k in kinds}
-    extra_of = {k: layer_saved[k] if checkpointing else 0.0 for k in kinds}
-    for _, n, k in reversed(runs):
-        step, o, extra = step_of[k], on_gpu[k], extra_of[k]
+    below = sum(c * a.on_gpu[k] for k, c in a.count.items())  # on_gpu of every block up to the current one
+    for _, n, k in reversed(m.layer_runs):
+        step, o = g_per_param * m.kind_params(k), a.on_gpu[k]
+        extra = a.layer_saved[k] if checkpointing else 0.0
         js = (0, n - 1) if n > 1 else (0,)
         if step > 0 and grads_before < g_accum:
             jc = min(max(math.ceil((g_accum - grads_before) / step), 0), n - 1)
             js = sorted({*js, max(jc - 1, 0), jc})
         for j in js:
             grads = max(grads_before + j * step, g_accum) + 0.5 * step
-            act = (window if offloaded else below - j * o) + extra
+            act = (a.window if a.offloaded else below - j * o) + extra
             total = grads + act + logits_held + live  # the order sum(terms.values()) adds them in
             if total > worst_sum:
                 worst = {"grads": grads, "activations": act, "logits": logits_held, "gathered_weights": live}
                 worst_sum = total
         grads_before += n * step
         below -= n * o
-    phases["backward"] = worst
+    return worst
+
+
+def _nvme_staging(x: _Shape, led: _Ledger) -> None:
+    """Host staging of an NVMe-resident optimizer: DeepSpeed's swap buffers, or FP4AdamW's tier segments (as the
+    preflight counts them; a residual rides along)."""
+    s, t = x.s, x.t
+    if s.optimizer_states.device != "nvme":
+        return
+    if s.optimizer_states.format == "fp32":
+        led.host["staging"] = led.host.get("staging", 0) + t.nvme_buffer_count * t.sub_group_size * 4
+    else:
+        per_elem = STATE_BYTES["nvfp4"] + (RESIDUAL_NVME_BYTES if s.residual_on_nvme else 0)
+        led.host["staging"] = led.host.get("staging", 0) + NVME_SEGMENTS_IN_FLIGHT * per_elem * min(
+            NVME_SEGMENT, x.P / x.shard_o)
+
+
+def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup,
+                    checkpointing: bool) -> MemoryEstimate:
+    """Bytes per GPU (peak), per node in host RAM and on NVMe, for ``strategy``: the persistent terms, then the
+    largest of three phases (the loss, backward, the optimizer step) on top."""
+    x = _Shape(strategy, model, setup, cluster.world)
+    led = _Ledger(host={"runtime": setup.host_runtime_bytes})
+    live = _weights(x, led)
+    _master_and_states(x, led)
+    g_per_param, fp32_grad_at_step = _gradients(x, led)
+    a = _activations(x, led, checkpointing)
+    g_end = g_per_param * x.P
+    g_accum = g_end if setup.grad_accum > 1 else 0.0
+    phases: dict[str, dict[str, float]] = {
+        "loss": {"activations": a.gpu_all, "logits": setup.tokens * model.logits_peak_bytes_per_token(x.e),
+                 "grads": g_accum, "gathered_weights": live},
+        "optimizer step": {"grads": g_end, "fp32_grads": fp32_grad_at_step},
+        "backward": _backward_peak(x, a, g_per_param, g_end, g_accum, live, checkpointing),
+    }
     phase = max(phases, key=lambda k: sum(phases[k].values()))
 
-    device: dict[str, float] = dict(static)
+    device: dict[str, float] = dict(led.gpu)
     for k, v in phases[phase].items():
         device[k] = device.get(k, 0.0) + v
-    device["buffers"] = buffers
-    device["fragmentation"] = t.fragmentation * sum(device.values())
-    device["runtime"] = t.cuda_runtime_bytes
+    device["buffers"] = _buffers(x)
+    device["fragmentation"] = setup.fragmentation * sum(device.values())
+    device["runtime"] = setup.cuda_runtime_bytes
+    _nvme_staging(x, led)
 
-    # NVMe staging and the NVMe-resident optimizer.
-    if s.optimizer_states.device == "nvme":
-        if s.optimizer_states.format == "fp32":
-            host["staging"] = host.get("staging", 0) + t.nvme_buffer_count * t.sub_group_size * 4
-        else:  # FP4AdamW's tier reads and writes segments, as the preflight counts them; a residual rides along
-            per_elem = STATE_BYTES["nvfp4"] + (RESIDUAL_NVME_BYTES if residual else 0)
-            host["staging"] = host.get("staging", 0) + NVME_SEGMENTS_IN_FLIGHT * per_elem * min(
-                NVME_SEGMENT, P / shard_o)
-
+    per_node = cluster.gpus_per_node
     return MemoryEstimate(
         device={k: int(v) for k, v in device.items() if v > 0},
-        host={k: int(v * per_node) for k, v in host.items() if v > 0},
-        nvme={k: int(v * per_node) for k, v in nvme.items() if v > 0},
-        peak_phase=phase, checkpointing=checkpointing, saved_activations=int(saved_total),
-        pcie_activation_bytes=int(pcie_act),
+        host={k: int(v * per_node) for k, v in led.host.items() if v > 0},
+        nvme={k: int(v * per_node) for k, v in led.nvme.items() if v > 0},
+        peak_phase=phase, checkpointing=checkpointing, saved_activations=int(a.saved_total),
+        pcie_activation_bytes=int(a.saved_total if a.offloaded else 0.0),
     )
