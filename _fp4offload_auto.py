@@ -1,7 +1,8 @@
 """fp4offload's start-up hook: a DeepSpeed program whose config carries the ``"fp4offload"`` block gets it.
 
 ``fp4offload-auto.pth``, installed at the top of site-packages, runs one line at interpreter start: unless
-``FP4OFFLOAD_AUTO`` is 0/off/false/no, it puts a finder first in ``sys.meta_path`` that answers ``None`` for
+``FP4OFFLOAD_AUTO`` is an off word (0, false, no, off, none: ``fp4offload.switches.OFF_WORDS``, spelled out in
+the line, which can import nothing), it puts a finder first in ``sys.meta_path`` that answers ``None`` for
 every name but ``deepspeed`` and, for ``deepspeed``, imports this module and calls :func:`find_spec`. So a
 program that never imports deepspeed pays one string comparison per import and imports nothing (not even
 this module); the line is one line because ``site`` executes ``.pth`` lines one at a time.
@@ -9,15 +10,17 @@ this module); the line is one line because ``site`` executes ``.pth`` lines one 
 :func:`find_spec` returns the spec the other finders give for deepspeed with its loader wrapped: right
 after deepspeed's ``__init__`` has run, ``deepspeed.initialize`` is replaced by a wrapper (marked
 ``_fp4offload_hook``, the original in ``__wrapped__``) that hands every call to
-``fp4offload.integrations.deepspeed.initialize`` (imported on the first call; configs without the block
+``fp4offload._deepspeed.engine.initialize`` (imported on the first call; configs without the block
 pass through untouched), and the finder leaves ``sys.meta_path``. It stays until then because
 ``importlib.util.find_spec("deepspeed")`` (how Accelerate and transformers probe) asks it without importing.
-See docs/design.md section 5 (DeepSpeed, zero-code entry).
+Each call of the wrapper first reads ``FP4OFFLOAD_AUTO`` with :mod:`fp4offload.switches`: an off word set since
+start-up hands the call to deepspeed's own initialize, and a word that is neither on nor off is a ConfigError
+naming the variable. See docs/design.md section 5 (DeepSpeed, zero-code entry).
 """
 
 import sys
 
-MARK = "_fp4offload_hook"  # set on the wrapper; fp4offload.integrations.deepspeed unwraps through it
+MARK = "_fp4offload_hook"  # set on the wrapper; fp4offload._deepspeed.engine unwraps through it
 PTH = "fp4offload-auto.pth"
 
 #: "waiting" until deepspeed's module has run, then "patched" (or "imported" when it had no initialize)
@@ -40,7 +43,11 @@ def _patch(module) -> None:
         return
 
     def initialize(*args, **kwargs):
-        from fp4offload.integrations import deepspeed as fds
+        from fp4offload import switches
+
+        if not switches.get("FP4OFFLOAD_AUTO"):
+            return initialize.__wrapped__(*args, **kwargs)
+        from fp4offload._deepspeed import engine as fds
 
         return fds.initialize(*args, **kwargs)
 

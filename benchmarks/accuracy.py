@@ -79,15 +79,18 @@ def make_optimizer(variant: str, params, lr: float, weight_decay: float):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if variant.startswith("fp4"):
         from fp4offload import FP4AdamW
+        from fp4offload.optim import StateFormat
 
         # explicit roundings everywhere, so a variant means the same thing whatever FP4AdamW's defaults are (these
         # variants keep sqrt(v) rounded to nearest, as when their results in RESULTS.md were measured)
-        kw = {"fp4": {"m_rounding": "nearest"}, "fp4_sr": {"m_rounding": "stochastic"},
-              "fp4_nvfp4v": {"m_rounding": "nearest", "v_format": "nvfp4"},
-              "fp4_sr_m32": {"m_rounding": "stochastic", "master": "fp32"},
-              "fp4_sr_split": {"m_rounding": "stochastic", "master": "split"},
-              "fp4_sr_mbf16": {"m_rounding": "stochastic", "master": "bf16"}}[variant]
-        return FP4AdamW(params, lr=lr, weight_decay=weight_decay, v_rounding="nearest", **kw)
+        rn, sr = StateFormat(m_rounding="nearest", v_rounding="nearest"), \
+            StateFormat(m_rounding="stochastic", v_rounding="nearest")
+        kw = {"fp4": {"state_format": rn}, "fp4_sr": {"state_format": sr},
+              "fp4_nvfp4v": {"state_format": StateFormat(m_rounding="nearest", v_rounding="nearest", v_format="nvfp4")},
+              "fp4_sr_m32": {"state_format": sr, "master": "fp32"},
+              "fp4_sr_split": {"state_format": sr, "master": "split"},
+              "fp4_sr_mbf16": {"state_format": sr, "master": "bf16"}}[variant]
+        return FP4AdamW(params, lr=lr, weight_decay=weight_decay, **kw)
     if variant == "torchao4bit":
         try:
             from torchao.optim import AdamW4bit

@@ -200,16 +200,18 @@ def make_optimizer(arm: str, params, lr: float):
         return MasterAdamW(params, lr, WEIGHT_DECAY)
     if arm.startswith("fp4"):
         from fp4offload import FP4AdamW
+        from fp4offload.optim import StateFormat
 
         sr, rn, old = "stochastic", "nearest", {"v_format": "ufp4"}
         kw = {"fp4": {},  # whatever FP4AdamW's defaults are; the run records them
-              "fp4_nearest": {"m_rounding": rn},
-              "fp4_vsr": {"m_rounding": sr, "v_rounding": sr, **old},
-              "fp4_vnearest": {"m_rounding": sr, "v_rounding": rn, **old},
-              "fp4_nearest_vnearest": {"m_rounding": rn, "v_rounding": rn, **old},
+              "fp4_nearest": {"state_format": StateFormat(m_rounding=rn)},
+              "fp4_vsr": {"state_format": StateFormat(m_rounding=sr, v_rounding=sr, **old)},
+              "fp4_vnearest": {"state_format": StateFormat(m_rounding=sr, v_rounding=rn, **old)},
+              "fp4_nearest_vnearest": {"state_format": StateFormat(m_rounding=rn, v_rounding=rn, **old)},
               "fp4_split": {"master": "split"}, "fp4_bf16": {"master": "bf16"},
-              "fp4_split_ufp4": {"master": "split", "m_rounding": sr, "v_rounding": sr, **old},
-              "fp4_bf16_ufp4": {"master": "bf16", "m_rounding": sr, "v_rounding": sr, **old}}[arm]
+              "fp4_split_ufp4": {"master": "split", "state_format": StateFormat(m_rounding=sr, v_rounding=sr, **old)},
+              "fp4_bf16_ufp4": {"master": "bf16",
+                                "state_format": StateFormat(m_rounding=sr, v_rounding=sr, **old)}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     if arm in ("torchao4bit", "bnb8bit"):
         from benchmarks import accuracy
@@ -254,8 +256,8 @@ def stored_states(opt) -> dict[str, dict[str, list[torch.Tensor]]]:
                 if "step" not in st:
                     continue
                 n = p.numel()
-                if opt._packed(group, p):
-                    m, v = opt._tier.states(st, p)
+                if opt.is_packed(group, p):
+                    m, v = opt.placement.states(st, p)
                     md, vd = decode_state(m, v, n, group["v_format"])
                     mc, vc = (unpack_nibbles(x.codes)[:n].clone() for x in (m, v))
                 else:

@@ -47,7 +47,7 @@ skipped too). glibc's mallinfo2 (``malloc_end``) is left empty under jemalloc, w
 Each configuration runs in its own process (so peak RSS is its own) and reports: seconds per step (median after
 one warm-up step), minor page faults per step (median, getrusage), peak host RSS while training (sampled every 5
 ms; ``peak_rss_incl_init`` is ru_maxrss, which also holds the model-construction transient) beside the
-preflight's estimate of it (``estimate_peak_rss``, fp4offload.integrations.ds_preflight, computed before
+preflight's estimate of it (``estimate_peak_rss``, fp4offload._deepspeed.preflight, computed before
 initialize as the block's initialize does; the preflight does not model DeepSpeed's bf16 mode, so for those
 rows it counts fp32 master, gradients and states and reads high), the optimizer's
 host bytes counted from its tensors, and NVMe bytes per step: storage-level bytes from /proc/self/io (exact for
@@ -71,7 +71,7 @@ upper bound: activations stay in it).
 Allocator. With ``optimizer_states`` the block fixes glibc's mmap threshold
 (``host.mmap_threshold``), serves torch's large CPU blocks from fp4offload.host_allocator's bounded cache
 (``host.allocator_cache``) and shares the bf16 staging buffers with the bf16 partitions
-(``host.share_bf16_staging``; fp4offload.integrations.ds_host). All three would help a run without the block
+(``host.share_bf16_staging``; fp4offload._deepspeed.zero12). All three would help a run without the block
 too, so each configuration also runs the baseline with the same settings (``allocator: "fixed"``) and the
 ratios are given against both baselines: ``peak_rss_reduction`` (plain DeepSpeed, the target's definition)
 and ``peak_rss_reduction_same_allocator`` (what the packed states alone save). The block also keeps ZeRO-1/2's host
@@ -327,9 +327,9 @@ def child(args) -> dict:
     import fp4offload.deepspeed as fds
     from benchmarks import harness
     from fp4offload import metrics
-    from fp4offload.integrations import ds_monitor
-
-    from fp4offload.integrations import ds_host
+    from fp4offload._deepspeed import host as ds_host
+    from fp4offload._deepspeed import monitor as ds_monitor
+    from fp4offload._deepspeed import zero12
 
     torch.manual_seed(0)
     if args.bf16_build:  # --search: no fp32 copy of the model while building it (4 B/param of init transient)
@@ -346,7 +346,7 @@ def child(args) -> dict:
     if not args.fp4 and args.allocator == "fixed":  # the baseline with the block's allocator setting
         allocator = ds_host.control_host_allocator()
     # the preflight's estimate of this process's host RAM (what initialize computes before DeepSpeed allocates)
-    from fp4offload.integrations import ds_preflight
+    from fp4offload._deepspeed import preflight as ds_preflight
 
     if args.fp4:
         prepared = fds.prepare_config(cfg)
@@ -357,7 +357,7 @@ def child(args) -> dict:
     engine, _, _, _ = init(model=model, config=cfg)
     shared = 0
     if not args.fp4 and args.allocator == "fixed":  # ... and its bf16 staging buffers shared, as the block does
-        shared = ds_host.share_bf16_staging(engine)
+        shared = zero12.share_bf16_staging(engine)
     if allocator is not None and allocator.get("mmap_threshold"):
         ds_host.release_free_host_memory()  # what the block does after initialize
     if args.fp4:

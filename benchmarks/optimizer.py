@@ -90,7 +90,7 @@ class _StepThenEncode:
 
 
 class _Clipped:
-    """A step with the engine's gradient scale handed to FP4AdamW (``set_grad_scale``), as DeepSpeed ZeRO-3's
+    """A step with the engine's gradient scale handed to FP4AdamW (``hooks.scale_grad``), as DeepSpeed ZeRO-3's
     clipping is under the block: `scale` 1 is the factor when no clipping happens (no pass over the gradient)."""
 
     def __init__(self, opt, p, scale: float):
@@ -98,7 +98,7 @@ class _Clipped:
         self.state = opt.state
 
     def step(self):
-        self.opt.set_grad_scale(self.p, self.scale)
+        self.opt.hooks.scale_grad(self.p, self.scale)
         self.opt.step()
 
     def master_bytes(self):
@@ -211,66 +211,81 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 continue
             if name == "fp4adamw":
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StepOptions
 
                 p = param()
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused"), p)  # the defaults: stochastic m, checked
+                # the defaults: stochastic m, checked
+                out[name] = (FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_nearest":
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StateFormat, StepOptions
 
                 p = param()
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", m_rounding="nearest"), p)
+                out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(m_rounding="nearest"),
+                                      step_options=StepOptions(backend="fused")), p)
             elif name in ("fp4adamw_vnearest", "fp4adamw_vsr"):  # sqrt(v) rounded to nearest / stochastically
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StateFormat, StepOptions
 
                 p = param()
                 vr = "nearest" if name == "fp4adamw_vnearest" else "stochastic"
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", v_rounding=vr), p)
+                out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(v_rounding=vr),
+                                      step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_ufp4":  # sqrt(v) on the ufp4 grid (the default before 2026-12-03)
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StateFormat, StepOptions
 
                 p = param()
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", v_format="ufp4"), p)
+                out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(v_format="ufp4"),
+                                      step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_nocheck":  # without the non-finite gradient pass (DeepSpeedCPUAdam has none)
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StepOptions
 
                 p = param()
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p)
+                out[name] = (FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused", skip_nonfinite=False)), p)
             elif name == "fp4adamw_norm":  # the engine's global norm replaces the non-finite pass (DeepSpeed)
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StepOptions
 
                 p = param()
-                opt = FP4AdamW([p], lr=lr, backend="fused")
-                opt.set_grad_norm_source(lambda: 1.0)
+                opt = FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused"))
+                opt.hooks.grad_norm_source(lambda: 1.0)
                 out[name] = (opt, p)
             elif name.startswith("fp4adamw_bf16_"):  # a bf16 parameter (bf16 gradient) with each master form
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StepOptions
 
                 p = torch.nn.Parameter(base.to(torch.bfloat16))
                 p.grad = grad.to(torch.bfloat16)
                 master = {"fp4adamw_bf16_m32": "fp32", "fp4adamw_bf16_split": "split",
                           "fp4adamw_bf16_mbf16": "bf16"}[name]
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", master=master), p)
+                out[name] = (FP4AdamW([p], lr=lr, master=master, step_options=StepOptions(backend="fused")), p)
             elif name in ("fp4adamw_clip_g32", "fp4adamw_clip_g16", "fp4adamw_noclip_g16"):
                 # ZeRO-3's fp32 master under the block: its gradient an fp32 buffer or DeepSpeed's bf16 gradient
                 # partition, a clipping factor of 0.999 (applied as the step reads the gradient), or none
                 from fp4offload import FP4AdamW
-                from fp4offload.integrations.ds_host import _set_grad
+                from fp4offload.optim import StepOptions
+                from fp4offload._deepspeed.at_init import set_grad as _set_grad
 
                 p = param()
                 if name.endswith("g16"):
                     _set_grad(p, grad.to(torch.bfloat16))
                 scale = 1.0 if "noclip" in name else 0.999
-                out[name] = (_Clipped(FP4AdamW([p], lr=lr, backend="fused", skip_nonfinite=False), p, scale), p)
+                opt = FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused", skip_nonfinite=False))
+                out[name] = (_Clipped(opt, p, scale), p)
             elif name == "fp4adamw_wcopy":  # + the NVFP4 16x16 working copy, written inside the fused step
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StepOptions
 
                 p = param(mat)
-                out[name] = (FP4AdamW([p], lr=lr, backend="fused", working_copy="nvfp4"), p)
+                out[name] = (FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused", working_copy="nvfp4")), p)
             elif name == "fp4adamw_wcopy_separate":  # the same copy made by a pass of its own after the step
                 from fp4offload import FP4AdamW
+                from fp4offload.optim import StepOptions
 
                 p = param(mat)
-                out[name] = (_StepThenEncode(FP4AdamW([p], lr=lr, backend="fused"), p), p)
+                out[name] = (_StepThenEncode(FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused")), p), p)
             elif name == "deepspeed_cpu_adam":
                 from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -353,15 +368,17 @@ def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[
 def bench_nvme(n: int, rounds: int, path: str | None, io: str = "auto") -> list[dict]:
     """FP4AdamW with states in files (I/O engine `io`: auto, aio, threads) against the same step in RAM."""
     from fp4offload import FP4AdamW, metrics
+    from fp4offload.optim import NvmeOptions, StepOptions
 
     folder = path or tempfile.mkdtemp(prefix="fp4-nvme-bench-")
     base = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02
     grad = torch.randn(n, generator=torch.Generator().manual_seed(1)) * 1e-3
     pr, pd = torch.nn.Parameter(base.clone()), torch.nn.Parameter(base.clone())
     pr.grad, pd.grad = grad.clone(), grad.clone()
-    ram = FP4AdamW([pr], lr=1e-3, backend="fused")
-    disk = FP4AdamW([pd], lr=1e-3, backend="fused", state_device="nvme", nvme_path=folder, nvme_io=io)
-    engine, why = disk.nvme_io, disk._nvme.io_reason
+    ram = FP4AdamW([pr], lr=1e-3, step_options=StepOptions(backend="fused"))
+    disk = FP4AdamW([pd], lr=1e-3, state_device="nvme", nvme_path=folder, nvme=NvmeOptions(io=io),
+                    step_options=StepOptions(backend="fused"))
+    engine, why = disk.nvme_io, disk.placement.store.io_reason
     ram.step()
     disk.step()
     tr, td = [], []
@@ -391,13 +408,14 @@ def residual_child(n: int, steps: int, folder: str, io: str, where: str) -> dict
     import threading
 
     from fp4offload import FP4AdamW, metrics
+    from fp4offload.optim import NvmeOptions, StepOptions
 
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(torch.bfloat16))
     grad = (torch.randn(n, generator=g) * 1e-2).to(torch.bfloat16)
     p.grad = grad
-    opt = FP4AdamW([p], lr=1e-3, master="split", state_device="nvme", nvme_path=folder, nvme_io=io,
-                   master_device=where, metrics_every=0)
+    opt = FP4AdamW([p], lr=1e-3, master="split", state_device="nvme", nvme_path=folder,
+                   nvme=NvmeOptions(io=io, master_device=where), step_options=StepOptions(metrics_every=0))
     opt.step()  # the first step allocates the states and writes the files
     opt.step()
 
@@ -428,7 +446,7 @@ def residual_child(n: int, steps: int, folder: str, io: str, where: str) -> dict
     out = {"bench": "residual", "numel": n, "io": opt.nvme_io, "master_device": where,
            "step_s": statistics.median(wall), "cpu_s": statistics.median(cpu),
            "written_B_per_param": moved["written"], "read_B_per_param": moved["read"],
-           "files_bytes": opt._tier.disk_bytes(), "master_bytes": opt.master_bytes(),
+           "files_bytes": opt.placement.tier.disk_bytes(), "master_bytes": opt.master_bytes(),
            "rss_between_steps": between, "rss_peak_in_steps": max(peak[0], between),
            "param_sha256": hashlib.sha256(p.detach().view(torch.int16).numpy().tobytes()).hexdigest()}
     opt.close()

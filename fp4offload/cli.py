@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="what this machine offers: GPUs, codec backends, DeepSpeed ops")
     d.add_argument("--json", action="store_true", help="one JSON object instead of text")
     d.add_argument("--config", metavar="DS_CONFIG.json",
-                   help="resolve the host settings of this DeepSpeed config's block "
-                        "(default: environment and defaults)")
+                   help="show the settings in effect with this DeepSpeed config's block: each from its "
+                        "FP4OFFLOAD_* variable, the block's JSON key, or the default (without it: variables and "
+                        "defaults)")
     d.set_defaults(func=_doctor)
     i = sub.add_parser("inspect", help="print the header of a file fp4offload wrote (PackedTensor, state tier)")
     i.add_argument("path")

@@ -7,12 +7,12 @@ or, for code that calls ``deepspeed.initialize`` itself (Accelerate, the Hugging
 
     fds.install()
 
-See :mod:`fp4offload.integrations.deepspeed` for what the block changes and in which order.
+See :mod:`fp4offload._deepspeed.engine` for what the block changes and in which order.
 """
 
 from __future__ import annotations
 
-from fp4offload.integrations.deepspeed import (Prepared, initialize, install, installed, prepare_config, read_config,
-                                               uninstall)
+from fp4offload._deepspeed.config import Prepared, prepare_config, read_config
+from fp4offload._deepspeed.engine import initialize, install, installed, uninstall
 
 __all__ = ["initialize", "install", "uninstall", "installed", "prepare_config", "read_config", "Prepared"]

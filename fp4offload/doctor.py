@@ -57,13 +57,13 @@ def _try_backend(name: str) -> dict:
 def deepspeed_report() -> dict:
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, without its warning
-    from .integrations.deepspeed import auto_status
+    from ._deepspeed.engine import auto_status
 
     try:
         import deepspeed  # the start-up hook, when active, patches deepspeed.initialize here
     except Exception as e:
         return {"usable": False, "why": f"import failed: {e}", "auto": auto_status()}
-    from .integrations import ds_internals
+    from ._deepspeed import internals as ds_internals
 
     gone = ds_internals.missing(ds_internals.FEATURES)
     out = {"usable": True, "version": deepspeed.__version__,
@@ -99,17 +99,28 @@ def read_doctor_config(config: str | None):
 
 
 def host_settings(config=None) -> dict:
-    """The DeepSpeed block's effective host settings and where each came from: the ``host`` sub-block of
-    ``config`` (a DeepSpeed JSON, as a path or a parsed dict), the FP4OFFLOAD_* environment overrides, or the
-    defaults."""
-    from .config import parse_block
-    from .integrations import ds_host
-    from .integrations.deepspeed import BLOCK_KEY, read_config
+    """The DeepSpeed block's effective host settings and where each came from: the FP4OFFLOAD_* environment
+    override, the key of the ``host`` sub-block of ``config`` (a DeepSpeed JSON, as a path or a parsed dict), or
+    the default (:func:`fp4offload.switches.host_settings`)."""
+    from . import switches
 
-    host = None
+    block = None
     if config is not None:
-        host = parse_block(read_config(config).get(BLOCK_KEY), prefix=f"{BLOCK_KEY}.").host
-    return ds_host.resolve(host).as_dict()
+        ds = read_doctor_config(config) if isinstance(config, str) else config
+        block = ds.get(switches.BLOCK_KEY)
+    return {k: {"value": s.value, "source": s.source} for k, s in switches.host_settings(block).items()}
+
+
+def settings_in_effect(config=None, isa: str | None = None) -> dict:
+    """Every setting an FP4OFFLOAD_* variable sets (:func:`fp4offload.switches.in_effect`), with the value in
+    effect and the source that won: the variable, the JSON key of ``config`` (a parsed DeepSpeed config), or the
+    default. ``isa``: the CPU path in effect, shown for FP4OFFLOAD_CPU_ISA in place of its word ``auto``."""
+    from . import switches
+
+    rows = switches.in_effect(config)
+    if isa is not None:
+        rows["FP4OFFLOAD_CPU_ISA"]["value"] = isa
+    return rows
 
 
 def host_report(config=None) -> dict:
@@ -145,12 +156,12 @@ def report(config: str | None = None) -> dict:
 
     if isinstance(config, str):
         config = read_doctor_config(config)
-        host_settings(config)  # the block's host settings checked before the slow probes
+    from .ops import cpu_isa, forced_backend
 
-    from .ops import cpu_isa
-
-    isa, isa_why = cpu_isa.chosen()  # a bad FP4OFFLOAD_CPU_ISA fails here, before any build
-    forced = os.environ.get("FP4OFFLOAD_BACKEND") or None
+    # the block and every FP4OFFLOAD_* variable checked before the slow probes: a bad one fails here, in one line
+    isa, isa_why = cpu_isa.chosen()
+    settings = settings_in_effect(config, isa)
+    forced = forced_backend()
     backends = {"cpu": _try_backend("cpu"), "cuda": _try_backend("cuda"),
                 "reference": {"builds": True, "why": "pure torch"}}
     if forced:
@@ -181,6 +192,7 @@ def report(config: str | None = None) -> dict:
         "active": active,
         "deepspeed": deepspeed_report(),
         "host": host_report(config),
+        "settings": settings,
     }
 
 
@@ -240,8 +252,11 @@ def render(r: dict) -> str:
     hint = "" if h["transparent_hugepages"] in ("always", "madvise") else " (large host blocks fault 4 KiB at a time)"
     lines.append(f"host: {h['libc']}; transparent huge pages: {h['transparent_hugepages']}{hint}; "
                  f"allocator cache: {cache_txt}")
-    lines.append("host settings of the DeepSpeed block (value, from):")
-    for key, st in h["settings"].items():
-        lines.append(f"  host.{key:24s} {st['value']!s:10s} {st['source']}")
+    lines.append("settings in effect (value, from: an FP4OFFLOAD_* variable, a JSON key of --config, or the default):")
+    for name, st in r["settings"].items():
+        value = ("on" if st["value"] else "off") if isinstance(st["value"], bool) else st["value"]
+        value = ",".join(value) if isinstance(value, tuple) else "every GPU" if value is None else value
+        over = f"  (override: {st['variable']})" if st["source"] not in (name, st["variable"]) else ""
+        lines.append(f"  {name:42s} {value!s:10s} {st['source']}{over}")
     lines.append(f"extension cache: {r['torch_extensions_dir']}")
     return "\n".join(lines)

@@ -17,9 +17,9 @@ to 2 MiB and advised for transparent huge pages. Freed-but-resident memory is th
 there before (glibc's malloc through torch).
 
 The DeepSpeed block installs it together with its glibc setting
-(:func:`fp4offload.integrations.ds_host.control_host_allocator`, the block's ``host.allocator_cache``);
-called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or ``off``. It is process-wide, Linux only,
-and changes no tensor's values: only where the bytes of new CPU tensors come from.
+(:func:`fp4offload._deepspeed.host.control_host_allocator`, the block's ``host.allocator_cache``);
+called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or an off word (:mod:`fp4offload.switches`). It
+is process-wide, Linux only, and changes no tensor's values: only where the bytes of new CPU tensors come from.
 
     >>> from fp4offload import host_allocator
     >>> host_allocator.install()                   # doctest: +SKIP
@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import platform
 
-from .config import ALLOCATOR_CACHE, OFF_VALUES
+from . import switches
+from .config import ALLOCATOR_CACHE
 from .errors import ConfigError
 
 log = logging.getLogger("fp4offload.host_allocator")
@@ -57,19 +57,10 @@ def _extension():
 
 
 def _fraction_from_env() -> float | None:
-    raw = os.environ.get(ENV, "").strip().lower()
-    if not raw:
-        return DEFAULT_FRACTION
-    if raw in OFF_VALUES:
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:
-        raise ConfigError(ENV, raw, "a fraction in (0, 1] of the bytes in use (default 0.125), or 'off'",
-                          "it bounds how much freed memory the host cache keeps resident")
-    return value
+    """FP4OFFLOAD_HOST_CACHE's fraction (default 0.125), or None for an off word; ConfigError naming the variable
+    for anything else."""
+    value = switches.get(ENV)
+    return None if value == "off" else float(value)
 
 
 def install(fraction: float | None = None, *, floor_bytes: int = DEFAULT_FLOOR, ceiling_bytes: int = 0,
@@ -78,7 +69,7 @@ def install(fraction: float | None = None, *, floor_bytes: int = DEFAULT_FLOOR, 
 
     Args:
         fraction: freed bytes kept for reuse, as a share of the bytes in use through the cache; None reads
-            ``FP4OFFLOAD_HOST_CACHE`` (default 0.125; ``off`` installs nothing).
+            ``FP4OFFLOAD_HOST_CACHE`` (default 0.125; an off word installs nothing).
         floor_bytes, ceiling_bytes: bounds on the freed bytes kept (ceiling 0: none).
         min_bytes: smaller blocks go to the previous allocator.
         huge_bytes: blocks at least this large are 2 MiB aligned and advised MADV_HUGEPAGE (0: never).

@@ -399,7 +399,7 @@ def test_the_default_pool_cap_is_shared_by_the_local_ranks(monkeypatch):
 
 
 def test_the_block_sets_the_pool_cap():
-    from fp4offload.config import validate_deepspeed_config
+    from fp4offload._deepspeed.schema import validate_deepspeed_config
 
     cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2},
            "fp4offload": {"activations": {"format": "nvfp4", "device": "cpu", "max_host_bytes": 1 << 30}}}

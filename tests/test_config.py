@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from fp4offload._deepspeed.schema import find_auto_values, validate_deepspeed_config
 from fp4offload.config import (ActivationsConfig, Fp4OffloadConfig, FsdpPolicyConfig, MonitorConfig,
-                               OptimizerStatesConfig, WeightsConfig, dump_fsdp_policy_yaml, find_auto_values,
-                               load_fsdp_policy_yaml, parse_block, parse_fsdp_policy, validate_deepspeed_config)
+                               OptimizerStatesConfig, WeightsConfig, dump_fsdp_policy_yaml, load_fsdp_policy_yaml,
+                               parse_block, parse_fsdp_policy, prepare_path)
 from fp4offload.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -287,3 +288,91 @@ def test_activation_defaults_are_one_set():
         assert getattr(cfg, name) == getattr(pol, name), name
     assert ActivationPolicy.from_config(cfg) == pol
     assert ActivationPolicy.from_config(ActivationsConfig(modules=["*.mlp"], min_numel=0)).modules == ("*.mlp",)
+
+
+def test_building_every_schema_with_a_missing_nvme_folder_touches_no_disk(tmp_path, monkeypatch):
+    """Schemas check a path's text only: no folder is created, looked up or probed for writability (that is
+    fp4offload.config.prepare_path's, where the folder is first used)."""
+    import builtins
+    import os
+
+    import fp4offload.deepspeed as fds
+    import fp4offload.fsdp as ff
+    from fp4offload.config import HostConfig
+
+    marker = "fp4-nvme-missing"
+    paths = [str(tmp_path / marker / "deeper" / "states"), f"~/{marker}/states", f"${{FP4_UNSET_{marker[4:8]}}}/x",
+             f"relative/{marker}"]
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text(f"optimizer_states: {{device: nvme, nvme_path: '{paths[0]}'}}\n"
+                           f"activations: {{device: nvme, nvme_path: '{paths[1]}'}}\nweights: null\n")
+    before = sorted(tmp_path.rglob("*"))
+    touched = []
+
+    def refuse(name, real):
+        def call(*args, **kwargs):
+            touched.append((name, args))
+            raise AssertionError(f"{name}{args} during schema validation")
+        return call
+
+    def watch(name, real):
+        def call(path, *args, **kwargs):
+            if isinstance(path, (str, bytes, os.PathLike)) and marker in os.fsdecode(path):
+                touched.append((name, path))
+            return real(path, *args, **kwargs)
+        return call
+
+    real_open = builtins.open
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            touched.append(("open", file, mode))
+        return real_open(file, mode, *args, **kwargs)
+
+    for name in ("mkdir", "makedirs", "access", "rmdir"):
+        monkeypatch.setattr(os, name, refuse(f"os.{name}", getattr(os, name)))
+    for name in ("stat", "lstat", "listdir", "scandir"):
+        monkeypatch.setattr(os, name, watch(f"os.{name}", getattr(os, name)))
+    monkeypatch.setattr(builtins, "open", guarded_open)
+
+    zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": paths[2]}}
+    for path in paths:
+        states = {"device": "nvme", "nvme_path": path}
+        acts = {"device": "nvme", "nvme_path": path}
+        OptimizerStatesConfig(**states)
+        ActivationsConfig(**acts)
+        WeightsConfig()
+        MonitorConfig()
+        HostConfig(mmap_threshold="off")
+        Fp4OffloadConfig(optimizer_states=OptimizerStatesConfig(**states), activations=ActivationsConfig(**acts))
+        block = {"optimizer_states": states, "activations": acts, "host": {"preflight": "warn"}}
+        parse_block(block, prefix="fp4offload.")
+        validate_deepspeed_config(ds_config(fp4offload=block))
+        fds.prepare_config(ds_config(fp4offload=block))
+        fds.prepare_config(ds_config(fp4offload={"optimizer_states": {}}, zero_optimization=zero))
+        doc = {"optimizer_states": states, "activations": acts, "weights": None}
+        FsdpPolicyConfig(optimizer_states=OptimizerStatesConfig(**states))
+        dump_fsdp_policy_yaml(parse_fsdp_policy(doc))
+        ff.Policy(**doc)
+    load_fsdp_policy_yaml(policy_file)
+    ff.policy_from_yaml(policy_file)
+    assert touched == []
+    assert sorted(tmp_path.rglob("*")) == before
+    with pytest.raises(AssertionError, match="os.access"):  # the guard sees what the machine's side does
+        prepare_path("nvme_path", str(tmp_path / marker))
+    monkeypatch.undo()
+    assert sorted(tmp_path.rglob("*")) == before
+    assert not (Path.home() / marker).exists() and not Path("relative").exists()
+
+
+def test_prepare_path_creates_one_level_where_the_folder_is_first_used(tmp_path, monkeypatch):
+    from fp4offload.config import check_directory
+
+    monkeypatch.setenv("FP4_PREPARE_ROOT", str(tmp_path))
+    got = prepare_path("optimizer_states.nvme_path", "$FP4_PREPARE_ROOT/states")
+    assert got == tmp_path / "states" and got.is_dir() and (got.stat().st_mode & 0o777) == 0o700
+    assert prepare_path("optimizer_states.nvme_path", got) == got  # an existing folder is taken as it is
+    with pytest.raises(ConfigError, match="mistyped mount point") as e:
+        prepare_path("optimizer_states.nvme_path", str(tmp_path / "gone" / "states"))
+    assert e.value.key == "optimizer_states.nvme_path" and not (tmp_path / "gone").exists()
+    assert check_directory is prepare_path

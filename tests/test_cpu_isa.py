@@ -39,8 +39,8 @@ def test_forcing_a_path(monkeypatch):
     assert cpu_isa.chosen()[0] == cpu_isa.available()[0]
     monkeypatch.setenv(cpu_isa.ENV, "auto")
     assert cpu_isa.chosen()[0] == cpu_isa.available()[0]
-    monkeypatch.setenv(cpu_isa.ENV, "Scalar")
-    assert cpu_isa.chosen() == ("scalar", f"{cpu_isa.ENV}=Scalar")
+    monkeypatch.setenv(cpu_isa.ENV, " Scalar")  # read as every FP4OFFLOAD_* variable is: any case, spaces ignored
+    assert cpu_isa.chosen() == ("scalar", f"{cpu_isa.ENV}=scalar")
 
 
 @pytest.mark.parametrize("value", ["avx3", "sse", "native"])
@@ -88,13 +88,14 @@ _CHECK = textwrap.dedent("""
     import fp4offload
     from fp4offload import FP4AdamW
     from fp4offload.ops import cpu
-    from fp4offload.optim import fused
+    from fp4offload.optim import StepOptions, fused
     want = sys.argv[1]
     assert fused.cpu_extension().isa() == want and cpu.extension().isa() == want
     g = torch.Generator().manual_seed(0)
     base = torch.randn(5003, generator=g)
     ps = [torch.nn.Parameter(base.clone()) for _ in range(2)]
-    opts = [FP4AdamW([ps[0]], lr=1e-2, backend="fused"), FP4AdamW([ps[1]], lr=1e-2, backend="reference")]
+    opts = [FP4AdamW([ps[0]], lr=1e-2, step_options=StepOptions(backend="fused")),
+            FP4AdamW([ps[1]], lr=1e-2, step_options=StepOptions(backend="reference"))]
     for t in range(3):
         grad = torch.randn(5003, generator=g) * 1e-2
         for p, o in zip(ps, opts):

@@ -12,7 +12,7 @@ import pytest
 from test_deepspeed import BLOCK, ds_config
 
 from fp4offload.errors import ConfigError
-from fp4offload.integrations.deepspeed import prepare_config
+from fp4offload._deepspeed.config import prepare_config
 
 pytestmark = pytest.mark.distributed
 

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fp4offload.optim import FP4AdamW
+from fp4offload.optim import FP4AdamW, StepOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def test_step_on_a_zero_partition_allocates_no_fp32_copy(backend):
     n = seg if backend == "auto" else 3 * seg + 4096
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = torch.randn(n)
-    opt = FP4AdamW([p], lr=1e-3, state_device="cpu", backend=backend, metrics_every=0)
+    opt = FP4AdamW([p], lr=1e-3, state_device="cpu", step_options=StepOptions(backend=backend, metrics_every=0))
     with NewStorages() as first:
         opt.step()
     with NewStorages() as later:
@@ -70,7 +70,7 @@ def test_step_on_a_zero_partition_allocates_no_fp32_copy(backend):
 
 _PROBE = textwrap.dedent("""
     import ctypes, json, os, torch
-    from fp4offload.integrations import ds_host
+    from fp4offload._deepspeed import host as ds_host
     got = ds_host.control_host_allocator()
     libc = ctypes.CDLL("libc.so.6")
     class MI2(ctypes.Structure):

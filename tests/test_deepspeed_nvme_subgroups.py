@@ -128,15 +128,15 @@ def _worker(spec_path: str) -> None:
         finally:
             FP4AdamW.step, FP4AdamW.close = orig_step, orig_close
         opt = made[-1] if made else None
-        if isinstance(opt, FP4AdamW) and opt._nvme is not None:
-            files = sorted(opt._nvme.dir.glob("*.fp4s"))
+        if isinstance(opt, FP4AdamW) and opt.placement.store is not None:
+            files = sorted(opt.placement.store.dir.glob("*.fp4s"))
             key_numel = {}
             payload = 0
             for f in files:
                 meta, t = read_container(f)
                 key_numel[meta["key"]] = key_numel.get(meta["key"], 0) + meta["numel"]
                 payload += sum(v.numel() for k, v in t.items() if k != "_pad")
-            out["nvme"] = {"io": opt.nvme_io, "keys": sorted(set(opt._nvme_keys.values())),
+            out["nvme"] = {"io": opt.nvme_io, "keys": sorted(set(opt.placement.keys.values())),
                            "files": [f.name for f in files], "key_numel": key_numel, "payload_bytes": payload,
                            "sub_groups": len(subs)}
             opt.close()

@@ -107,7 +107,7 @@ def _run_case(case: dict, spec: dict, train) -> dict:
 
     import fp4offload.deepspeed as fds
     from benchmarks import harness
-    from fp4offload.integrations import ds_monitor
+    from fp4offload._deepspeed import monitor as ds_monitor
 
     rank = int(os.environ["RANK"])
     model = harness.small_llama(**{**MODEL, **spec.get("model", {})})
@@ -218,7 +218,7 @@ def _probe_master(engine, att) -> dict:
     hm, hw = hashlib.sha256(), hashlib.sha256()
     for m in masters:
         st = inner.state.get(m, {})
-        res = inner._tier.states_and_residual(st, m)[2] if "v_format" in st else None  # in the NVMe files
+        res = inner.placement.states_and_residual(st, m)[2] if "v_format" in st else None  # in the NVMe files
         lo, odd = res if res is not None else (st.get("master_lo"), st.get("master_odd"))
         x = MW.join(m.view(-1), lo, odd) if lo is not None else m.float()
         hm.update(x.detach().contiguous().numpy().tobytes())
@@ -249,7 +249,7 @@ def _probe_master(engine, att) -> dict:
             "master_sha": hm.hexdigest(), "weights_sha": hw.hexdigest(), "hp_live": hp_live,
             "rewrites": list(att.prepared.rewrites) if att else [],
             "skipped": getattr(inner, "skipped_steps", None),
-            "norm_source": getattr(inner, "_grad_norm_fn", None) is not None}
+            "norm_source": getattr(getattr(inner, "hooks", None), "norm_source", None) is not None}
 
 
 def _probe_weights(engine, pw) -> dict:

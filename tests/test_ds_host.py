@@ -14,7 +14,7 @@ import pytest
 
 from fp4offload.config import HostConfig, parse_block
 from fp4offload.errors import ConfigError
-from fp4offload.integrations import ds_host
+from fp4offload._deepspeed import config as dsc
 
 ROOT = Path(__file__).resolve().parents[1]
 STATES = {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}
@@ -55,7 +55,7 @@ def test_defaults_and_round_trip():
 
 def test_effective_values_say_where_they_came_from():
     host = HostConfig(mmap_threshold=1 << 20, share_bf16_staging=False)
-    got = ds_host.resolve(host, environ={"FP4OFFLOAD_HOST_CACHE": "0.25"}).as_dict()
+    got = dsc.resolve(host, environ={"FP4OFFLOAD_HOST_CACHE": "0.25"}).as_dict()
     assert got == {"mmap_threshold": {"value": 1 << 20, "source": "fp4offload.host.mmap_threshold"},
                    "allocator_cache": {"value": 0.25, "source": "FP4OFFLOAD_HOST_CACHE"},
                    "share_bf16_staging": {"value": False, "source": "fp4offload.host.share_bf16_staging"},
@@ -63,10 +63,10 @@ def test_effective_values_say_where_they_came_from():
                    "preflight": {"value": "error", "source": "default"}}
     # the environment wins over the config
     env = {"FP4OFFLOAD_MMAP_THRESHOLD": "off", "FP4OFFLOAD_SHARE_STAGING": "1", "FP4OFFLOAD_BF16_GRADS": "0"}
-    got = ds_host.resolve(host, environ=env)
+    got = dsc.resolve(host, environ=env)
     assert got.mmap_threshold.value == "off" and got.mmap_threshold.source == "FP4OFFLOAD_MMAP_THRESHOLD"
     assert got.share_bf16_staging.value is True and got.bf16_gradient_partition.value is False
-    assert ds_host.resolve(None, environ={}).as_dict() == {
+    assert dsc.resolve(None, environ={}).as_dict() == {
         k: {"value": v, "source": "default"} for k, v in
         {"mmap_threshold": 131072, "allocator_cache": 0.125, "share_bf16_staging": True,
          "bf16_gradient_partition": True, "preflight": "error"}.items()}
@@ -78,14 +78,14 @@ def test_effective_values_say_where_they_came_from():
                                       ("FP4OFFLOAD_PREFLIGHT", "strict")])
 def test_bad_environment_overrides_name_the_variable(var, raw):
     with pytest.raises(ConfigError) as e:
-        ds_host.resolve(None, environ={var: raw})
+        dsc.resolve(None, environ={var: raw})
     assert e.value.key == var and "fp4offload.host." in str(e.value)
 
 
 def test_doctor_reports_the_settings_of_a_config(tmp_path, monkeypatch):
     from fp4offload import doctor
 
-    for var in ds_host.ENV.values():
+    for var in dsc.ENV.values():
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("FP4OFFLOAD_BF16_GRADS", "0")
     path = tmp_path / "ds.json"
@@ -99,9 +99,10 @@ def test_doctor_reports_the_settings_of_a_config(tmp_path, monkeypatch):
 _PROBE = textwrap.dedent("""
     import json, sys
     from fp4offload.config import HostConfig
-    from fp4offload.integrations import ds_host
+    from fp4offload._deepspeed.config import resolve
+    from fp4offload._deepspeed.host import control_host_allocator
     host = HostConfig(**json.loads(sys.argv[1])) if sys.argv[1] != "null" else None
-    got = ds_host.control_host_allocator(ds_host.resolve(host))
+    got = control_host_allocator(resolve(host))
     got["host_cache"] = {k: got["host_cache"].get(k) for k in ("installed", "fraction", "reason") if k != "reason"}
     print(json.dumps(got))
 """)
@@ -109,7 +110,7 @@ _PROBE = textwrap.dedent("""
 
 def _probe(host: dict | None, env: dict) -> dict:
     full = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
-            and k not in ds_host.ENV.values()}
+            and k not in dsc.ENV.values()}
     full.update(env, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(host)], env=full, capture_output=True, text=True,
                          timeout=300)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import io
 import re
+import textwrap
 import tokenize
 from pathlib import Path
 
 import pytest
 
 from fp4offload.errors import ConfigError
-from fp4offload.integrations import ds_internals as dsi
+from fp4offload._deepspeed import internals as dsi
 
 ROOT = Path(__file__).resolve().parents[1]
 deepspeed = pytest.importorskip("deepspeed")
@@ -55,7 +56,7 @@ def test_unknown_names_are_refused_by_the_accessors():
         cpu_offload = True
 
     assert dsi.read(Opt(), "cpu_offload") is True
-    with pytest.raises(KeyError, match="not in ds_internals.TABLE"):
+    with pytest.raises(KeyError, match="not in internals.TABLE"):
         dsi.read(Opt(), "some_private_name")
     with pytest.raises(RuntimeError, match="is gone in DeepSpeed"):
         dsi.require(object(), "real_dp_process_group")
@@ -104,7 +105,7 @@ def test_a_missing_private_name_fails_at_initialize_before_anything_is_built(mon
     # the feature that needs the name can be turned off in the config, and then the check passes
     cfg["fp4offload"]["host"] = {"bf16_gradient_partition": False}
     prepared = fds.prepare_config(cfg)
-    from fp4offload.integrations.deepspeed import features
+    from fp4offload._deepspeed.config import features
 
     assert "bf16_gradient_partition" not in features(prepared)
     dsi.check(features(prepared))
@@ -122,23 +123,65 @@ def test_an_unsupported_version_fails_at_initialize_before_anything_is_built(mon
     assert no_engine == []
 
 
+#: names of the table too common to search for as reads (``device``, ``partition_size``, ...): left out of the scan
+_COMMON = {"device", "cpu_offload", "partition_size", "bit16_groups", "gradient_accumulation_steps", "fp16_groups",
+           "offload_optimizer", "optimizer"}
+#: ZeRO-3's fetch functions share their names with torch.distributed.all_gather and str.partition: writes only
+_WRITES_ONLY = {"all_gather", "partition"}
+
+
+def _raw_accesses(text: str, where: str) -> list[str]:
+    """Reads and writes of the table's names that bypass the accessors: ``obj.<name>`` (for ``_WRITES_ONLY``
+    names, ``obj.<name> =``) and ``getattr``/``hasattr``/``setattr`` with the name as a string. ZeRO-3's parameter
+    attributes (``ds_tensor``, ``ds_status``, ...) and the fetch functions it binds on every parameter count."""
+    names = {r.name for r in dsi.TABLE if not r.name.isupper()} - _COMMON
+    out = []
+    toks = [t for t in tokenize.generate_tokens(io.StringIO(text).readline)
+            if t.type not in (tokenize.NL, tokenize.COMMENT)]
+    for prev, tok, nxt in zip(toks, toks[1:], toks[2:] + [toks[-1]]):
+        at = f"{where}:{tok.start[0]}"
+        if tok.type == tokenize.NAME and tok.string in names and prev.string == ".":
+            if tok.string not in _WRITES_ONLY or nxt.string == "=":
+                out.append(f"{at}: .{tok.string}")
+        if tok.type == tokenize.STRING and tok.string.strip("\"'") in names:
+            if re.search(rf"\b(getattr|hasattr|setattr)\([^()]*{re.escape(tok.string)}", tok.line):
+                out.append(f"{at}: {tok.line.strip()}")
+    return out
+
+
+def test_the_scan_finds_raw_reads_and_writes_of_zero3_parameter_attributes():
+    """The scan (_raw_accesses) flags a raw access of each kind, ZeRO-3's parameter attributes included, and leaves the
+    accessors and torch's own all_gather alone."""
+    raw = textwrap.dedent("""
+        n = p.ds_tensor.numel()
+        p.ds_status = st.INFLIGHT
+        shape = getattr(p, "ds_shape", p.shape)
+        key = q.ds_id
+        p.all_gather = fetch
+        p.partition = repack
+        opt.param_buffer_of_bit16_for_cpu_offload_groups[0] = buf
+    """)
+    found = _raw_accesses(raw, "x.py")
+    assert [f.split(":")[1] for f in found] == [str(i) for i in range(2, 9)], found
+    clean = textwrap.dedent("""
+        n = dsi.require(p, "ds_tensor").numel()
+        dsi.write(p, "ds_status", st.INFLIGHT)
+        shape = dsi.read(p, "ds_shape", p.shape)
+        dsi.write(p, "all_gather", fetch)
+        torch.distributed.all_gather(datas, data, group=group)
+        which, _, count = rule.partition(":")
+        if p.partition == other: pass
+    """)
+    assert _raw_accesses(clean, "y.py") == []
+
+
 def test_no_module_reaches_deepspeed_private_names_around_the_room():
-    """Optimizer and engine attributes of the table are read only through ds_internals (read/require/patch).
-    Names too common to search for (``device``, ``partition_size``, ...) are left out of the scan."""
-    common = {"device", "cpu_offload", "partition_size", "bit16_groups", "gradient_accumulation_steps", "fp16_groups",
-              "offload_optimizer",
-              "optimizer"}
-    names = {r.name for r in dsi.TABLE if r.kind in ("attribute", "callable") and not r.name.isupper()} - common
+    """Every name of the table, ZeRO-3's parameter attributes (``param.ds_tensor``, ``ds_status``, ``ds_id``, ...)
+    included, is read and written only through the internals module (read/require/write/patch_class/
+    wrap_instance); see _raw_accesses for what counts and which common names are left out."""
     offenders = []
     for path in (ROOT / "fp4offload").rglob("*.py"):
-        if path.name == "ds_internals.py":
+        if path == ROOT / "fp4offload" / "_deepspeed" / "internals.py":
             continue
-        toks = list(tokenize.generate_tokens(io.StringIO(path.read_text()).readline))
-        for prev, tok in zip(toks, toks[1:]):
-            where = f"{path.relative_to(ROOT)}:{tok.start[0]}"
-            if tok.type == tokenize.NAME and tok.string in names and prev.string == ".":
-                offenders.append(f"{where}: .{tok.string}")
-            if tok.type == tokenize.STRING and tok.string.strip("\"'") in names:
-                if re.search(rf"\b(getattr|hasattr|setattr)\([^()]*{re.escape(tok.string)}", tok.line):
-                    offenders.append(f"{where}: {tok.line.strip()}")
+        offenders += _raw_accesses(path.read_text(), str(path.relative_to(ROOT)))
     assert offenders == [], offenders

@@ -11,6 +11,7 @@ engines on the space checks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -26,7 +27,7 @@ import torch
 
 from fp4offload import ActivationPolicy, FP4AdamW, offload_activations
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
-from fp4offload.optim import SEGMENT, load_param_states
+from fp4offload.optim import SEGMENT, NvmeOptions, StateFormat, StepOptions, load_param_states
 from fp4offload.optim import nvme as nvme_mod
 from fp4offload.optim import reference_step as R
 
@@ -130,12 +131,12 @@ def _assert_same(a, b, what: str) -> None:
 
 
 def _committed(opt) -> dict[str, bytes]:
-    d = opt._nvme.dir
+    d = opt.placement.store.dir
     return {f.name: f.read_bytes() for f in sorted(d.glob("*.fp4s"))}
 
 
 def _hidden(opt) -> list[str]:
-    return sorted(f.name for f in opt._nvme.dir.glob(".*"))
+    return sorted(f.name for f in opt.placement.store.dir.glob(".*"))
 
 
 def _reference(master: str, steps: list[int]):
@@ -162,7 +163,7 @@ def _fault_plan(seed: int, n: int) -> list[tuple[str, int]]:
 def _segment_file(opt, params, seg: int) -> Path:
     """Segment `seg` of the step's files in order: 0, 1 of parameter 0, then 0 of parameter 1."""
     p, s = (params[0], seg) if seg < 2 else (params[1], 0)
-    return opt._nvme.path(opt._nvme_key(p), s)
+    return opt.placement.store.path(opt.placement.key(p), s)
 
 
 @pytest.mark.parametrize("master, fs, engine", [(m, "tmpfs", "threads") for m in MASTERS] + [("fp32", "ext4", "aio")])
@@ -180,9 +181,9 @@ def test_fault_sequence_is_all_or_nothing(tmp_path, master, fs, engine):
     disk = tmpfs(tmp_path / "mnt", size="24m", inodes=64) if fs == "tmpfs" else ext4(tmp_path / "mnt")
     with disk as mnt:
         params = _params(master)
-        opt = _opt(params, master, state_device="nvme", nvme_path=mnt, nvme_io=engine)
+        opt = _opt(params, master, state_device="nvme", nvme_path=mnt, nvme=NvmeOptions(io=engine))
         assert opt.nvme_io == engine
-        opt._tier.undo_ram_bytes = (1 << 20) if master == "fp32" else 1 << 30  # fp32: most of the undo on disk
+        opt.placement.tier.undo_ram_bytes = (1 << 20) if master == "fp32" else 1 << 30  # fp32: most of the undo on disk
         taken, old = [], {}
         for step, (kind, arg) in enumerate(plan):
             _grads(step, params)
@@ -226,7 +227,7 @@ def test_fault_sequence_is_all_or_nothing(tmp_path, master, fs, engine):
             assert _committed(opt) == files, (kind, arg)
             assert _hidden(opt) == [], (kind, arg, _hidden(opt))  # no generation, reservation or undo file left
             if engine == "aio":
-                assert not opt._nvme._pool_bufs._busy  # every page-locked buffer read went back
+                assert not opt.placement.store._pool_bufs._busy  # every page-locked buffer read went back
             _assert_same(before, _snapshot(opt, params), f"after {kind}:{arg}")
         final = _snapshot(opt, params)
         opt.close()
@@ -244,8 +245,9 @@ def test_fault_sequence_with_the_residual_in_the_state_files(tmp_path, monkeypat
     real, made = _opt, []
 
     def opt_with_residual_on_disk(params, master, **kw):
-        made.append(real(params, master, **kw, **({"master_device": "nvme"} if kw.get("state_device") == "nvme"
-                                                  else {})))
+        if kw.get("state_device") == "nvme":
+            kw["nvme"] = dataclasses.replace(kw.get("nvme", NvmeOptions()), master_device="nvme")
+        made.append(real(params, master, **kw))
         return made[-1]
 
     monkeypatch.setitem(globals(), "_opt", opt_with_residual_on_disk)
@@ -269,7 +271,7 @@ def test_capacity_error_on_the_first_step_then_retry(tmp_path):
     run's first step (no 'file is missing')."""
     with tmpfs(tmp_path / "mnt", size="1m") as mnt:
         params = _params("fp32")
-        opt = _opt(params, "fp32", state_device="nvme", nvme_path=mnt, nvme_io="threads")
+        opt = _opt(params, "fp32", state_device="nvme", nvme_path=mnt, nvme=NvmeOptions(io="threads"))
         before = [p.detach().clone() for p in params]
         _grads(0, params)
         with pytest.raises(CapacityError, match="nothing was written"):
@@ -291,7 +293,7 @@ def test_stale_segment_is_refused(tmp_path, capsys):
     CorruptionError naming the file, the step and the run, and nothing used or overwritten. `fp4offload inspect`
     prints the header's step, generation and run."""
     params = _params("fp32")
-    opt = _opt(params, "fp32", state_device="nvme", nvme_path=tmp_path, nvme_io="threads")
+    opt = _opt(params, "fp32", state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="threads"))
     _grads(0, params)
     opt.step()
     target = _segment_file(opt, params, 1)
@@ -311,11 +313,11 @@ def test_stale_segment_is_refused(tmp_path, capsys):
     assert all(torch.equal(a, b) for a, b in zip(before, params)) and target.read_bytes() == older
 
     other_params = _params("fp32")
-    other = _opt(other_params, "fp32", state_device="nvme", nvme_path=tmp_path, nvme_io="threads")
+    other = _opt(other_params, "fp32", state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="threads"))
     for s in (0, 1):
         _grads(s, other_params)
         other.step()
-    twin = other._nvme.path(other._nvme_key(other_params[0]), 1)
+    twin = other.placement.store.path(other.placement.key(other_params[0]), 1)
     assert twin.name == target.name and twin.read_bytes() != current  # same step, same key: another run id
     target.write_bytes(twin.read_bytes())
     with pytest.raises(CorruptionError, match="written by another store"):
@@ -329,7 +331,7 @@ def test_stale_segment_is_refused(tmp_path, capsys):
     capsys.readouterr()
     assert main(["inspect", str(target)]) == 0
     meta = json.loads(capsys.readouterr().out)["meta"]
-    assert meta["step"] == 3 and meta["run"] == opt._nvme.run_id and meta["segment"] == 1 and meta["gen"] > 0
+    assert meta["step"] == 3 and meta["run"] == opt.placement.store.run_id and meta["segment"] == 1 and meta["gen"] > 0
     opt.close()
 
 
@@ -377,14 +379,15 @@ _CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     import torch._dynamo  # what torch.optim imports on first use, once for both processes
     from fp4offload import FP4AdamW
+    from fp4offload.optim import NvmeOptions, StateFormat, StepOptions
 
     def optimizer(root, keep=False):
         p = torch.nn.Parameter(torch.randn(3000))
-        opt = FP4AdamW([p], state_device="nvme", nvme_path=root, nvme_io="threads", min_numel=1, backend="reference",
-                       nvme_keep=keep)
+        opt = FP4AdamW([p], state_device="nvme", nvme_path=root, nvme=NvmeOptions(io="threads", keep=keep),
+                       state_format=StateFormat(min_numel=1), step_options=StepOptions(backend="reference"))
         p.grad = torch.ones(3000)
         opt.step()
-        print(opt._nvme.dir, flush=True)
+        print(opt.placement.store.dir, flush=True)
         return opt
 
     pid = os.fork()  # before any torch op: the child steps an optimizer of its own, then is SIGKILLed
@@ -413,28 +416,28 @@ def test_nothing_is_left_behind(tmp_path, caplog):
     assert killed_dir.exists() and (killed_dir / nvme_mod.LOCK_NAME).exists()
     p = torch.nn.Parameter(torch.randn(10))
     with caplog.at_level(logging.WARNING, logger="fp4offload.optim.nvme"):
-        opt = FP4AdamW([p], state_device="nvme", nvme_path=kill_root, nvme_io="threads")
-    assert opt._nvme.swept == [killed_dir] and not killed_dir.exists()
+        opt = FP4AdamW([p], state_device="nvme", nvme_path=kill_root, nvme=NvmeOptions(io="threads"))
+    assert opt.placement.store.swept == [killed_dir] and not killed_dir.exists()
     assert any(str(killed_dir) in r.getMessage() and "abandoned" in r.getMessage() for r in caplog.records)
-    mine = opt._nvme.dir
+    mine = opt.placement.store.dir
     assert sorted(kill_root.iterdir()) == [mine]
     other = FP4AdamW([torch.nn.Parameter(torch.randn(10))], state_device="nvme", nvme_path=kill_root,
-                     nvme_io="threads")
-    assert other._nvme.swept == [] and mine.exists()  # a live store's folder is never swept
+                     nvme=NvmeOptions(io="threads"))
+    assert other.placement.store.swept == [] and mine.exists()  # a live store's folder is never swept
     other.close()
     opt.close()
     assert list(kill_root.iterdir()) == []
 
     assert (kept_dir / nvme_mod.KEEP_NAME).exists() and not (kept_dir / nvme_mod.LOCK_NAME).exists()
     sweeper = FP4AdamW([torch.nn.Parameter(torch.randn(10))], state_device="nvme", nvme_path=keep_root,
-                       nvme_io="threads")
-    assert sweeper._nvme.swept == [] and kept_dir.exists()
+                       nvme=NvmeOptions(io="threads"))
+    assert sweeper.placement.store.swept == [] and kept_dir.exists()
     sweeper.close()
     entries = nvme_mod.read_kept(kept_dir)
     (entry,) = entries.values()
     assert float(entry["step"]) == 1.0 and entry["m_codes"].numel() == R.packed_sizes(3000)[0]
     q = torch.nn.Parameter(torch.randn(3000))
-    fresh = FP4AdamW([q], min_numel=1, backend="reference")
+    fresh = FP4AdamW([q], state_format=StateFormat(min_numel=1), step_options=StepOptions(backend="reference"))
     assert load_param_states(fresh, {q: entry}) == 1
     assert fresh.state_dict()["state"][0]["step"] == 1.0
 
@@ -443,12 +446,12 @@ def test_keep_folder_in_process(tmp_path, monkeypatch):
     """nvme_keep=True keeps the folder at close with a manifest of the optimizer's steps (also states loaded
     and not stepped since); FP4OFFLOAD_NVME_KEEP=1 does the same for engines that build the optimizer."""
     params = _params("fp32")[:2]
-    opt = FP4AdamW(params, lr=1e-2, state_device="nvme", nvme_path=tmp_path, nvme_io="threads", nvme_keep=True)
+    opt = FP4AdamW(params, lr=1e-2, state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="threads", keep=True))
     for s in range(2):
         _grads(s, params)
         opt.step()
     sd = opt.state_dict()
-    folder = opt._nvme.dir
+    folder = opt.placement.store.dir
     opt.close()
     manifest = json.loads((folder / nvme_mod.MANIFEST_NAME).read_text())
     assert {k: v["step"] for k, v in manifest["keys"].items()} == {"t00000": 2, "t00001": 2}
@@ -457,9 +460,10 @@ def test_keep_folder_in_process(tmp_path, monkeypatch):
         for k, t in kept[key].items():
             assert torch.equal(t, sd["state"][i][k]) if torch.is_tensor(t) else t == sd["state"][i][k]
     monkeypatch.setenv("FP4OFFLOAD_NVME_KEEP", "1")
-    loaded = FP4AdamW(_params("fp32")[:2], lr=1e-2, state_device="nvme", nvme_path=tmp_path / "b", nvme_io="threads")
+    loaded = FP4AdamW(_params("fp32")[:2], lr=1e-2, state_device="nvme", nvme_path=tmp_path / "b",
+                      nvme=NvmeOptions(io="threads"))
     loaded.load_state_dict(sd)
-    folder = loaded._nvme.dir
+    folder = loaded.placement.store.dir
     loaded.close()
     assert {k: v["step"] for k, v in json.loads((folder / "manifest.json").read_text())["keys"].items()} == {
         "t00000": 2, "t00001": 2}
@@ -475,15 +479,15 @@ def test_engine_destroy_closes_the_optimizer(tmp_path):
     real one.)"""
     import types
 
-    from fp4offload.integrations.deepspeed import _close_on_destroy
+    from fp4offload._deepspeed.engine import _close_on_destroy
 
     params = _params("fp32")[1:2]
-    opt = FP4AdamW(params, state_device="nvme", nvme_path=tmp_path, nvme_io="threads")
+    opt = FP4AdamW(params, state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="threads"))
     _grads(0, params)
     opt.step()
-    folder, destroyed = opt._nvme.dir, []
+    folder, destroyed = opt.placement.store.dir, []
     engine = types.SimpleNamespace(optimizer=opt, destroy=lambda: destroyed.append(True))
     assert _close_on_destroy(engine)
     engine.destroy()
-    assert destroyed == [True] and not folder.exists() and opt._nvme is None
+    assert destroyed == [True] and not folder.exists() and opt.placement.store is None
     assert list(tmp_path.iterdir()) == []

@@ -464,7 +464,7 @@ def ds_problems(prep: Any, case: Case, verdicts: dict) -> list[str]:
 
 
 def run_ds(sb: Sandbox, n: int, seed: int) -> tuple[Counter, dict]:
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     rng = random.Random(seed)
     tally: Counter = Counter()
@@ -548,8 +548,9 @@ def policy_problems(pol: Any, case: Case, verdicts: dict) -> list[str]:
     if not (callable(pol.block_classes) or all(isinstance(c, str) and c for c in pol.block_classes)):
         out.append("block_classes")
     cls, extra, _ = inner_optimizer_class(pol)  # the FP4AdamW arguments the policy leads to must be valid too
-    if "min_numel" in extra and not _int_ok(extra["min_numel"], 1):
-        out.append(f"optimizer_states.min_numel={extra['min_numel']!r} becomes an invalid FP4AdamW min_numel")
+    fmt = extra.get("state_format")
+    if fmt is not None and not _int_ok(fmt.min_numel, 1):
+        out.append(f"optimizer_states.min_numel={fmt.min_numel!r} becomes an invalid FP4AdamW min_numel")
     return out
 
 
@@ -587,22 +588,44 @@ def run_yaml(sb: Sandbox, n: int, seed: int) -> tuple[Counter, dict]:
 
 
 def adamw_bases(sb: Sandbox) -> list[dict]:
-    a = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, maximize=False, m_rounding="stochastic",
-             v_format="ufp4", min_numel=16, state_device="same", backend="auto", seed=0, skip_nonfinite=True,
-             metrics_every=100, master="fp32", working_copy=None, tensor_key=None)
-    b = dict(a, state_device="nvme", nvme_path=str(sb.ok / "adamw"), nvme_io="threads", nvme_threads=2,
-             nvme_reserve_bytes=0)
+    """FP4AdamW's arguments, flat: ``group.field`` keys are fields of its option groups (see _fp4adamw)."""
+    a = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, "maximize": False,
+         "state_format.m_rounding": "stochastic", "state_format.v_format": "ufp4", "state_format.min_numel": 16,
+         "state_device": "same", "step_options.backend": "auto", "state_format.seed": 0,
+         "step_options.skip_nonfinite": True, "step_options.metrics_every": 100, "master": "fp32",
+         "step_options.working_copy": None, "step_options.tensor_key": None}
+    b = dict(a, state_device="nvme", nvme_path=str(sb.ok / "adamw"), **{"nvme.io": "threads", "nvme.threads": 2,
+                                                                         "nvme.reserve_bytes": 0})
     return [a, b]
 
 
+def _fp4adamw(params, kw: dict):
+    """FP4AdamW from flat arguments: a ``group.field`` key goes into that option group (StateFormat, NvmeOptions,
+    StepOptions), the others are keywords of their own."""
+    from fp4offload.optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
+
+    classes = {"state_format": StateFormat, "nvme": NvmeOptions, "step_options": StepOptions}
+    top, groups = {}, {}
+    for k, v in kw.items():
+        group, _, field_name = k.partition(".")
+        if field_name:
+            groups.setdefault(group, {})[field_name] = v
+        else:
+            top[k] = v
+    return FP4AdamW(params, **top, **{g: classes[g](**fields) for g, fields in groups.items()})
+
+
+_FORMAT_CHOICES = {"m_rounding": ROUNDINGS, "v_format": ("ufp4", "nvfp4"), "min_numel": (1, 4096, 16.0),
+                   "seed": (1, 2**32)}
 ADAMW_CHOICES = {"lr": (0.0, 1e-2, 1, torch.tensor(1e-3), torch.tensor([1e-3, 2e-3]), torch.tensor(NAN)),
                  "betas": ((0.5, 0.9), [0.0, 0.0], (0.9, None), (torch.tensor(0.9), 0.99)),
                  "eps": (1e-6, 1e-45, 1e-50), "weight_decay": (0.0, 0.1), "maximize": (True, False),
-                 "m_rounding": ROUNDINGS, "v_format": ("ufp4", "nvfp4"), "min_numel": (1, 4096, 16.0),
-                 "state_device": ("same", "cpu"), "backend": ("auto", "reference"), "seed": (1, 2**32),
-                 "skip_nonfinite": (True, False), "metrics_every": (0, 1), "master": ("fp32",),
-                 "working_copy": (None, "bf16"), "nvme_io": ("threads",), "nvme_threads": (1, 8),
-                 "nvme_reserve_bytes": (0, 4096), "tensor_key": (None, lambda t: None)}
+                 **_FORMAT_CHOICES, **{f"state_format.{k}": v for k, v in _FORMAT_CHOICES.items()},
+                 "state_device": ("same", "cpu"), "step_options.backend": ("auto", "reference"),
+                 "step_options.skip_nonfinite": (True, False), "step_options.metrics_every": (0, 1),
+                 "master": ("fp32",), "step_options.working_copy": (None, "bf16"), "nvme.io": ("threads",),
+                 "nvme.threads": (1, 8), "nvme.reserve_bytes": (0, 4096),
+                 "step_options.tensor_key": (None, lambda t: None)}
 GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "m_rounding", "v_format", "min_numel")
 
 
@@ -635,8 +658,6 @@ def adamw_problems(opt: Any, params: list) -> list[str]:
 
 
 def run_adamw(sb: Sandbox, n: int, seed: int) -> tuple[Counter, dict]:
-    from fp4offload.optim import FP4AdamW
-
     rng = random.Random(seed)
     tally: Counter = Counter()
     examples: dict = {}
@@ -659,10 +680,10 @@ def run_adamw(sb: Sandbox, n: int, seed: int) -> tuple[Counter, dict]:
 
         def run(kw=kw, key=key, value=value, where=where, params=params):
             if where in ("kwarg", "unknown"):
-                return FP4AdamW(params, **{**kw, key: value})
+                return _fp4adamw(params, {**kw, key: value})
             if where == "group":
-                return FP4AdamW([{"params": params[:1], key: value}, {"params": params[1:]}], **kw)
-            opt = FP4AdamW(params[:1], **kw)
+                return _fp4adamw([{"params": params[:1], key: value}, {"params": params[1:]}], kw)
+            opt = _fp4adamw(params[:1], kw)
             try:
                 opt.add_param_group({"params": params[1:], key: value})
             except ConfigError:
@@ -676,8 +697,8 @@ def run_adamw(sb: Sandbox, n: int, seed: int) -> tuple[Counter, dict]:
             if key == "nvme_path" and opt.state_device == "nvme":
                 if verdict_path is None:
                     out.append(f"nvme_path={value!r} accepted but not a usable folder")
-                elif opt._nvme is not None and opt._nvme.dir.parent.resolve() != verdict_path:
-                    out.append(f"nvme_path={value!r} used as {opt._nvme.dir.parent}, meant {verdict_path}")
+                elif opt.placement.store is not None and opt.placement.store.dir.parent.resolve() != verdict_path:
+                    out.append(f"nvme_path={value!r} used as {opt.placement.store.dir.parent}, meant {verdict_path}")
             with contextlib.suppress(Exception):
                 opt.close()
             return out
@@ -759,7 +780,7 @@ def test_deepspeed_optimizer_numbers_from_json_are_checked(params, key, fragment
     """JSON allows NaN and Infinity; every number the block reads is refused where it enters, naming its key."""
     import json
 
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     cfg = _ds({"optimizer_states": {"device": "cpu"}})
     cfg["optimizer"]["params"] = json.loads(params)
@@ -772,15 +793,16 @@ def test_deepspeed_optimizer_numbers_from_json_are_checked(params, key, fragment
     ({"betas": (0.9,)}, "betas", "a pair"), ({"betas": (0.9, None)}, "betas[1]", "[0, 1)"),
     ({"betas": (0.9, 0.999, 0.9)}, "betas", "3 value(s)"), ({"lr": True}, "lr", "true/false"),
     ({"lr": torch.tensor([1e-3, 2e-3])}, "lr", "one element"), ({"lr": torch.tensor(NAN)}, "lr", "NaN"),
-    ({"lr": 1e3, "weight_decay": 0.1}, "weight_decay", "flip sign"), ({"min_numel": 16.0}, "min_numel", "integer"),
-    ({"seed": "1"}, "seed", "integer"), ({"metrics_every": -1}, "metrics_every", ">= 0"),
-    ({"nvme_threads": 0, "state_device": "nvme", "nvme_path": "/tmp"}, "nvme_threads", ">= 1"),
-    ({"skip_nonfinite": 1}, "skip_nonfinite", "True or False"), ({"maximize": "no"}, "maximize", "True or False"),
+    ({"lr": 1e3, "weight_decay": 0.1}, "weight_decay", "flip sign"),
+    ({"state_format.min_numel": 16.0}, "state_format.min_numel", "integer"),
+    ({"state_format.seed": "1"}, "state_format.seed", "integer"),
+    ({"step_options.metrics_every": -1}, "step_options.metrics_every", ">= 0"),
+    ({"nvme.threads": 0, "state_device": "nvme", "nvme_path": "/tmp"}, "nvme.threads", ">= 1"),
+    ({"step_options.skip_nonfinite": 1}, "step_options.skip_nonfinite", "True or False"),
+    ({"maximize": "no"}, "maximize", "True or False"),
 ])
 def test_fp4adamw_numbers_are_checked_in_the_constructor(kwargs, key, fragment):
-    from fp4offload.optim import FP4AdamW
-
-    _raises(lambda: FP4AdamW(_params(), **kwargs), key, fragment)
+    _raises(lambda: _fp4adamw(_params(), kwargs), key, fragment)
 
 
 def test_fp4adamw_param_groups_are_checked_and_a_refused_group_is_not_added():
@@ -803,16 +825,16 @@ def test_fp4adamw_param_groups_are_checked_and_a_refused_group_is_not_added():
 
 def test_nvme_path_rules_for_fp4adamw(sb):
     """The one folder check (fp4offload.config.check_directory), as FP4AdamW's nvme_path meets it."""
-    from fp4offload.optim import FP4AdamW
+    from fp4offload.optim import FP4AdamW, NvmeOptions
 
     def opt(path):
-        return FP4AdamW(_params(), state_device="nvme", nvme_path=path, nvme_io="threads")
+        return FP4AdamW(_params(), state_device="nvme", nvme_path=path, nvme=NvmeOptions(io="threads"))
 
     o = opt("~/states")  # ~ expanded: the folder is made in $HOME, not as ./~ in the working directory
-    assert o._nvme.dir.parent == sb.home / "states" and not (sb.root / "~").exists()
+    assert o.placement.store.dir.parent == sb.home / "states" and not (sb.root / "~").exists()
     o.close()
     o = opt("$FP4FUZZ_DIR/st")
-    assert o._nvme.dir.parent == sb.ok / "st"
+    assert o.placement.store.dir.parent == sb.ok / "st"
     o.close()
     missing = sb.root / "mnt" / "nvme0" / "fp4"  # a mistyped mount point: refused, and nothing is created
     _raises(lambda: opt(str(missing)), "nvme_path", "mistyped mount point")
@@ -830,7 +852,7 @@ def test_nvme_path_rules_for_fp4adamw(sb):
 
 
 def test_deepspeed_block_paths_are_checked_before_anything_is_built(sb):
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     nvme = {"optimizer_states": {"device": "nvme", "nvme_path": "~/states"},
             "activations": {"device": "nvme", "nvme_path": "$FP4FUZZ_DIR/acts"}}
@@ -879,7 +901,7 @@ def test_block_refuses_what_would_be_ignored_or_out_of_range(block, key, fragmen
 
 
 def test_deepspeed_refuses_settings_its_rewrite_would_ignore():
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     zero = {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}}
     # fp32 states with DeepSpeed's NVMe offload: torch AdamW would keep them in host RAM

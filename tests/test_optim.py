@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fp4offload import FP4AdamW, metrics
+from fp4offload.optim import StateFormat, StepOptions
 from fp4offload.errors import ConfigError
 
 
@@ -35,7 +36,7 @@ def test_follows_torch_adamw():
     torch AdamW weights stays under 0.5 of the distance torch AdamW moved them (measured: 0.38 at most),
     shrinks to under 0.15 by the end (measured 0.025), and the final losses agree within 10% (measured 4.4%)."""
     W0, t_traj, t_loss, _ = _train(lambda p: torch.optim.AdamW(p, lr=3e-3), 300)
-    _, f_traj, f_loss, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, min_numel=1), 300)
+    _, f_traj, f_loss, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, state_format=StateFormat(min_numel=1)), 300)
     dev = [float((a - b).norm() / (b - W0).norm()) for a, b in zip(f_traj, t_traj)]
     assert max(dev) < 0.5, max(dev)
     assert dev[-1] < 0.15, dev[-1]
@@ -45,7 +46,8 @@ def test_follows_torch_adamw():
 def test_fp32_states_match_torch_adamw_closely():
     """Tensors under min_numel keep fp32 states: the same update as torch AdamW up to rounding order."""
     W0, t_traj, _, _ = _train(lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1), 50)
-    _, f_traj, _, opt = _train(lambda p: FP4AdamW(p, lr=3e-3, weight_decay=0.1, min_numel=10**9), 50)
+    _, f_traj, _, opt = _train(lambda p: FP4AdamW(p, lr=3e-3, weight_decay=0.1,
+                                                  state_format=StateFormat(min_numel=10**9)), 50)
     assert "exp_avg" in next(iter(opt.state.values()))
     assert float((f_traj[-1] - t_traj[-1]).abs().max()) < 1e-5
 
@@ -54,15 +56,16 @@ def test_converges_on_convex_problem():
     """Least squares: from 150x the optimum's loss, FP4AdamW gets within 10% of it in 300 steps (measured 6%)."""
     X, Y, _ = _regression()
     best = float(((X @ torch.linalg.lstsq(X, Y).solution - Y) ** 2).mean())
-    _, _, losses, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, min_numel=1, weight_decay=0.0), 300)
+    _, _, losses, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, weight_decay=0.0,
+                                                state_format=StateFormat(min_numel=1)), 300)
     assert losses[0] > 100 * best
     assert losses[-1] < best * 1.1, (losses[-1], best)
 
 
 def test_nvfp4_v_variant_exists_and_is_worse():
     """The ablation's plain-NVFP4 v flushes small v to zero: on the same problem it ends far from the optimum."""
-    _, _, ufp4, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, min_numel=1), 40)
-    _, _, nvfp4, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, min_numel=1, v_format="nvfp4"), 40)
+    _, _, ufp4, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, state_format=StateFormat(min_numel=1)), 40)
+    _, _, nvfp4, _ = _train(lambda p: FP4AdamW(p, lr=3e-3, state_format=StateFormat(min_numel=1, v_format="nvfp4")), 40)
     assert nvfp4[-1] > 10 * ufp4[-1]
 
 
@@ -104,12 +107,19 @@ def test_param_groups_scheduler_closure_maximize():
 
 def test_bad_arguments_name_the_key():
     p = [torch.nn.Parameter(torch.zeros(3))]
-    for kw, key in [({"v_format": "fp8"}, "v_format"), ({"m_rounding": "up"}, "m_rounding"),
-                    ({"state_device": "disk"}, "state_device"), ({"state_device": "nvme"}, "nvme_path"),
-                    ({"betas": (0.9, 1.0)}, "betas[1]"), ({"lr": -1}, "lr"), ({"backend": "gpu"}, "backend")]:
+    for make, key in [(lambda: StateFormat(v_format="fp8"), "state_format.v_format"),
+                      (lambda: StateFormat(m_rounding="up"), "state_format.m_rounding"),
+                      (lambda: FP4AdamW(p, state_device="disk"), "state_device"),
+                      (lambda: FP4AdamW(p, state_device="nvme"), "nvme_path"),
+                      (lambda: FP4AdamW(p, betas=(0.9, 1.0)), "betas[1]"), (lambda: FP4AdamW(p, lr=-1), "lr"),
+                      (lambda: StepOptions(backend="gpu"), "step_options.backend"),
+                      (lambda: FP4AdamW(p, state_format={"v_format": "ufp4"}), "state_format"),
+                      (lambda: FP4AdamW(p, min_numel=1), "state_format=StateFormat(min_numel=...)")]:
         with pytest.raises(ConfigError) as e:
-            FP4AdamW(p, **kw)
+            make()
         assert key in str(e.value)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'colour'"):
+        FP4AdamW(p, colour=1)
 
 
 def _model():
@@ -166,7 +176,7 @@ def _assert_same_state(sa, sb):
 def test_state_dict_round_trip_bit_exact(cast):
     """Packed states round-trip bit for bit, also after a caller casts them to a float dtype (DeepSpeed)."""
     model = _model()
-    opt = FP4AdamW(model.parameters(), lr=1e-2, m_rounding="stochastic")
+    opt = FP4AdamW(model.parameters(), lr=1e-2, state_format=StateFormat(m_rounding="stochastic"))
     _steps(model, opt, 3)
     sd = opt.state_dict()
     assert sd["state"][0]["m_codes"].dtype == torch.uint8  # 64*96 = 6144 elements: packed
@@ -179,7 +189,7 @@ def test_state_dict_round_trip_bit_exact(cast):
         sd2 = sd
     model2 = _model()
     model2.load_state_dict(model.state_dict())
-    opt2 = FP4AdamW(model2.parameters(), lr=1e-2, m_rounding="stochastic")
+    opt2 = FP4AdamW(model2.parameters(), lr=1e-2, state_format=StateFormat(m_rounding="stochastic"))
     opt2.load_state_dict(sd2)
     _assert_same_state(sd, opt2.state_dict())
     # and the next steps are identical
@@ -228,7 +238,7 @@ def test_load_torch_adamw_state_dict():
 
 def test_working_copies():
     model = _model()
-    opt = FP4AdamW(model.parameters(), lr=1e-2, working_copy="both")
+    opt = FP4AdamW(model.parameters(), lr=1e-2, step_options=StepOptions(working_copy="both"))
     _steps(model, opt, 2)
     from fp4offload import quantize
 
@@ -257,7 +267,7 @@ def test_host_bytes_per_param_and_metrics():
     """m and v of a large tensor take at most 1.2 B/param (measured from the tensors the optimizer owns)."""
     metrics.reset("optim.qerr")
     p = torch.nn.Parameter(torch.randn(1 << 16))
-    opt = FP4AdamW([p], lr=1e-3, metrics_every=1)
+    opt = FP4AdamW([p], lr=1e-3, step_options=StepOptions(metrics_every=1))
     p.grad = torch.randn(1 << 16)
     opt.step()
     b = opt.state_bytes()
@@ -280,7 +290,8 @@ def test_tensor_key_gives_swapped_in_tensors_their_own_random_streams():
             p.name_for_test = name
             p.grad = torch.linspace(1, -1, 8192) * 1e-3
             if opt is None:
-                opt = FP4AdamW([p], lr=1e-3, m_rounding="stochastic", tensor_key=key_fn, min_numel=1)
+                opt = FP4AdamW([p], lr=1e-3, state_format=StateFormat(m_rounding="stochastic", min_numel=1),
+                               step_options=StepOptions(tensor_key=key_fn))
             else:
                 opt.param_groups[0]["params"] = [p]  # swapped in, as ZeRO-3 does per sub-group
             opt.step()
@@ -292,14 +303,14 @@ def test_tensor_key_gives_swapped_in_tensors_their_own_random_streams():
     keyed = run(lambda t: getattr(t, "name_for_test", None), ["a", "b"])
     assert not torch.equal(keyed[0], keyed[1])
     assert torch.equal(keyed[0], run(lambda t: getattr(t, "name_for_test", None), ["a"])[0])
-    default = FP4AdamW([torch.nn.Parameter(torch.ones(8))], tensor_key=lambda t: "x")
+    default = FP4AdamW([torch.nn.Parameter(torch.ones(8))], step_options=StepOptions(tensor_key=lambda t: "x"))
     assert default.param_groups[0]["m_rounding"] == "stochastic"
 
 
 def test_tensor_key_must_be_callable():
     with pytest.raises(ConfigError) as e:
-        FP4AdamW([torch.nn.Parameter(torch.ones(8))], tensor_key="ds1")
-    assert e.value.key == "tensor_key"
+        FP4AdamW([torch.nn.Parameter(torch.ones(8))], step_options=StepOptions(tensor_key="ds1"))
+    assert e.value.key == "step_options.tensor_key"
 
 
 def test_load_param_states_takes_a_live_torch_adamw_per_parameter():
@@ -329,5 +340,5 @@ def test_argument_errors_list_the_allowed_values():
         FP4AdamW(p, state_device="disk")
     assert all(repr(d) in e.value.allowed for d in OPTIMIZER_DEVICES)
     with pytest.raises(ConfigError) as e:
-        FP4AdamW(p, working_copy="fp8")
+        FP4AdamW(p, step_options=StepOptions(working_copy="fp8"))
     assert e.value.allowed == " | ".join(repr(w) for w in WORKING_COPIES)

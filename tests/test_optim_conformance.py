@@ -11,6 +11,7 @@ import torch
 from torch.optim.lr_scheduler import StepLR
 
 from fp4offload import FP4AdamW
+from fp4offload.optim import NvmeOptions, StateFormat, StepOptions
 from fp4offload.errors import ConfigError
 from fp4offload.optim.checks import UNSUPPORTED
 
@@ -64,7 +65,7 @@ def _run(opt, params, steps, start=0):
 
 def test_state_dict_pre_and_post_hooks_run_in_order_and_post_may_replace():
     ps = _params()
-    opt = FP4AdamW(ps, min_numel=1)
+    opt = FP4AdamW(ps, state_format=StateFormat(min_numel=1))
     _run(opt, ps, 1)
     calls = []
     opt.register_state_dict_pre_hook(lambda o: (calls.append("pre"), o.state.__setitem__("note", 7)))
@@ -82,10 +83,10 @@ def test_state_dict_pre_and_post_hooks_run_in_order_and_post_may_replace():
 
 def test_load_state_dict_pre_hook_rewrites_and_post_hook_sees_loaded_state():
     ps = _params()
-    opt = FP4AdamW(ps, min_numel=1, lr=1e-3)
+    opt = FP4AdamW(ps, lr=1e-3, state_format=StateFormat(min_numel=1))
     _run(opt, ps, 2)
     sd = opt.state_dict()
-    fresh = FP4AdamW(_params(), min_numel=1, lr=1e-3)
+    fresh = FP4AdamW(_params(), lr=1e-3, state_format=StateFormat(min_numel=1))
     seen = []
     fresh.register_load_state_dict_pre_hook(lambda o, d: d["param_groups"][0].__setitem__("lr", 5e-4))
 
@@ -105,7 +106,7 @@ def test_load_state_dict_pre_hook_rewrites_and_post_hook_sees_loaded_state():
 
 def test_step_pre_and_post_hooks():
     ps = _params()
-    opt = FP4AdamW(ps, min_numel=1)
+    opt = FP4AdamW(ps, state_format=StateFormat(min_numel=1))
     log = []
     h1 = opt.register_step_pre_hook(lambda o, a, k: log.append(("pre", float(ps[0].detach()[0, 0]))))
     h2 = opt.register_step_post_hook(lambda o, a, k: log.append(("post", float(ps[0].detach()[0, 0]))))
@@ -123,9 +124,9 @@ def test_step_pre_and_post_hooks():
 
 @pytest.mark.parametrize("min_numel,state_device", [(1, "same"), (4096, "same"), (1, "nvme")])
 def test_save_load_round_trip_continues_bit_for_bit(tmp_path, min_numel, state_device):
-    kw = dict(lr=2e-3, min_numel=min_numel, state_device=state_device, seed=3)
+    kw = dict(lr=2e-3, state_format=StateFormat(min_numel=min_numel, seed=3), state_device=state_device)
     if state_device == "nvme":
-        kw["nvme_path"], kw["nvme_io"] = tmp_path / "nvme", "threads"
+        kw["nvme_path"], kw["nvme"] = tmp_path / "nvme", NvmeOptions(io="threads")
         kw["nvme_path"].mkdir()
     a = _params()
     opt_a = FP4AdamW(a, **kw)
@@ -151,7 +152,7 @@ def test_save_load_round_trip_continues_bit_for_bit(tmp_path, min_numel, state_d
 
 def test_state_dict_with_a_repeated_group_and_scalar_step():
     ps = _params()
-    opt = FP4AdamW(ps, min_numel=1)
+    opt = FP4AdamW(ps, state_format=StateFormat(min_numel=1))
     _run(opt, ps, 2)
     sd = opt.state_dict()
     for e in sd["state"].values():  # an older torch saved step as a number: still loads and continues
@@ -170,10 +171,11 @@ def test_state_dict_with_a_repeated_group_and_scalar_step():
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @pytest.mark.parametrize("state_device", ["same", "nvme"])
 def test_copies_are_working_optimizers(tmp_path, how, state_device):
-    kw = dict(min_numel=1, state_device=state_device, skip_nonfinite=True, metrics_every=7, seed=5,
-              backend="reference" if how == "pickle" else "auto")
+    kw = dict(state_format=StateFormat(min_numel=1, seed=5), state_device=state_device,
+              step_options=StepOptions(skip_nonfinite=True, metrics_every=7,
+                                       backend="reference" if how == "pickle" else "auto"))
     if state_device == "nvme":
-        kw["nvme_path"], kw["nvme_io"] = str(tmp_path), "threads"
+        kw["nvme_path"], kw["nvme"] = str(tmp_path), NvmeOptions(io="threads")
     ps = _params()
     opt = FP4AdamW(ps, **kw)
     _run(opt, ps, 2)
@@ -181,12 +183,13 @@ def test_copies_are_working_optimizers(tmp_path, how, state_device):
     twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     public = {k for k in vars(opt) if not k.startswith("_")}
     assert public == {k for k in vars(twin) if not k.startswith("_")}
-    for k in public - {"state", "param_groups"}:
+    for k in public - {"state", "param_groups", "placement", "stepper", "hooks"}:  # the copy's own rooms
         assert getattr(twin, k) == getattr(opt, k), k
     qs = [p for g in twin.param_groups for p in g["params"]]
     assert all(q is not p for q, p in zip(qs, ps))
     if state_device == "nvme":
-        assert twin._nvme.dir != opt._nvme.dir and twin._nvme.dir.parent == opt._nvme.dir.parent
+        mine, its = opt.placement.store.dir, twin.placement.store.dir
+        assert its != mine and its.parent == mine.parent
     for i in range(2, 5):
         _grads(ps, i)
         _grads(qs, i)
@@ -200,7 +203,7 @@ def test_copies_are_working_optimizers(tmp_path, how, state_device):
 
 def test_copy_drops_hooks_like_torch():
     ps = _params()
-    opt = FP4AdamW(ps, min_numel=1)
+    opt = FP4AdamW(ps, state_format=StateFormat(min_numel=1))
     opt.register_step_post_hook(lambda o, a, k: None)
     opt.register_state_dict_post_hook(lambda o, sd: None)
     wrapped = opt.load_state_dict
@@ -220,8 +223,8 @@ def test_copy_drops_hooks_like_torch():
 def test_tensor_lr_equals_float_lr_and_works_with_a_scheduler(min_numel):
     lr = float(torch.tensor(3e-3))  # the fp32 value, so both runs use the same number
     a, b = _params(), _params()
-    opt_a = FP4AdamW(a, lr=lr, min_numel=min_numel)
-    opt_b = FP4AdamW(b, lr=torch.tensor(lr), min_numel=min_numel)
+    opt_a = FP4AdamW(a, lr=lr, state_format=StateFormat(min_numel=min_numel))
+    opt_b = FP4AdamW(b, lr=torch.tensor(lr), state_format=StateFormat(min_numel=min_numel))
     sa, sb = StepLR(opt_a, step_size=2, gamma=0.5), StepLR(opt_b, step_size=2, gamma=0.5)
     for i in range(5):
         _grads(a, i)
@@ -234,7 +237,7 @@ def test_tensor_lr_equals_float_lr_and_works_with_a_scheduler(min_numel):
     assert torch.is_tensor(opt_b.param_groups[0]["lr"]) and float(opt_b.param_groups[0]["lr"]) == lr * 0.25
     sd = opt_b.state_dict()
     c = [torch.nn.Parameter(p.detach().clone()) for p in b]
-    opt_c = FP4AdamW(c, lr=torch.tensor(lr), min_numel=min_numel)
+    opt_c = FP4AdamW(c, lr=torch.tensor(lr), state_format=StateFormat(min_numel=min_numel))
     opt_c.load_state_dict(copy.deepcopy(sd))
     _grads(b, 9)
     _grads(c, 9)
@@ -246,7 +249,7 @@ def test_tensor_lr_equals_float_lr_and_works_with_a_scheduler(min_numel):
 def test_zero_gradients_without_weight_decay_leave_the_weights():
     ps = _params()
     before = _bits(ps)
-    opt = FP4AdamW(ps, min_numel=1, weight_decay=0.0)
+    opt = FP4AdamW(ps, weight_decay=0.0, state_format=StateFormat(min_numel=1))
     for p in ps:
         p.grad = torch.zeros_like(p)
     opt.step()
@@ -267,9 +270,9 @@ def test_unsupported_options_fuzz():
         kw = {flag: value}
         try:
             if where == "ctor":
-                opt = FP4AdamW(_params(), min_numel=1, **kw)
+                opt = FP4AdamW(_params(), state_format=StateFormat(min_numel=1), **kw)
             else:
-                opt = FP4AdamW([{"params": _params(), **kw}], min_numel=1)
+                opt = FP4AdamW([{"params": _params(), **kw}], state_format=StateFormat(min_numel=1))
             _run(opt, [p for g in opt.param_groups for p in g["params"]], 1)
         except ConfigError as e:
             assert not off, (flag, value, where)
@@ -288,7 +291,7 @@ def test_torch_adamw_state_dicts_load_and_amsgrad_is_refused():
     _run(t, src, 2)
     sd = t.state_dict()
     ps = [torch.nn.Parameter(p.detach().clone()) for p in src]
-    opt = FP4AdamW(ps, min_numel=1)
+    opt = FP4AdamW(ps, state_format=StateFormat(min_numel=1))
     opt.load_state_dict(sd)
     g = opt.param_groups[0]
     assert not set(UNSUPPORTED) & set(g) and "decoupled_weight_decay" not in g and g["v_format"] == "ue2m2"
@@ -296,4 +299,4 @@ def test_torch_adamw_state_dicts_load_and_amsgrad_is_refused():
     a = torch.optim.AdamW(_params(), amsgrad=True)
     _run(a, [p for g in a.param_groups for p in g["params"]], 1)
     with pytest.raises(ConfigError, match=r"\['amsgrad'\].*max_exp_avg_sq"):
-        FP4AdamW(_params(), min_numel=1).load_state_dict(a.state_dict())
+        FP4AdamW(_params(), state_format=StateFormat(min_numel=1)).load_state_dict(a.state_dict())

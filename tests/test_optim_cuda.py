@@ -120,6 +120,7 @@ def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypa
     from test_cuda_emulated import _plant_ties
 
     from fp4offload import FP4AdamW
+    from fp4offload.optim import StepOptions
     from fp4offload.optim import master as MW
 
     calls = []
@@ -134,9 +135,9 @@ def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypa
         x = _plant_ties(torch.randn(n, generator=gen) * 0.02)
         h, lo, odd = MW.split(x)
         p = torch.nn.Parameter((h if master == "split" else x.to(torch.bfloat16)).to(dev))
-        opt = FP4AdamW([p], lr=1e-2, weight_decay=0.0, master=master, backend=backend)
+        opt = FP4AdamW([p], lr=1e-2, weight_decay=0.0, master=master, step_options=StepOptions(backend=backend))
         if master == "split":
-            opt.start_master(p, lo.to(dev), odd.to(dev))
+            opt.hooks.start_master(p, lo.to(dev), odd.to(dev))
         calls.clear()
         for _ in range(3):
             gr = torch.randn(n, generator=gen) * 1e-3
@@ -160,12 +161,14 @@ def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypa
 def test_gpu_params_match_cpu_params(tier, v_rounding, tmp_path):
     """GPU parameters with states on the GPU or on the host train bit-identically to CPU parameters."""
     from fp4offload import FP4AdamW
+    from fp4offload.optim import StateFormat
 
     def run(device, state_device):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter(torch.randn(R.SEGMENT + 5000, device=device) * 0.1),
               torch.nn.Parameter(torch.randn(300, device=device))]
-        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device, m_rounding="stochastic", v_rounding=v_rounding)
+        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device,
+                       state_format=StateFormat(m_rounding="stochastic", v_rounding=v_rounding))
         for s in range(3):
             for i, p in enumerate(ps):
                 g = torch.Generator().manual_seed(10 * s + i)
@@ -183,12 +186,13 @@ def test_gpu_params_match_cpu_params(tier, v_rounding, tmp_path):
 def test_bf16_gpu_params_match_bf16_cpu_params(tier):
     """bf16 GPU parameters keep an fp32 master on the compute device and train like bf16 CPU parameters."""
     from fp4offload import FP4AdamW
+    from fp4offload.optim import StateFormat
 
     def run(device, state_device):
         torch.manual_seed(0)
         ps = [torch.nn.Parameter((torch.randn(R.SEGMENT + 5000) * 0.1).bfloat16().to(device)),
               torch.nn.Parameter(torch.randn(300).bfloat16().to(device))]
-        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device, m_rounding="stochastic")
+        opt = FP4AdamW(ps, lr=1e-2, state_device=state_device, state_format=StateFormat(m_rounding="stochastic"))
         for s in range(3):
             for i, p in enumerate(ps):
                 g = torch.Generator().manual_seed(10 * s + i)

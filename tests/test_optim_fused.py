@@ -183,12 +183,13 @@ def test_all_finite_positions(step_ext, simd, n):
 def test_optimizer_fused_equals_reference_backend():
     """The whole optimizer, fused vs torch-op backend, on a model with small and large tensors."""
     from fp4offload import FP4AdamW
+    from fp4offload.optim import StateFormat, StepOptions
 
     def run(backend):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(100, 200), torch.nn.GELU(), torch.nn.Linear(200, 30))
-        opt = FP4AdamW(model.parameters(), lr=3e-3, backend=backend, m_rounding="stochastic",
-                       working_copy="bf16")
+        opt = FP4AdamW(model.parameters(), lr=3e-3, state_format=StateFormat(m_rounding="stochastic"),
+                       step_options=StepOptions(backend=backend, working_copy="bf16"))
         g = torch.Generator().manual_seed(1)
         for _ in range(5):
             x = torch.randn(32, 100, generator=g)
@@ -215,13 +216,15 @@ def test_fused_nvfp4_working_copy(step_ext, simd, shape):
     byte for byte, at every step; the fused step writes it, except on the first step and where that rounded
     amax moved (then a pass of its own does); the step's own result (weights, states) is unchanged by it."""
     from fp4offload import FP4AdamW, metrics, quantize
+    from fp4offload.optim import StateFormat, StepOptions
 
     def run(copy):
         torch.manual_seed(1)
         p = torch.nn.Parameter(torch.randn(shape) * 0.02)
         with torch.no_grad():
             p.view(-1)[0] = 0.2  # amax 0.2: rounded up, 0.25
-        opt = FP4AdamW([p], lr=1e-4, backend="fused", min_numel=16, working_copy="nvfp4" if copy else None)
+        opt = FP4AdamW([p], lr=1e-4, state_format=StateFormat(min_numel=16),
+                       step_options=StepOptions(backend="fused", working_copy="nvfp4" if copy else None))
         g = torch.Generator().manual_seed(2)
         out = []
         for step in range(5):
@@ -264,6 +267,7 @@ def test_fused_weight_regions(step_ext, simd, threads):
     amax; the step's weights and states are the same bits as without regions; a region without an amax, or
     a step that was skipped, writes nothing."""
     from fp4offload import ConfigError, FP4AdamW, quantize
+    from fp4offload.optim import StepOptions
     from fp4offload.optim import WeightRegion
 
     n = 200_003
@@ -274,12 +278,12 @@ def test_fused_weight_regions(step_ext, simd, threads):
         def run(with_regions):
             g = torch.Generator().manual_seed(5)
             p = torch.nn.Parameter(torch.randn(n, generator=g) * 0.05)
-            opt = FP4AdamW([p], lr=1e-3, backend="fused")
+            opt = FP4AdamW([p], lr=1e-3, step_options=StepOptions(backend="fused"))
             regs = [WeightRegion(o, r, c) for o, r, c in layout] + [WeightRegion(195_000, 10, 64)]
             if with_regions:
                 with pytest.raises(ConfigError, match="non-overlapping"):
-                    opt.register_weight_regions(p, regs + [WeightRegion(194_000, 10, 64)])  # overlaps
-                opt.register_weight_regions(p, regs)
+                    opt.hooks.weight_regions(p, regs + [WeightRegion(194_000, 10, 64)])  # overlaps
+                opt.hooks.weight_regions(p, regs)
             out = []
             for step in range(3):
                 for r in regs[:3]:  # not an fp32 value: the step scales by its fp32 rounding and leaves it be

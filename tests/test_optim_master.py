@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fp4offload.errors import ConfigError
-from fp4offload.optim import FP4AdamW
+from fp4offload.optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
 from fp4offload.optim import master as MW
 from fp4offload.optim import reference_step as R
 
@@ -95,8 +95,8 @@ def _train(master: str, steps: int, *, backend="auto", big=(1 << 20) + 4097, dty
     params = _params(model, big)
     with torch.no_grad():
         params[-1].data = params[-1].data.to(dtype)
-    opt = FP4AdamW(params, lr=3e-3, weight_decay=0.1, master=master, backend=backend, seed=seed,
-                   **(opt_kwargs or {}))
+    opt = FP4AdamW(params, lr=3e-3, weight_decay=0.1, master=master, state_format=StateFormat(seed=seed),
+                   step_options=StepOptions(backend=backend), **opt_kwargs or {})
     if start is not None:
         start(params, opt)
     g = torch.Generator().manual_seed(2)
@@ -268,7 +268,7 @@ def test_torch_adamw_state_converts_into_split(step_ext):
 
 
 def test_split_on_the_nvme_tier_equals_fp32(step_ext, tmp_path):
-    kw = dict(state_device="nvme", nvme_path=str(tmp_path), nvme_io="threads")
+    kw = dict(state_device="nvme", nvme_path=str(tmp_path), nvme=NvmeOptions(io="threads"))
     la, pa = _train("fp32", 6, big=(2 << 20) + 77, opt_kwargs=kw)
     lb, pb = _train("split", 6, big=(2 << 20) + 77, opt_kwargs=kw)
     assert la == lb and all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(pa, pb))
@@ -282,13 +282,13 @@ def test_bad_master_settings_are_refused_before_anything_is_built():
         FP4AdamW([p32], master="split")
     pb = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
     with pytest.raises(ConfigError, match="working_copy"):
-        FP4AdamW([pb], master="split", working_copy="nvfp4")
+        FP4AdamW([pb], master="split", step_options=StepOptions(working_copy="nvfp4"))
     opt = FP4AdamW([pb], master="bf16")
     with pytest.raises(ConfigError, match="master"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))]})
     from fp4offload.optim import WeightRegion
     with pytest.raises(ConfigError, match="master"):
-        opt.register_weight_regions(pb, [WeightRegion(0, 2, 5)])
+        opt.hooks.weight_regions(pb, [WeightRegion(0, 2, 5)])
 
 
 def test_nonfinite_master_keeps_fp32_behaviour(step_ext):
@@ -298,7 +298,7 @@ def test_nonfinite_master_keeps_fp32_behaviour(step_ext):
         p = torch.nn.Parameter(torch.randn(5000, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16))
         with torch.no_grad():
             p[7], p[8] = float("nan"), float("inf")
-        opt = FP4AdamW([p], lr=1e-3, master=master, skip_nonfinite=False)
+        opt = FP4AdamW([p], lr=1e-3, master=master, step_options=StepOptions(skip_nonfinite=False))
         for _ in range(3):
             p.grad = torch.ones_like(p)
             opt.step()
@@ -320,23 +320,23 @@ def test_a_given_gradient_norm_replaces_the_nonfinite_pass(monkeypatch):
     p = torch.nn.Parameter(torch.randn(5000).to(torch.bfloat16))
     opt = FP4AdamW([p], lr=1e-2, master="split")
     calls = []
-    real = opt._grads_finite
-    monkeypatch.setattr(opt, "_grads_finite", lambda gs: calls.append(1) or real(gs))
+    real = opt.stepper.grads_finite
+    monkeypatch.setattr(opt.stepper, "grads_finite", lambda gs: calls.append(1) or real(gs))
     p.grad = torch.ones_like(p)
     before = p.detach().clone()
     opt.step(grad_norm=float("inf"))  # the caller's norm says non-finite: skipped, gradients not read
     assert opt.skipped_steps == 1 and torch.equal(before, p.detach()) and not calls
     opt.step(grad_norm=torch.tensor(3.0))
     assert opt.skipped_steps == 1 and not torch.equal(before, p.detach()) and not calls
-    opt.set_grad_norm_source(lambda: -1.0)  # DeepSpeed reports Inf/NaN norms as -1
+    opt.hooks.grad_norm_source(lambda: -1.0)  # DeepSpeed reports Inf/NaN norms as -1
     opt.step()
     assert opt.skipped_steps == 2 and not calls
-    opt.set_grad_norm_source(lambda: None)  # not computed this step: the pass runs
+    opt.hooks.grad_norm_source(lambda: None)  # not computed this step: the pass runs
     p.grad[3] = float("nan")
     opt.step()
     assert opt.skipped_steps == 3 and calls == [1]
     with pytest.raises(ConfigError, match="fn"):
-        opt.set_grad_norm_source(3.0)
+        opt.hooks.grad_norm_source(3.0)
 
 
 @pytest.mark.gpu
@@ -364,7 +364,7 @@ def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(step_ext):
     split with bf16 gradients, and the fp32 master with bf16 gradients (scaled in fp32 segment by segment, the
     gradient left as it is), step exactly as the fp32 master whose fp32 gradients were multiplied by the scale
     in place; a skipped step drops its scale."""
-    from fp4offload.integrations.ds_host import _set_grad
+    from fp4offload._deepspeed.at_init import set_grad as _set_grad
 
     g = torch.Generator().manual_seed(7)
     sizes = (5000, 100, (1 << 20) + 3000)  # packed states, fp32 states (small), two segments
@@ -372,9 +372,9 @@ def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(step_ext):
     p32 = [torch.nn.Parameter(x.float()) for x in start]
     p16 = [torch.nn.Parameter(x.clone()) for x in start]
     pmix = [torch.nn.Parameter(x.float()) for x in start]  # fp32 master, bf16 gradient
-    o32 = FP4AdamW(p32, lr=1e-2, weight_decay=0.1, master="fp32", min_numel=4096)
-    o16 = FP4AdamW(p16, lr=1e-2, weight_decay=0.1, master="split", min_numel=4096)
-    omix = FP4AdamW(pmix, lr=1e-2, weight_decay=0.1, master="fp32", min_numel=4096)
+    o32 = FP4AdamW(p32, lr=1e-2, weight_decay=0.1, master="fp32", state_format=StateFormat(min_numel=4096))
+    o16 = FP4AdamW(p16, lr=1e-2, weight_decay=0.1, master="split", state_format=StateFormat(min_numel=4096))
+    omix = FP4AdamW(pmix, lr=1e-2, weight_decay=0.1, master="fp32", state_format=StateFormat(min_numel=4096))
     for step in range(6):
         grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
         if step == 3:
@@ -384,7 +384,7 @@ def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(step_ext):
             a.grad, b.grad = gr.float(), gr.clone()
             _set_grad(c, gr.clone())
             for o, q in ((o32, a), (o16, b), (omix, c)):
-                o.set_grad_scale(q, scale)
+                o.hooks.scale_grad(q, scale)
         o32.step()
         o16.step()
         omix.step()
@@ -398,8 +398,8 @@ def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(step_ext):
     assert torch.equal(p32[0].grad, grads[0].float())
     assert torch.equal(pmix[0].grad, grads[0])  # ... and left the bf16 gradient as it was
     with pytest.raises(ConfigError, match="scale"):
-        o16.set_grad_scale(p16[0], float("nan"))
+        o16.hooks.scale_grad(p16[0], float("nan"))
     # a factor of 1 (DeepSpeed's when it does not clip) changes no value: nothing is pending, no pass is made
-    o32.set_grad_scale(p32[0], 0.5)
-    o32.set_grad_scale(p32[0], torch.tensor(1.0))
-    assert p32[0] not in o32._pending_scales()
+    o32.hooks.scale_grad(p32[0], 0.5)
+    o32.hooks.scale_grad(p32[0], torch.tensor(1.0))
+    assert p32[0] not in o32.hooks.scales

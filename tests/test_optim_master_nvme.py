@@ -1,5 +1,6 @@
-"""FP4AdamW(master="split", state_device="nvme", master_device="nvme"): split's residual lives in each segment file
-beside that segment's m and v (fp4offload/optim/state.Residual, nvme.py), read ahead and written behind with them.
+"""FP4AdamW(master="split", state_device="nvme", nvme=NvmeOptions(master_device="nvme")): split's residual lives in
+each segment file beside that segment's m and v (fp4offload/optim/state.Residual, nvme.py), read ahead and written
+behind with them.
 
 It must train bit for bit as the fp32 master and as the residual in RAM, hold no full-size residual in RAM, keep a
 failed step all or nothing, save and load the same state dict, and be refused where it does not apply. Both I/O
@@ -16,9 +17,10 @@ import torch
 from fp4offload import metrics
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 from fp4offload.formats.container import read_container, verify_container, write_container
-from fp4offload.optim import SEGMENT, FP4AdamW, load_param_states
+from fp4offload.optim import SEGMENT, FP4AdamW, NvmeOptions, StepOptions, load_param_states
 from fp4offload.optim import master as MW
 from fp4offload.optim import nvme as nvme_mod
+from fp4offload.optim import nvme_io
 from fp4offload.optim.nvme_aio import ALIGN, aio_layout
 from fp4offload.optim.reference_step import packed_sizes
 from fp4offload.optim.state import PACKED_KEYS, RESIDUAL_KEYS, residual_sizes
@@ -29,7 +31,7 @@ ACTIVE = SEGMENT // 2  # the big tensor's elements with a gradient: the rest kee
 
 
 def _nvme(tmp_path, engine="threads", **kw):
-    return dict(state_device="nvme", nvme_path=tmp_path, nvme_io=engine, master_device="nvme", **kw)
+    return dict(state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io=engine, master_device="nvme", **kw))
 
 
 def _tied(p: torch.Tensor, seed: int) -> torch.Tensor:
@@ -53,7 +55,7 @@ def _residual(opt, p):
     st = opt.state[p]
     if "master_lo" in st:
         return st["master_lo"], st["master_odd"]
-    return opt._tier.states_and_residual(st, p)[2]
+    return opt.placement.states_and_residual(st, p)[2]
 
 
 def _masters(opt, params):
@@ -146,8 +148,8 @@ def test_residual_on_nvme_trains_as_the_fp32_master(tmp_path, engine):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                    for a, b in zip(_masters(opt, params), want_masters)), name
     big = params[-1]
-    key, vf = opt._nvme_key(big), opt.state[big]["v_format"]
-    per_segment = [opt._nvme.read(key, s, n, vf)[2].odd().numel() for s, n in enumerate((SEGMENT, 4097))]
+    key, vf = opt.placement.key(big), opt.state[big]["v_format"]
+    per_segment = [opt.placement.store.read(key, s, n, vf)[2].odd().numel() for s, n in enumerate((SEGMENT, 4097))]
     assert min(per_segment) > 100, per_segment  # the ties kept on both sides of the segment boundary
     # RAM: only step and v_format for the tensors in files; the residuals of the small ones (fp32 states) stay
     packed = [p for p in params if "v_format" in opt.state[p]]
@@ -160,7 +162,7 @@ def test_residual_on_nvme_trains_as_the_fp32_master(tmp_path, engine):
     assert mb["host"] == sum(2 * p.numel() + 8 * opt.state[p]["master_odd"].numel() for p in small)
     assert mb["nvme"] == sum(2 * p.numel() + sum(-(-n // 8) for n in _segments(p.numel())) for p in packed)
     if engine == "aio":
-        assert not opt._nvme._pool_bufs._busy
+        assert not opt.placement.store._pool_bufs._busy
     opt.close()
 
 
@@ -174,7 +176,7 @@ def test_reference_step_equals_the_fused_step(tmp_path):
     out = []
     for backend in ("reference", "auto"):
         params = _fault_params()
-        opt = _split_opt(params, backend=backend, **_nvme(tmp_path / backend))
+        opt = _split_opt(params, step_options=StepOptions(backend=backend), **_nvme(tmp_path / backend))
         for s in range(2):
             _grads(s, params)
             opt.step()
@@ -207,7 +209,7 @@ def _split_opt(params, **kw):
         for i, p in enumerate(params):
             h, lo, odd = MW.split(_tied(p, 10 + i))
             p.copy_(h.view(p.shape))
-            opt.start_master(p, lo, odd)
+            opt.hooks.start_master(p, lo, odd)
     return opt
 
 
@@ -221,7 +223,7 @@ def _assert_same(a, b, what):
 
 
 def _committed(opt):
-    return {f.name: f.read_bytes() for f in sorted(opt._nvme.dir.glob("*.fp4s"))}
+    return {f.name: f.read_bytes() for f in sorted(opt.placement.store.dir.glob("*.fp4s"))}
 
 
 class _RaisingHandle:
@@ -235,23 +237,23 @@ class _RaisingHandle:
 def _failing_write(mp, engine, opt, p, seg: int, exc: BaseException):
     """The write of segment `seg` of p's new generation raises `exc` (aio: inside the transfer, after the buffer and
     the temporary file were taken, as a failing disk would)."""
-    prefix = f".{opt._nvme_key(p)}.s{seg:05d}.g"
+    prefix = f".{opt.placement.key(p)}.s{seg:05d}.g"
     if engine == "aio":
-        real = nvme_mod.write_file
+        real = nvme_io.write_file
 
         def write(handle, pool, path, *a, **k):
             return real(_RaisingHandle(exc) if path.name.startswith(prefix) else handle, pool, path, *a, **k)
 
-        mp.setattr(nvme_mod, "write_file", write)
+        mp.setattr(nvme_io, "write_file", write)
     else:
-        real = nvme_mod.write_container
+        real = nvme_io.write_container
 
         def write(path, *a, **k):
             if path.name.startswith(prefix):
                 raise exc
             return real(path, *a, **k)
 
-        mp.setattr(nvme_mod, "write_container", write)
+        mp.setattr(nvme_io, "write_container", write)
 
 
 def test_a_failed_step_leaves_the_residual_as_before(tmp_path, engine, monkeypatch):
@@ -276,9 +278,9 @@ def test_a_failed_step_leaves_the_residual_as_before(tmp_path, engine, monkeypat
             elif kind == "error":  # the tensor stepped after the big one
                 _failing_write(mp, engine, opt, params[0], 0, RuntimeError("injected"))
             elif kind == "reserve":
-                mp.setattr(opt._nvme, "reserve_bytes", 1 << 62)
+                mp.setattr(opt.placement.store, "reserve_bytes", 1 << 62)
             else:  # the big tensor is stepped first: its segments were written when this file is found damaged
-                target = opt._nvme.path(opt._nvme_key(params[0]), 0)
+                target = opt.placement.store.path(opt.placement.key(params[0]), 0)
                 raw = bytearray(target.read_bytes())
                 raw[len(raw) // 2] ^= 0x10
                 target.write_bytes(bytes(raw))
@@ -288,9 +290,9 @@ def test_a_failed_step_leaves_the_residual_as_before(tmp_path, engine, monkeypat
         if kind == "corrupt":
             target.write_bytes(files[target.name])
         assert _committed(opt) == files, kind
-        assert not list(opt._nvme.dir.glob(".*")), kind  # no generation, reservation or temporary left
+        assert not list(opt.placement.store.dir.glob(".*")), kind  # no generation, reservation or temporary left
         if engine == "aio":
-            assert not opt._nvme._pool_bufs._busy
+            assert not opt.placement.store._pool_bufs._busy
         _assert_same(before, _snapshot(opt, params), kind)
     final = _snapshot(opt, params)
     opt.close()
@@ -330,7 +332,7 @@ def test_state_dicts_copies_and_conversions_between_master_devices(tmp_path):
         runs += [(opt, params), (moved, clone)]
     copied = copy.deepcopy(disk)
     runs.append((copied, copied.param_groups[1]["params"] + copied.param_groups[0]["params"]))
-    assert copied._nvme.dir != disk._nvme.dir and "master_lo" not in copied.state[runs[-1][1][2]]
+    assert copied.placement.store.dir != disk.placement.store.dir and "master_lo" not in copied.state[runs[-1][1][2]]
     for opt, params in runs:
         opt.param_groups[1]["v_format"] = "nvfp4"  # the 9000-element tensor's states are converted once
         _grads(2, params)
@@ -351,12 +353,13 @@ def test_state_dicts_copies_and_conversions_between_master_devices(tmp_path):
         out.append(_snapshot(opt, params))
     _assert_same(out[0], out[1], "from torch AdamW")
     # a kept folder lists the residuals: read_kept gives state-dict entries that load_param_states takes
-    keep = FP4AdamW(_groups(pb), lr=1e-2, weight_decay=0.1, master="split", nvme_keep=True, **_nvme(tmp_path / "k"))
+    keep = FP4AdamW(_groups(pb), lr=1e-2, weight_decay=0.1, master="split", **_nvme(tmp_path / "k", keep=True))
     keep.load_state_dict(disk.state_dict())
     want = keep.state_dict()["state"]
-    keys = {keep._nvme_key(p): i for i, p in enumerate(keep.param_groups[0]["params"] + keep.param_groups[1]["params"])
+    keys = {keep.placement.key(p): i
+            for i, p in enumerate(keep.param_groups[0]["params"] + keep.param_groups[1]["params"])
             if "v_format" in keep.state[p]}
-    folder = keep._nvme.dir
+    folder = keep.placement.store.dir
     keep.close()
     kept = nvme_mod.read_kept(folder)
     assert kept.keys() == keys.keys()
@@ -380,7 +383,7 @@ def test_grad_scale_with_the_residual_on_nvme(tmp_path):
         for s in range(3):
             _grads(s, params)
             for p in params:
-                opt.set_grad_scale(p, torch.tensor(0.3 + 0.2 * s))
+                opt.hooks.scale_grad(p, torch.tensor(0.3 + 0.2 * s))
             opt.step()
         out.append(_snapshot(opt, params))
     _assert_same(out[0], out[1], "with a gradient scale")
@@ -410,8 +413,8 @@ def test_damaged_or_missing_residual_is_refused(tmp_path, engine):
     opt = FP4AdamW(params, lr=1e-2, master="split", **_nvme(tmp_path, engine))
     params[0].grad = torch.randn(BIG).to(torch.bfloat16)
     opt.step()
-    key = opt._nvme_key(params[0])
-    target = opt._nvme.path(key, 1)
+    key = opt.placement.key(params[0])
+    target = opt.placement.store.path(key, 1)
     good = target.read_bytes()
 
     def flip(path):
@@ -440,9 +443,10 @@ def test_damaged_or_missing_residual_is_refused(tmp_path, engine):
         target.write_bytes(good)
     opt.step()
     opt.close()
-    plain = FP4AdamW(params, lr=1e-2, master="split", state_device="nvme", nvme_path=tmp_path, nvme_io=engine)
+    plain = FP4AdamW(params, lr=1e-2, master="split", state_device="nvme", nvme_path=tmp_path,
+                     nvme=NvmeOptions(io=engine))
     plain.step()
-    f = plain._nvme.path(plain._nvme_key(params[0]), 1)
+    f = plain.placement.store.path(plain.placement.key(params[0]), 1)
     _rewrite(f, lambda t: t.update(master_lo=torch.zeros(2 * 4097, dtype=torch.uint8),
                                    master_odd_bits=torch.zeros(513, dtype=torch.uint8)))
     with pytest.raises(CorruptionError, match="a split residual, which this store does not keep"):
@@ -457,17 +461,17 @@ def test_disk_grows_by_exactly_the_residual(tmp_path, engine):
     sizes, moved = {}, {}
     for md in ("same", "nvme"):
         params = [torch.nn.Parameter(torch.zeros(BIG, dtype=torch.bfloat16))]
-        opt = FP4AdamW(params, lr=1e-2, master="split", state_device="nvme", nvme_path=tmp_path / md, nvme_io=engine,
-                       master_device=md)
+        opt = FP4AdamW(params, lr=1e-2, master="split", state_device="nvme", nvme_path=tmp_path / md,
+                       nvme=NvmeOptions(io=engine, master_device=md))
         params[0].grad = torch.ones(BIG, dtype=torch.bfloat16)
         opt.step()
         counters = [metrics.counter(f"optim.nvme.bytes_{k}") for k in ("written", "read")]
         was = [c.value for c in counters]
-        reserved, undo = opt._step_bytes([(opt.param_groups[0], params[0], 0)])
+        reserved, undo = opt.placement.step_bytes([(opt.param_groups[0], params[0], 0)], opt.state, opt.is_packed)
         assert undo == undo_bytes(params[0], *([opt.state[params[0]]["master_lo"]] if md == "same" else []))
         opt.step()
         moved[md] = [c.value - w for c, w in zip(counters, was)]
-        files = opt._nvme.files(opt._nvme_key(params[0]))
+        files = opt.placement.store.files(opt.placement.key(params[0]))
         sizes[md] = [(f.stat().st_size, sum(e["nbytes"] for k, e in verify_container(f)[1].items() if k != "_pad"))
                      for f in files]
         assert reserved >= sum(s for s, _ in sizes[md])
@@ -495,7 +499,8 @@ def test_master_device_nvme_needs_split_on_the_nvme_tier(tmp_path, kw):
     args = dict(master="split", state_device="nvme", nvme_path=tmp_path / "states", master_device="nvme")
     args.update(kw)
     with pytest.raises(ConfigError, match="master_device") as e:
-        FP4AdamW([p], **args)
+        FP4AdamW([p], **{k: v for k, v in args.items() if k != "master_device"},
+                 nvme=NvmeOptions(master_device=args["master_device"]))
     assert repr(args["master_device"]) in str(e.value)
     if args["master_device"] == "nvme":
         assert "master='split' and state_device='nvme'" in str(e.value)

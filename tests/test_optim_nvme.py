@@ -14,11 +14,13 @@ import pytest
 import torch
 
 from fp4offload import FP4AdamW
+from fp4offload.optim import NvmeOptions, StateFormat, StepOptions
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 from fp4offload.formats.container import read_container
 from fp4offload.optim import SEGMENT
 from conftest import LIBAIO_FIX, skip_or_fail
 from fp4offload.optim import nvme as nvme_mod
+from fp4offload.optim import nvme_io
 
 ENGINES = ("threads", "aio")
 
@@ -41,8 +43,9 @@ def _train(opt, params, steps, start=0):
         opt.step()
 
 
-def _disk(params, tmp_path, engine, **kw):
-    opt = FP4AdamW(params, lr=1e-2, state_device="nvme", nvme_path=tmp_path, nvme_io=engine, **kw)
+def _disk(params, tmp_path, engine, threads=4, **kw):
+    opt = FP4AdamW(params, lr=1e-2, state_device="nvme", nvme_path=tmp_path,
+                   nvme=NvmeOptions(io=engine, threads=threads), **kw)
     assert opt.nvme_io == engine
     return opt
 
@@ -58,25 +61,25 @@ def _assert_same_state_dicts(sa, sb):
 def test_nvme_tier_trains_like_ram(tmp_path, engine):
     """A multi-segment parameter with states on disk ends bit-identical to the same run in RAM; files are 0600."""
     pa, pb = _params(), _params()
-    ram = FP4AdamW(pa, lr=1e-2, m_rounding="stochastic")
-    disk = _disk(pb, tmp_path, engine, m_rounding="stochastic", nvme_threads=2)
+    ram = FP4AdamW(pa, lr=1e-2, state_format=StateFormat(m_rounding="stochastic"))
+    disk = _disk(pb, tmp_path, engine, threads=2, state_format=StateFormat(m_rounding="stochastic"))
     _train(ram, pa, 4)
     _train(disk, pb, 4)
     for a, b in zip(pa, pb):
         assert torch.equal(a.detach(), b.detach())
-    files = sorted(disk._nvme.dir.glob("*.fp4s"))
+    files = sorted(disk.placement.store.dir.glob("*.fp4s"))
     assert len(files) == 4  # 3 segments of the big tensor + 1 of the 9000-element one; the small one is fp32
-    assert [f.name for f in disk._nvme.files(disk._nvme_key(pb[0]))] == [f.name for f in files[:3]]
+    assert [f.name for f in disk.placement.store.files(disk.placement.key(pb[0]))] == [f.name for f in files[:3]]
     assert all((f.stat().st_mode & 0o777) == 0o600 for f in files)
-    assert (disk._nvme.dir.stat().st_mode & 0o777) == 0o700
-    assert not list(disk._nvme.dir.glob(".*"))  # no temporary or probe files left
+    assert (disk.placement.store.dir.stat().st_mode & 0o777) == 0o700
+    assert not list(disk.placement.store.dir.glob(".*"))  # no temporary or probe files left
     assert disk.state_bytes()["host"] < 9000 * 8  # the packed states are not in RAM
     for f in files:  # either engine writes a container the container module reads
         meta, t = read_container(f)
         assert meta["kind"] == nvme_mod.KIND and t["m_codes"].dtype == torch.uint8
     if engine == "aio":
         assert all(f.stat().st_size % nvme_mod.ALIGN == 0 for f in files)  # whole direct-I/O blocks
-        assert not disk._nvme._pool_bufs._busy  # every buffer read went back with its write
+        assert not disk.placement.store._pool_bufs._busy  # every buffer read went back with its write
     _assert_same_state_dicts(ram.state_dict(), disk.state_dict())
     disk.close()
     assert not files[0].parent.exists()
@@ -108,8 +111,8 @@ def _damaged_run(tmp_path, engine, damage, seg=1):
     params = _params()
     opt = _disk(params, tmp_path, engine)
     _train(opt, params, 1)
-    key = opt._nvme_key(params[0])
-    target = opt._nvme.path(key, seg)  # a segment of parameter 0
+    key = opt.placement.key(params[0])
+    target = opt.placement.store.path(key, seg)  # a segment of parameter 0
     damage(target)
     after_damage = target.read_bytes() if target.exists() else None
     with pytest.raises(CorruptionError) as e:
@@ -179,13 +182,13 @@ def test_reserve_makes_the_disk_full_before_anything_is_written(tmp_path, engine
     params = _params()
     opt = _disk(params, tmp_path, engine)
     _train(opt, params, 1)
-    before = {f.name: f.read_bytes() for f in opt._nvme.dir.glob("*.fp4s")}
+    before = {f.name: f.read_bytes() for f in opt.placement.store.dir.glob("*.fp4s")}
     # reserve the whole disk (not "free minus a little": other processes change the free space meanwhile)
-    opt._nvme.reserve_bytes = shutil.disk_usage(tmp_path).total
+    opt.placement.store.reserve_bytes = shutil.disk_usage(tmp_path).total
     with pytest.raises(CapacityError) as e:
         _train(opt, params, 1, start=1)
     assert "NVMe optimizer states" in str(e.value)
-    assert {f.name: f.read_bytes() for f in opt._nvme.dir.glob("*.fp4s")} == before
+    assert {f.name: f.read_bytes() for f in opt.placement.store.dir.glob("*.fp4s")} == before
     opt.close()
 
 
@@ -194,20 +197,20 @@ def test_write_failing_for_space_keeps_the_old_file(tmp_path, engine, monkeypatc
     params = _params()
     opt = _disk(params, tmp_path, engine)
     _train(opt, params, 1)
-    before = {f.name: f.read_bytes() for f in opt._nvme.dir.glob("*.fp4s")}
+    before = {f.name: f.read_bytes() for f in opt.placement.store.dir.glob("*.fp4s")}
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if engine == "aio":
-        monkeypatch.setattr(nvme_mod.os, "posix_fallocate", full)  # the aio write preallocates its temporary
+        monkeypatch.setattr(os, "posix_fallocate", full)  # the aio write preallocates its temporary
     else:
-        monkeypatch.setattr(nvme_mod, "write_container", full)  # (a real ENOSPC mid-write: test_real_full_disk)
+        monkeypatch.setattr(nvme_io, "write_container", full)  # (a real ENOSPC mid-write: test_real_full_disk)
     with pytest.raises(CapacityError) as e:
         _train(opt, params, 1, start=1)
     assert "ENOSPC" in str(e.value) and "previous state file is intact" in str(e.value)
-    assert {f.name: f.read_bytes() for f in opt._nvme.dir.glob("*.fp4s")} == before
-    assert not list(opt._nvme.dir.glob(".*tmp*"))
+    assert {f.name: f.read_bytes() for f in opt.placement.store.dir.glob("*.fp4s")} == before
+    assert not list(opt.placement.store.dir.glob(".*tmp*"))
     monkeypatch.undo()
     opt.close()
 
@@ -228,7 +231,7 @@ def test_real_full_disk(tmp_path, engine):
         small = [torch.nn.Parameter(torch.randn(SEGMENT // 8))]
         opt2 = _disk(small, mnt, engine)
         _train(opt2, small, 1)
-        f = next(opt2._nvme.dir.glob("*.fp4s"))
+        f = next(opt2.placement.store.dir.glob("*.fp4s"))
         before = f.read_bytes()
         filler = mnt / "filler"
         with open(filler, "wb") as fh:
@@ -237,11 +240,11 @@ def test_real_full_disk(tmp_path, engine):
                     fh.write(b"\0" * 65536)
             except OSError:
                 pass
-        opt2._nvme.reserve_bytes = -(1 << 30)  # pretend there is room: the write itself must fail safely
+        opt2.placement.store.reserve_bytes = -(1 << 30)  # pretend there is room: the write itself must fail safely
         with pytest.raises(CapacityError):
             _train(opt2, small, 1, start=1)
         assert f.read_bytes() == before
-        assert not list(opt2._nvme.dir.glob(".*tmp*"))
+        assert not list(opt2.placement.store.dir.glob(".*tmp*"))
         opt.close()
         opt2.close()
     finally:
@@ -272,14 +275,14 @@ def test_sub_groups_stepped_one_at_a_time_keep_their_own_files(tmp_path, engine)
     for i, (ta, tb) in enumerate(zip(fa, fb)):
         ta.ds_id = tb.ds_id = f"{10 * i}_{10 * i + 3}"  # as DeepSpeed names its fp32 sub-group partitions
     key = lambda t: getattr(t, "ds_id", None)  # noqa: E731 - also picks each tensor's random stream
-    ram = FP4AdamW([{"params": []}], lr=1e-2, tensor_key=key)
-    disk = FP4AdamW([{"params": []}], lr=1e-2, state_device="nvme", nvme_path=tmp_path, nvme_io=engine,
-                    tensor_key=key)
+    ram = FP4AdamW([{"params": []}], lr=1e-2, step_options=StepOptions(tensor_key=key))
+    disk = FP4AdamW([{"params": []}], lr=1e-2, state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io=engine),
+                    step_options=StepOptions(tensor_key=key))
     _subgroup_run(ram, fa, 3)
     _subgroup_run(disk, fb, 3)
     for a, b in zip(fa, fb):
         assert torch.equal(a, b)
-    assert sorted(f.name for f in disk._nvme.dir.glob("*.fp4s")) == [
+    assert sorted(f.name for f in disk.placement.store.dir.glob("*.fp4s")) == [
         "k0_3.s00000.fp4s", "k0_3.s00001.fp4s", "k10_13.s00000.fp4s", "k20_23.s00000.fp4s"]
     # DeepSpeed saves with every flat in the group: the state dict reads each tensor's own files
     ram.param_groups[0]["params"], disk.param_groups[0]["params"] = fa, fb
@@ -291,7 +294,7 @@ def test_sub_groups_stepped_one_at_a_time_keep_their_own_files(tmp_path, engine)
         t.ds_id = fb[i].ds_id
     disk.param_groups[0]["params"] = fresh
     disk.load_state_dict(sd)
-    assert len(list(disk._nvme.dir.glob("*.fp4s"))) == 4
+    assert len(list(disk.placement.store.dir.glob("*.fp4s"))) == 4
     disk.param_groups[0]["params"] = []
     ram.param_groups[0]["params"] = []
     _subgroup_run(ram, fa, 1)
@@ -303,21 +306,23 @@ def test_sub_groups_stepped_one_at_a_time_keep_their_own_files(tmp_path, engine)
 
 def test_two_live_tensors_cannot_share_a_key(tmp_path):
     a, b = torch.nn.Parameter(torch.randn(5000)), torch.nn.Parameter(torch.randn(5000))
-    opt = FP4AdamW([a, b], state_device="nvme", nvme_path=tmp_path, nvme_io="threads", tensor_key=lambda t: "same")
+    opt = FP4AdamW([a, b], state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="threads"),
+                   step_options=StepOptions(tensor_key=lambda t: "same"))
     a.grad, b.grad = torch.randn(5000), torch.randn(5000)
     with pytest.raises(ConfigError) as e:
         opt.step()
-    assert e.value.key == "tensor_key"
+    assert e.value.key == "step_options.tensor_key"
     opt.close()
 
 
 def test_odd_keys_are_made_safe_file_names(tmp_path):
     a = torch.nn.Parameter(torch.randn(5000))
     a.grad = torch.randn(5000)
-    opt = FP4AdamW([a], state_device="nvme", nvme_path=tmp_path, nvme_io="threads", tensor_key=lambda t: "../x y")
+    opt = FP4AdamW([a], state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="threads"),
+                   step_options=StepOptions(tensor_key=lambda t: "../x y"))
     opt.step()
-    (f,) = opt._nvme.dir.glob("*.fp4s")
-    assert f.parent == opt._nvme.dir and "/" not in opt._nvme_key(a) and " " not in f.name
+    (f,) = opt.placement.store.dir.glob("*.fp4s")
+    assert f.parent == opt.placement.store.dir and "/" not in opt.placement.key(a) and " " not in f.name
     opt.close()
 
 
@@ -326,17 +331,18 @@ def test_odd_keys_are_made_safe_file_names(tmp_path):
 
 def test_engine_choice(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
-        FP4AdamW([torch.nn.Parameter(torch.randn(8))], state_device="nvme", nvme_path=tmp_path, nvme_io="spdk")
-    assert e.value.key == "nvme_io"
-    monkeypatch.setattr(nvme_mod, "aio_op", lambda: (None, "ImportError: no deepspeed"))
-    monkeypatch.setattr(nvme_mod, "_warned", False)
+        FP4AdamW([torch.nn.Parameter(torch.randn(8))], state_device="nvme", nvme_path=tmp_path,
+                 nvme=NvmeOptions(io="spdk"))
+    assert e.value.key == "nvme.io"
+    monkeypatch.setattr(nvme_io, "aio_op", lambda: (None, "ImportError: no deepspeed"))
+    monkeypatch.setattr(nvme_io, "_warned", False)
     p = torch.nn.Parameter(torch.randn(8))
     with pytest.warns(RuntimeWarning, match="no deepspeed"):
-        opt = FP4AdamW([p], state_device="nvme", nvme_path=tmp_path, nvme_io="auto")
-    assert opt.nvme_io == "threads" and opt._nvme.io_reason == "ImportError: no deepspeed"
+        opt = FP4AdamW([p], state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="auto"))
+    assert opt.nvme_io == "threads" and opt.placement.store.io_reason == "ImportError: no deepspeed"
     opt.close()
     with pytest.raises(ConfigError, match="no deepspeed") as e:
-        FP4AdamW([p], state_device="nvme", nvme_path=tmp_path, nvme_io="aio")
+        FP4AdamW([p], state_device="nvme", nvme_path=tmp_path, nvme=NvmeOptions(io="aio"))
     assert e.value.key == "nvme_io"
     assert sorted(os.listdir(tmp_path)) == []  # the refused store left no folder behind
 
@@ -345,15 +351,15 @@ def test_auto_picks_aio_when_it_loads(tmp_path):
     if nvme_mod.aio_op()[0] is None:
         skip_or_fail(f"DeepSpeed's async_io op does not load here ({nvme_mod.aio_op()[1]}); install it: {LIBAIO_FIX}")
     opt = FP4AdamW([torch.nn.Parameter(torch.randn(8))], state_device="nvme", nvme_path=tmp_path)
-    assert opt.nvme_io == "aio" and opt._nvme.io_reason is None
+    assert opt.nvme_io == "aio" and opt.placement.store.io_reason is None
     opt.close()
 
 
 def test_write_behind_is_bounded(tmp_path, engine):
     """However many segments a parameter has, at most max_pending_writes writes wait at once."""
     p = torch.nn.Parameter(torch.randn(6 * SEGMENT) * 0.1)
-    opt = _disk([p], tmp_path, engine, nvme_threads=1)
-    store = opt._nvme
+    opt = _disk([p], tmp_path, engine, threads=1)
+    store = opt.placement.store
     seen = []
     orig = store._write
 

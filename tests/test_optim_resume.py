@@ -10,10 +10,11 @@ WORKER = textwrap.dedent('''
     import json, os, signal, sys
     import torch
     from fp4offload import FP4AdamW
+    from fp4offload.optim import StateFormat
     mode, path, n1, n2 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    opt = FP4AdamW(model.parameters(), lr=3e-3, m_rounding="stochastic", seed=11)
+    opt = FP4AdamW(model.parameters(), lr=3e-3, state_format=StateFormat(m_rounding="stochastic", seed=11))
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
 
     def step(i):

@@ -7,6 +7,7 @@ import torch
 
 import fp4offload
 from fp4offload import FP4AdamW
+from fp4offload.optim import StateFormat, StepOptions
 from fp4offload.errors import ConfigError
 from fp4offload.optim import reference_step as R
 
@@ -14,7 +15,8 @@ from fp4offload.optim import reference_step as R
 def _train(backend, master, v_rounding, n=2 * R.CHUNK * 5 + 77, steps=3, dtype=torch.float32):
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(n).to(dtype))
-    opt = FP4AdamW([p], lr=1e-2, v_rounding=v_rounding, backend=backend, master=master, seed=11)
+    opt = FP4AdamW([p], lr=1e-2, master=master, state_format=StateFormat(v_rounding=v_rounding, seed=11),
+                   step_options=StepOptions(backend=backend))
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
         p.grad = (torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 4).to(dtype)
@@ -76,7 +78,8 @@ def _ema_tracking(v_rounding, steps=3000, v_format="ufp4"):
     n = 8 * R.CHUNK
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(n))
-    opt = FP4AdamW([p], lr=0.0, weight_decay=0.0, v_rounding=v_rounding, v_format=v_format, seed=5)
+    opt = FP4AdamW([p], lr=0.0, weight_decay=0.0,
+                   state_format=StateFormat(v_rounding=v_rounding, v_format=v_format, seed=5))
     quiet = (torch.arange(n) % 16) >= 8
     v = torch.zeros(n, dtype=torch.float64)
     g = torch.Generator().manual_seed(2)
@@ -89,7 +92,7 @@ def _ema_tracking(v_rounding, steps=3000, v_format="ufp4"):
         v = 0.999 * v + 0.001 * grad.double() ** 2
     from fp4offload.optim.state import decode_state
 
-    m_p, v_p = opt._tier.states(opt.state[p], p)
+    m_p, v_p = opt.placement.states(opt.state[p], p)
     _, stored = decode_state(m_p, v_p, n, v_format)
     err = (stored.double() / v).log().abs()  # |log| of the ratio: 0.69 is a factor of 2
     return float(err[quiet].median()), float(err[~quiet].median())
@@ -127,16 +130,17 @@ def test_v_stochastic_resume_repeats_the_bits():
     n = 5 * R.CHUNK + 5  # packed states (over min_numel)
     gs = grads(n, 6)
     p = torch.nn.Parameter(torch.ones(n))
-    opt = FP4AdamW([p], lr=1e-2, v_rounding="stochastic", seed=9)
+    opt = FP4AdamW([p], lr=1e-2, state_format=StateFormat(v_rounding="stochastic", seed=9))
     for g in gs:
         p.grad = g.clone()
         opt.step()
     q = torch.nn.Parameter(torch.ones(n))
-    first = FP4AdamW([q], lr=1e-2, v_rounding="stochastic", seed=9)
+    first = FP4AdamW([q], lr=1e-2, state_format=StateFormat(v_rounding="stochastic", seed=9))
     for g in gs[:3]:
         q.grad = g.clone()
         first.step()
-    second = FP4AdamW([q], lr=1e-2, v_rounding="nearest", seed=0)  # the saved group options win
+    second = FP4AdamW([q], lr=1e-2,
+                      state_format=StateFormat(v_rounding="nearest", seed=0))  # the saved group options win
     second.load_state_dict(first.state_dict())
     assert second.param_groups[0]["v_rounding"] == "stochastic"
     for g in gs[3:]:
@@ -157,7 +161,7 @@ def test_old_state_dict_without_v_rounding_loads():
     for g in sd["param_groups"]:
         del g["v_rounding"]
     q = torch.nn.Parameter(p.detach().clone())
-    other = FP4AdamW([q], lr=1e-3, v_rounding="stochastic")
+    other = FP4AdamW([q], lr=1e-3, state_format=StateFormat(v_rounding="stochastic"))
     other.load_state_dict(sd)
     assert other.param_groups[0]["v_rounding"] == "stochastic"
     q.grad = torch.randn(5000)
@@ -169,7 +173,7 @@ def test_old_state_dict_without_v_rounding_loads():
 def test_v_rounding_checked(bad):
     p = torch.nn.Parameter(torch.randn(10))
     with pytest.raises(ConfigError, match="v_rounding"):
-        FP4AdamW([p], v_rounding=bad)
+        FP4AdamW([p], state_format=StateFormat(v_rounding=bad))
     opt = FP4AdamW([p])
     with pytest.raises(ConfigError, match=r"param_groups\[1\]\.v_rounding"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "v_rounding": bad})
@@ -207,9 +211,9 @@ def test_ufp4_state_dict_resumes_in_ufp4_under_the_new_default():
     g = torch.Generator().manual_seed(4)
     gs = [torch.randn(n, generator=g) for _ in range(6)]
     p = torch.nn.Parameter(torch.ones(n))
-    straight = FP4AdamW([p], lr=1e-2, v_format="ufp4", seed=3)
+    straight = FP4AdamW([p], lr=1e-2, state_format=StateFormat(v_format="ufp4", seed=3))
     q = torch.nn.Parameter(torch.ones(n))
-    first = FP4AdamW([q], lr=1e-2, v_format="ufp4", seed=3)
+    first = FP4AdamW([q], lr=1e-2, state_format=StateFormat(v_format="ufp4", seed=3))
     for k, gk in enumerate(gs):
         p.grad = gk.clone()
         straight.step()

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fp4offload.config import load_fsdp_policy_yaml, validate_deepspeed_config
+from fp4offload._deepspeed.schema import validate_deepspeed_config
+from fp4offload.config import load_fsdp_policy_yaml
 from fp4offload.planner.cli_plan import add_bench_parser, add_plan_parser, main
 from fp4offload.planner.readings import GpuReading, HostReading, Readings
 

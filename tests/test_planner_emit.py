@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fp4offload.config import find_auto_values, load_fsdp_policy_yaml, validate_deepspeed_config
+from fp4offload._deepspeed.schema import find_auto_values, validate_deepspeed_config
+from fp4offload.config import load_fsdp_policy_yaml
 from fp4offload.errors import ConfigError
 from fp4offload.planner.emit import (OptimizerSettings, deepspeed_config, fp4offload_block, fsdp_policy,
                                      write_deepspeed, write_fsdp)
@@ -167,7 +168,7 @@ def test_compact_master_strategies_emit_the_bf16_master_mode_and_need_one_micro_
 
 @pytest.mark.parametrize("name", ["zero3-opt-nvme-fp4-split", "zero2-opt-nvme-fp4-split"])
 def test_residual_on_nvme_emits_master_device_nvme_and_prepare_config_takes_it(name, cluster):
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     one = replace(SETUP, grad_accum=1)
     cfg = deepspeed_config(CAT[name], PRESETS["llama-3.1-8b"], cluster, one)

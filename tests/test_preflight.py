@@ -16,7 +16,8 @@ import pytest
 
 from fp4offload.config import parse_block
 from fp4offload.errors import CapacityError, ConfigError
-from fp4offload.integrations import ds_host, ds_preflight
+from fp4offload._deepspeed import config as dsc
+from fp4offload._deepspeed import preflight as ds_preflight
 from fp4offload.planner import host_model
 from fp4offload.planner.sizes import STATE_BYTES
 
@@ -36,7 +37,7 @@ def _cfg(stage=2, offload="cpu", block=None, **zero):
 
 
 def _est(cfg, accel="cpu", world=1, host=True, **kw):
-    settings = ds_host.resolve(parse_block(cfg.get("fp4offload")).host, {}) if host else None
+    settings = dsc.resolve(parse_block(cfg.get("fp4offload")).host, {}) if host else None
     x = host_model.inputs_from_config(cfg, P, world=world, accelerator=accel, host=settings, **kw)
     return host_model.estimate_host(x)
 
@@ -136,7 +137,7 @@ def test_cgroup_v1_memory_controller_and_no_limit(tmp_path):
 class _Prepared:
     def __init__(self, cfg, mode="error"):
         self.ds_config = cfg
-        self.host = ds_host.resolve(parse_block(cfg.get("fp4offload")).host, {"FP4OFFLOAD_PREFLIGHT": mode})
+        self.host = dsc.resolve(parse_block(cfg.get("fp4offload")).host, {"FP4OFFLOAD_PREFLIGHT": mode})
 
 
 def test_check_raises_capacity_error_naming_estimate_limit_consumers_and_fixes(caplog):
@@ -299,8 +300,8 @@ def test_plan_check_prints_the_preflight_estimate_with_and_without_the_block(tmp
     params = resolve_model(dims).param_count()
     assert doc["params"] == params
     for arm, c, host in ((plain, {k: v for k, v in cfg.items() if k != "fp4offload"}, None),
-                         (block, cfg, ds_host.resolve(None))):
-        from fp4offload.integrations.deepspeed import prepare_config
+                         (block, cfg, dsc.resolve(None))):
+        from fp4offload._deepspeed.config import prepare_config
 
         ds = prepare_config(c).ds_config if host is not None else c
         x = host_model.inputs_from_config(ds, params, accelerator="cpu", host=host)
@@ -349,9 +350,10 @@ def test_plan_check_bad_inputs_exit_2_naming_them(tmp_path):
 
 
 def test_preflight_environment_override_is_checked_like_the_key():
-    assert ds_host.resolve(None, {"FP4OFFLOAD_PREFLIGHT": " Warn "}).preflight.value == "warn"
-    with pytest.raises(ConfigError, match="FP4OFFLOAD_PREFLIGHT='sometimes'.*'error', 'warn', 'off'"):
-        ds_host.resolve(None, {"FP4OFFLOAD_PREFLIGHT": "sometimes"})
+    assert dsc.resolve(None, {"FP4OFFLOAD_PREFLIGHT": " Warn "}).preflight.value == "warn"
+    with pytest.raises(ConfigError,
+                       match="FP4OFFLOAD_PREFLIGHT='sometimes'.*error, warn, off.*fp4offload.host.preflight"):
+        dsc.resolve(None, {"FP4OFFLOAD_PREFLIGHT": "sometimes"})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -390,7 +392,7 @@ def test_residual_on_nvme_takes_2_bytes_per_param_out_of_host_ram(stage):
 def test_residual_on_nvme_through_deepspeeds_nvme_offload():
     """offload_optimizer.device "nvme" becomes the block's tier over a host master: the rewritten config says
     "cpu", so the placement prepare_config resolved tells the model where the states and the residual are."""
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     raw = _split_cfg("nvme", ds_nvme=True)
     prepared = prepare_config(raw)
@@ -424,7 +426,7 @@ def test_plan_check_counts_the_residual_on_nvme(tmp_path):
     assert "split master residual" not in block["consumers"]
     assert block["nvme"]["split master residual"] == int(RESIDUAL_NVME * params)
     # the same config with the residual in host RAM, through the same model
-    from fp4offload.integrations.deepspeed import prepare_config
+    from fp4offload._deepspeed.config import prepare_config
 
     same = prepare_config(_split_cfg("same", ds_nvme=True))
     x = host_model.inputs_from_config(same.ds_config, params, accelerator=doc["accelerator"], host=same.host,

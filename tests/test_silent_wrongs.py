@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fp4offload import FP4AdamW, dequantize, quantize
+from fp4offload.optim import StateFormat, StepOptions
 from fp4offload.errors import ConfigError, CorruptionError, NonFiniteError
 from fp4offload.offload import offload_activations
 from fp4offload.offload.policy import ActivationPolicy
@@ -23,7 +24,7 @@ def _params(shapes=((40, 32), (40,), (32, 40), (5, 3)), seed=0):
 
 def _trained(master="fp32", dtype=torch.float32, min_numel=1):
     ps = [torch.nn.Parameter(p.detach().to(dtype)) for p in _params()]
-    opt = FP4AdamW(ps, min_numel=min_numel, master=master)
+    opt = FP4AdamW(ps, master=master, state_format=StateFormat(min_numel=min_numel))
     for i in range(2):
         g = torch.Generator().manual_seed(i)
         for p in ps:
@@ -32,9 +33,9 @@ def _trained(master="fp32", dtype=torch.float32, min_numel=1):
     return ps, opt
 
 
-def _fresh(ps, **kw):
+def _fresh(ps, min_numel: int, master: str = "fp32"):
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    return qs, FP4AdamW(qs, **kw)
+    return qs, FP4AdamW(qs, master=master, state_format=StateFormat(min_numel=min_numel))
 
 
 def _snapshot(opt):
@@ -122,17 +123,18 @@ def test_keys_are_checked_against_the_parameter_list():
     with pytest.raises(ConfigError, match=r"\[0\].*saved for parameter 2.*swapped"):
         fresh.load_state_dict(swapped)
     same_shape = [torch.nn.Parameter(torch.randn(8, 8)) for _ in range(2)]
-    o2 = FP4AdamW(same_shape, min_numel=1)
+    o2 = FP4AdamW(same_shape, state_format=StateFormat(min_numel=1))
     for p in same_shape:
         p.grad = torch.randn(8, 8)
     o2.step()
     s2 = o2.state_dict()
     s2["state"][0], s2["state"][1] = s2["state"][1], s2["state"][0]
     with pytest.raises(ConfigError, match="swapped"):
-        FP4AdamW([torch.nn.Parameter(p.detach().clone()) for p in same_shape], min_numel=1).load_state_dict(s2)
+        FP4AdamW([torch.nn.Parameter(p.detach().clone()) for p in same_shape],
+                 state_format=StateFormat(min_numel=1)).load_state_dict(s2)
     other = [torch.nn.Parameter(torch.randn(32, 40)), *qs[1:]]  # same numel, other shape
     with pytest.raises(ConfigError, match="another model"):
-        FP4AdamW(other, min_numel=1).load_state_dict(copy.deepcopy(sd))
+        FP4AdamW(other, state_format=StateFormat(min_numel=1)).load_state_dict(copy.deepcopy(sd))
     as_strings = copy.deepcopy(sd)  # integer keys written as strings still name their parameter
     as_strings["state"] = {str(k): v for k, v in as_strings["state"].items()}
     fresh.load_state_dict(as_strings)
@@ -168,7 +170,7 @@ def test_huge_gradients_skip_the_step_like_nan(backend, min_numel):
     n = 0
     for value in (GRAD_LIMIT, 1e20, 1e38, 3.4e38, -1e38, -GRAD_LIMIT, below, -below, 1e18):
         ps = _params()
-        opt = FP4AdamW(ps, min_numel=min_numel, backend=backend)
+        opt = FP4AdamW(ps, state_format=StateFormat(min_numel=min_numel), step_options=StepOptions(backend=backend))
         for p in ps:
             p.grad = torch.randn_like(p)
         opt.step()
@@ -192,7 +194,7 @@ def test_huge_gradients_skip_the_step_like_nan(backend, min_numel):
 
 def test_huge_gradient_norm_skips_the_step():
     ps = _params()
-    opt = FP4AdamW(ps, min_numel=1)
+    opt = FP4AdamW(ps, state_format=StateFormat(min_numel=1))
     for p in ps:
         p.grad = torch.randn_like(p)
     before = [p.detach().clone() for p in ps]

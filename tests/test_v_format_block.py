@@ -32,4 +32,5 @@ def test_v_format_reaches_fp4adamw(v_format):
     assert opt.state_dict()["state"][0]["v_format"] == v_format
     pol = parse_fsdp_policy({"optimizer_states": {"v_format": v_format}})
     cls, kw, _ = fsdp_optim.inner_optimizer_class(pol)
-    assert kw["v_format"] == v_format and cls(torch.nn.Linear(4, 4).parameters(), **kw).defaults["v_format"] == v_format
+    assert kw["state_format"].v_format == v_format
+    assert cls(torch.nn.Linear(4, 4).parameters(), **kw).defaults["v_format"] == v_format

@@ -2,9 +2,11 @@
 
 DeepSpeed has no public hooks for what the block changes (the dtype of ZeRO-1/2's host gradient partition,
 its bf16 staging buffers, how a ZeRO-3 partition is fetched). The block reaches into DeepSpeed's classes
-for those, and this module is the only place that does: the other DeepSpeed modules of fp4offload read and
-patch private names through :func:`read`, :func:`patch_class` and :func:`wrap_instance`, which accept only
-names listed in :data:`TABLE`.
+for those, and this module is the only place that does: the other DeepSpeed modules of fp4offload read,
+write and patch private names through :func:`read`, :func:`require`, :func:`write`, :func:`patch_class` and
+:func:`wrap_instance`, which accept only names listed in :data:`TABLE`. That includes the attributes ZeRO-3
+sets on its parameters (``param.ds_tensor``, ``param.ds_status``, ...): ``tests/test_ds_internals.py`` fails
+on a read or write of a listed name anywhere else (names too common to search for, such as ``device``, aside).
 
 Each row of the table names the attribute, the class (or module) DeepSpeed defines it in, what the block
 does with it, and the block features that need it. :func:`check` runs at initialize, for the features the
@@ -37,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 from fp4offload.errors import ConfigError
 
 __all__ = ["SUPPORTED", "requirement", "TABLE", "Internal", "FEATURES", "check", "missing", "read",
-           "require", "patch_class", "wrap_instance", "installed_version", "supported"]
+           "require", "write", "patch_class", "wrap_instance", "installed_version", "supported", "ZERO12", "ZERO3"]
 
 #: DeepSpeed releases the block is run on, [low, high); pyproject.toml's bound is built from the same numbers.
 SUPPORTED = ((0, 19, 8), (0, 20, 0))
@@ -50,6 +52,9 @@ _ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 _Z12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
 _Z3 = "deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3"
 _PP = "deepspeed.runtime.zero.partition_parameters"
+
+#: the owners of ZeRO-1/2's and ZeRO-3's rows, for :func:`patch_class`
+ZERO12, ZERO3 = _Z12, _Z3
 
 
 @dataclass(frozen=True)
@@ -257,14 +262,14 @@ def check(features: Iterable[str]) -> None:
             if gone else f"DeepSpeed {version} is outside the releases this block is run on")
     raise ConfigError(f"fp4offload.{feature}", f"deepspeed {version}",
                       f"DeepSpeed >= {_fmt(lo)} and < {_fmt(hi)}",
-                      f"{what}; the block patches private DeepSpeed names (fp4offload.integrations.ds_internals): "
+                      f"{what}; the block patches private DeepSpeed names (fp4offload._deepspeed.internals): "
                       f"pip install '{requirement()}', or remove fp4offload.{feature}")
 
 
 def _row(name: str) -> Internal:
     row = _BY_NAME.get(name)
     if row is None:
-        raise KeyError(f"{name!r} is not in ds_internals.TABLE: add it there (owner, use, features) first")
+        raise KeyError(f"{name!r} is not in internals.TABLE: add it there (owner, use, features) first")
     return row
 
 
@@ -284,6 +289,12 @@ def require(obj: Any, name: str) -> Any:
                            f"({row.use}); install {requirement()}") from None
 
 
+def write(obj: Any, name: str, value: Any) -> None:
+    """``setattr(obj, name, value)`` for a listed name (a ZeRO-3 parameter's fetch state or fetch function)."""
+    _row(name)
+    setattr(obj, name, value)
+
+
 @contextlib.contextmanager
 def patch_class(owner: str, name: str, make: Callable[[Callable], Callable]) -> Iterator[bool]:
     """Replace the listed method ``owner.name`` by ``make(original)`` for the duration of the block.
@@ -291,7 +302,7 @@ def patch_class(owner: str, name: str, make: Callable[[Callable], Callable]) -> 
     Yields False (and changes nothing) when the class or method is not there."""
     _row(name)
     if not any(r.owner == owner and r.name == name and r.kind == "callable" for r in TABLE):
-        raise KeyError(f"{owner}.{name} is not a patchable method of ds_internals.TABLE")
+        raise KeyError(f"{owner}.{name} is not a patchable method of internals.TABLE")
     cls = _resolve(owner)
     orig = getattr(cls, name, None) if cls is not None else None
     if orig is None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import ds_internals as dsi
+from . import internals as dsi
 
 log = logging.getLogger("fp4offload.deepspeed")
 

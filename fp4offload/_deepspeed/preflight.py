@@ -26,6 +26,8 @@ from typing import Any
 from fp4offload.errors import CapacityError
 from fp4offload.planner import host_model
 
+from . import internals as dsi
+
 log = logging.getLogger("fp4offload.deepspeed")
 
 __all__ = ["Limits", "limits", "cgroup_limit", "model_bytes", "estimate", "fits", "check", "render", "accelerator_kind"]
@@ -127,8 +129,8 @@ def model_bytes(model: Any) -> tuple[int, int]:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        t = getattr(p, "ds_tensor", None)
-        params += int(getattr(p, "ds_numel", p.numel()))
+        t = dsi.read(p, "ds_tensor", None)
+        params += int(dsi.read(p, "ds_numel", p.numel()))
         local = t if t is not None else p
         if local.device.type == "cpu":
             host += local.numel() * local.element_size()

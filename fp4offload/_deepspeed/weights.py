@@ -46,8 +46,9 @@ import torch
 from fp4offload.errors import ConfigError
 from fp4offload.optim.adamw import FP4AdamW
 
-from . import ds_internals as dsi
-from . import keep_bf16
+from fp4offload.integrations import keep_bf16
+
+from . import internals as dsi
 
 log = logging.getLogger("fp4offload.deepspeed")
 
@@ -61,8 +62,8 @@ def select(model: Any, keep: tuple[str, ...], world: int) -> tuple[list, dict]:
     kept_ids = keep_bf16.kept_parameters(model, keep, keep_bf16.find_blocks(model))
     packed, kept = [], {}
     for name, p in model.named_parameters():
-        shape = tuple(getattr(p, "ds_shape", p.shape))
-        numel = int(getattr(p, "ds_numel", p.numel()))
+        shape = tuple(dsi.read(p, "ds_shape", p.shape))
+        numel = int(dsi.read(p, "ds_numel", p.numel()))
         if not p.requires_grad:
             kept[name] = "frozen"
         elif len(shape) < 2:
@@ -146,14 +147,14 @@ class _DoneHandle:
             self.inner = None
         st = _status()
         for p in self.params:
-            if p.ds_status == st.INFLIGHT:
-                p.ds_status = st.AVAILABLE
+            if dsi.require(p, "ds_status") == st.INFLIGHT:
+                dsi.write(p, "ds_status", st.AVAILABLE)
         self.params = []
 
 
 def _group_world(p) -> tuple[Any, int]:
-    g = getattr(p, "ds_process_group", None)
-    return g, int(getattr(p, "ds_zero_partition_world_size", 1))
+    g = dsi.read(p, "ds_process_group", None)
+    return g, int(dsi.read(p, "ds_zero_partition_world_size", 1))
 
 
 def _fetch(pw: PackedWeights, p) -> None:
@@ -168,7 +169,8 @@ def _fetch(pw: PackedWeights, p) -> None:
     scales = sh.scales.to(dev, non_blocking=True)
     ts = sh.tensor_scale.to(dev, non_blocking=True)
     pw.h2d_bytes += data.numel() + scales.numel() + ts.numel() * 4
-    pw.h2d_bf16_bytes += p.ds_tensor.numel() * p.ds_tensor.element_size()
+    part = dsi.require(p, "ds_tensor")
+    pw.h2d_bf16_bytes += part.numel() * part.element_size()
     pw.fetches += 1
     group, world = _group_world(p)
     if world > 1:
@@ -177,7 +179,7 @@ def _fetch(pw: PackedWeights, p) -> None:
         torch.distributed.all_gather(datas, data, group=group)
         torch.distributed.all_gather(scls, scales, group=group)
         data, scales = torch.cat(datas), torch.cat(scls)
-    shape = torch.Size(p.ds_shape)
+    shape = torch.Size(dsi.require(p, "ds_shape"))
     packed = PackedTensor(data, scales, ts, shape, torch.float32, "nvfp4", "16x16", 0)
     p.data = packed.dequantize(p.dtype)
 
@@ -185,8 +187,9 @@ def _fetch(pw: PackedWeights, p) -> None:
 def _count_kept(pw: PackedWeights, params: list) -> None:
     st = _status()
     for q in params:
-        if q.ds_status == st.NOT_AVAILABLE and q.ds_tensor is not None:
-            pw.kept_h2d_bytes += q.ds_tensor.numel() * q.ds_tensor.element_size()
+        part = dsi.require(q, "ds_tensor") if dsi.require(q, "ds_status") == st.NOT_AVAILABLE else None
+        if part is not None:
+            pw.kept_h2d_bytes += part.numel() * part.element_size()
 
 
 def _wrap_param(pw: PackedWeights, p) -> None:
@@ -203,25 +206,25 @@ def _wrap_param(pw: PackedWeights, p) -> None:
         others = [q for q in params if id(q) not in pw.shards]
         _count_kept(pw, others)
         inner = orig_coalesced(others, safe_mode=safe_mode, quantize=quantize) if others else None
-        for q in sorted(mine, key=lambda q: q.ds_id):  # same order on every rank
-            if q.ds_status != st.NOT_AVAILABLE:
-                raise RuntimeError(q.ds_summary())
-            q.ds_status = st.INFLIGHT
+        for q in sorted(mine, key=lambda q: dsi.require(q, "ds_id")):  # same order on every rank
+            if dsi.require(q, "ds_status") != st.NOT_AVAILABLE:
+                raise RuntimeError(dsi.require(q, "ds_summary")())
+            dsi.write(q, "ds_status", st.INFLIGHT)
             _fetch(pw, q)
             pw.fetches_by_entry["all_gather_coalesced"] += 1
         return _DoneHandle(mine, inner)
 
     def all_gather(param_list=None, async_op: bool = False, hierarchy: int = 0):
         param_list = [p] if param_list is None else list(param_list)
-        mine = [q for q in param_list if id(q) in pw.shards and q.ds_status == st.NOT_AVAILABLE]
+        mine = [q for q in param_list if id(q) in pw.shards and dsi.require(q, "ds_status") == st.NOT_AVAILABLE]
         others = [q for q in param_list if id(q) not in pw.shards]
         _count_kept(pw, others)
         out = orig_all_gather(others, async_op=async_op, hierarchy=hierarchy) if others else ([] if async_op else None)
-        for q in sorted(mine, key=lambda q: q.ds_id):
-            q.ds_status = st.INFLIGHT
+        for q in sorted(mine, key=lambda q: dsi.require(q, "ds_id")):
+            dsi.write(q, "ds_status", st.INFLIGHT)
             _fetch(pw, q)
             pw.fetches_by_entry["all_gather"] += 1
-            q.ds_status = st.INFLIGHT if async_op else st.AVAILABLE
+            dsi.write(q, "ds_status", st.INFLIGHT if async_op else st.AVAILABLE)
         if async_op:
             return list(out or []) + [_DoneHandle(mine)]
         return out
@@ -232,11 +235,11 @@ def _wrap_param(pw: PackedWeights, p) -> None:
         if has_been_updated:
             for q in param_list:
                 if id(q) in pw.shards:
-                    _encode_from(pw, [q], [q.ds_tensor.detach().float().reshape(-1)])
+                    _encode_from(pw, [q], [dsi.require(q, "ds_tensor").detach().float().reshape(-1)])
 
-    p.all_gather_coalesced = all_gather_coalesced
-    p.all_gather = all_gather
-    p.partition = partition
+    dsi.write(p, "all_gather_coalesced", all_gather_coalesced)
+    dsi.write(p, "all_gather", all_gather)
+    dsi.write(p, "partition", partition)
 
 
 def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor],
@@ -256,7 +259,7 @@ def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor],
     amax = torch.tensor([FP4AdamW.copy_amax(a) for a in known], dtype=torch.float32)  # as the fused step encodes
     for i, (p, src) in enumerate(zip(params, sources)):
         sh = pw.shards.get(id(p))
-        cols = int(p.ds_shape[-1])
+        cols = int(dsi.require(p, "ds_shape")[-1])
         rows = src.numel() // cols
         pk = quantize(src.reshape(rows, cols), "nvfp4", block="16x16", amax=amax[i], name=getattr(sh, "name", None))
         region = pw.regions.get(id(p))
@@ -319,7 +322,7 @@ def _register_regions(pw: PackedWeights, opt) -> None:
             if where is None:
                 continue
             _, off, n = where
-            cols = int(p.ds_shape[-1])
+            cols = int(dsi.require(p, "ds_shape")[-1])
             pw.regions[id(p)] = WeightRegion(off, n // cols, cols)
             regs.append(pw.regions[id(p)])
         if regs:
@@ -340,8 +343,9 @@ def _offsets(opt, pw: PackedWeights) -> dict[int, tuple[int, int, int]]:
         for p in params:
             if id(p) not in pw.shards:
                 continue
-            off = (p.ds_tensor.data_ptr() - base) // esz
-            n = p.ds_tensor.numel()
+            part = dsi.require(p, "ds_tensor")
+            off = (part.data_ptr() - base) // esz
+            n = part.numel()
             if not 0 <= off <= end - n:
                 raise RuntimeError(f"fp4offload: the partition of {pw.shards[id(p)].name} is not inside its "
                                    "sub-group's flat buffer; DeepSpeed's ZeRO-3 layout changed")
@@ -382,11 +386,11 @@ def attach(engine: Any, weights_cfg: Any) -> PackedWeights:
         raise ConfigError("zero_optimization.offload_param.device", "nvme", "'cpu' with fp4offload.weights",
                           "packed weight shards on NVMe are not implemented")
     named = list(engine.module.named_parameters())
-    world = int(getattr(named[0][1], "ds_zero_partition_world_size", 1)) if named else 1
+    world = int(dsi.read(named[0][1], "ds_zero_partition_world_size", 1)) if named else 1
     chosen, kept = select(engine.module, tuple(weights_cfg.keep_bf16), world)
     pw = PackedWeights(engine=engine, kept=kept)
     for name, p in chosen:
-        pw.shards[id(p)] = _Shard(name, 0, int(p.ds_shape[-1]), torch.empty(0, dtype=torch.uint8),
+        pw.shards[id(p)] = _Shard(name, 0, int(dsi.require(p, "ds_shape")[-1]), torch.empty(0, dtype=torch.uint8),
                                   torch.empty(0, dtype=torch.uint8), torch.zeros(1))
     pw.offsets = _offsets(opt, pw)
     _register_regions(pw, opt)

@@ -109,7 +109,7 @@ class ShardedOptimizerMixin:
                     p.grad.zero_()
         super().zero_grad(set_to_none)
 
-    def _packed(self, group, p) -> bool:
+    def is_packed(self, group, p) -> bool:
         """FP4AdamW's packed-or-fp32 choice, made the same on every rank.
 
         FP4AdamW compares the local numel with ``min_numel``; FSDP's last ranks hold shorter (or empty)
@@ -118,7 +118,7 @@ class ShardedOptimizerMixin:
         """
         n = self._fsdp_padded_numel.get(id(p))
         if n is None:
-            return super()._packed(group, p)
+            return super().is_packed(group, p)
         return n >= group["min_numel"]
 
     def init_state(self) -> None:
@@ -164,9 +164,9 @@ def inner_optimizer_class(policy: Policy) -> tuple[type, dict, str]:
     """(optimizer class, extra constructor kwargs, name) the policy's ``optimizer_states`` asks for.
 
     ``optimizer_states`` None, or ``format: fp32``: torch AdamW (fp32 states beside the shards).
-    ``format: nvfp4``: FP4AdamW with ``device`` -> ``state_device``, ``rounding`` -> ``m_rounding``,
-    ``v_rounding``, ``v_format``,
-    ``nvme_path`` and ``min_numel``; while FP4AdamW does not import, torch AdamW with a warning (the
+    ``format: nvfp4``: FP4AdamW with ``device`` -> ``state_device``, ``nvme_path``, ``master``, ``rounding`` ->
+    ``state_format.m_rounding``, ``v_rounding``, ``v_format`` and ``min_numel`` into its ``state_format``,
+    ``master_device`` into its ``nvme`` options; while FP4AdamW does not import, torch AdamW with a warning (the
     returned name says which).
     """
     st = policy.optimizer_states
@@ -177,20 +177,17 @@ def inner_optimizer_class(policy: Policy) -> tuple[type, dict, str]:
     except ImportError as e:
         log.warning("fp4offload.fsdp: FP4AdamW is not available (%s); using torch.optim.AdamW with fp32 states", e)
         return torch.optim.AdamW, {}, "torch.optim.AdamW (FP4AdamW unavailable)"
-    return FP4AdamW, _fp4adamw_kwargs(FP4AdamW, st), "fp4offload.FP4AdamW"
+    return FP4AdamW, _fp4adamw_kwargs(st), "fp4offload.FP4AdamW"
 
 
-def _fp4adamw_kwargs(cls: type, st) -> dict:
-    """Constructor kwargs of FP4AdamW for an OptimizerStatesConfig (only those it accepts)."""
-    import inspect
+def _fp4adamw_kwargs(st) -> dict:
+    """Constructor kwargs of FP4AdamW for an OptimizerStatesConfig."""
+    from ..optim import NvmeOptions, StateFormat
 
-    accepted = inspect.signature(cls.__init__).parameters
-    want = {"state_device": st.device, "nvme_path": st.nvme_path, "m_rounding": st.rounding,
-            "v_rounding": st.v_rounding, "v_format": st.v_format,
-            "min_numel": max(1, st.min_numel),  # 0 and 1 both mean: every tensor
-            "master": st.master,
-            "master_device": st.master_device}
-    return {k: v for k, v in want.items() if k in accepted}
+    return {"state_device": st.device, "nvme_path": st.nvme_path, "master": st.master,
+            "state_format": StateFormat(m_rounding=st.rounding, v_rounding=st.v_rounding, v_format=st.v_format,
+                                        min_numel=max(1, st.min_numel)),  # 0 and 1 both mean: every tensor
+            "nvme": NvmeOptions(master_device=st.master_device)}
 
 
 def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterable[Any] | None = None,
@@ -243,6 +240,6 @@ def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterabl
     for p, proxy in pairs:  # a compact master starts from the fp32 values apply cast to bf16
         res = getattr(p, "_fp4offload_residual", None)
         if res is not None and getattr(opt, "master", "fp32") == "split" and res[0].numel() == proxy.numel():
-            opt.start_master(proxy, res[0].to(proxy.device), res[1])
+            opt.hooks.start_master(proxy, res[0].to(proxy.device), res[1])
             p._fp4offload_residual = None  # held by the optimizer now
     return opt

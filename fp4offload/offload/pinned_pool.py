@@ -185,7 +185,7 @@ def default_max_host_bytes() -> int:
 
     free = int(psutil.virtual_memory().available)
     try:
-        from fp4offload.integrations.ds_preflight import cgroup_limit
+        from fp4offload._deepspeed.preflight import cgroup_limit
 
         cg = cgroup_limit()
         if cg is not None:

@@ -2,34 +2,30 @@
 
 Every backend module exposes ``nvfp4_encode``, ``nvfp4_decode``, ``mx_encode`` and ``mx_decode`` with
 the signatures of :mod:`fp4offload.formats.reference`. ``FP4OFFLOAD_BACKEND=reference|cpu|cuda``
-forces one; otherwise the first that builds for the tensor's device is used, and a fallback to the
-reference warns once.
+forces one (read by :mod:`fp4offload.switches`); otherwise (unset, or ``auto``) the first that builds for the
+tensor's device is used, and a fallback to the reference warns once.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from types import ModuleType
 
 import torch
 
+from .. import switches
+from ..config.vocab import CODEC_BACKENDS as CODEC_BACKENDS  # the backends, in the order they are tried
 from ..errors import ConfigError
 from ..formats import reference
 
-#: the codec backends, in the order they are tried (FP4AdamW's step backends are config.STEP_BACKENDS)
-CODEC_BACKENDS = ("cuda", "cpu", "reference")
 _status: dict[str, tuple[bool, str]] = {}
 _warned: set[str] = set()
 
 
 def forced_backend() -> str | None:
-    name = os.environ.get("FP4OFFLOAD_BACKEND", "").strip().lower()
-    if not name:
-        return None
-    if name not in CODEC_BACKENDS:
-        raise ConfigError("FP4OFFLOAD_BACKEND", name, " | ".join(CODEC_BACKENDS), "unset it to pick automatically")
-    return name
+    """The backend FP4OFFLOAD_BACKEND forces, or None (unset or ``auto``); ConfigError for any other word."""
+    name = switches.get("FP4OFFLOAD_BACKEND")
+    return None if name == "auto" else name
 
 
 def _load(name: str) -> ModuleType | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from pathlib import Path
+
+from .. import switches
 
 
 def csrc_dir() -> Path:
@@ -20,7 +21,7 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
     from torch.utils import cpp_extension
 
     root = csrc_dir()
-    verbose = os.environ.get("FP4OFFLOAD_VERBOSE_BUILD", "") not in ("", "0")
+    verbose = switches.get("FP4OFFLOAD_VERBOSE_BUILD")
     # no fast math and no FMA contraction (every operation rounds as the reference's does); errno and FP traps off,
     # which change no value but let the compiler vectorize sqrt and turn selects of FP results into blends
     flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *extra_cflags]

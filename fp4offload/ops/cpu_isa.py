@@ -4,21 +4,23 @@ Each CPU extension is built once per instruction set, as its own module (``fp4of
 its own target flags, never ``-march=native``: a build cache shared between hosts (a home directory on NFS)
 then holds one module per path, and a host loads only a path its CPU reports. The path is read at run time
 from the CPU (the kernel's view of cpuid, ``/proc/cpuinfo`` flags, on x86; ``getauxval(AT_HWCAP)`` on
-AArch64) and can be forced with ``FP4OFFLOAD_CPU_ISA=auto|avx512|avx2|neon|sve|scalar``.
+AArch64) and can be forced with ``FP4OFFLOAD_CPU_ISA=auto|avx512|avx2|neon|sve|scalar`` (read by
+:mod:`fp4offload.switches`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import platform
 
+from .. import switches
+from ..config.vocab import CPU_ISAS
 from ..errors import ConfigError
 
 ENV = "FP4OFFLOAD_CPU_ISA"
 #: every path, fastest first; "scalar" runs everywhere
-ISAS = ("avx512", "avx2", "sve", "neon", "scalar")
+ISAS = CPU_ISAS
 
 #: the CPU flags each x86 path needs (/proc/cpuinfo names)
 X86_NEEDS = {
@@ -105,18 +107,18 @@ def _why_auto(best: str) -> str:
 def chosen() -> tuple[str, str]:
     """(path, why) for this process: FP4OFFLOAD_CPU_ISA when set (checked against this CPU), else the fastest
     path the CPU has. A path the CPU lacks, or an unknown value, is a ConfigError naming what it has."""
-    raw = os.environ.get(ENV, "").strip()
     have = available()
-    if raw.lower() in ("", "auto"):
+    try:
+        want = switches.get(ENV)
+    except ConfigError as exc:
+        raise ConfigError(ENV, exc.value, exc.allowed,
+                          f"This CPU has {', '.join(have)}; unset it to pick automatically") from None
+    if want == "auto":
         return have[0], _why_auto(have[0])
-    want = raw.lower()
-    if want not in ISAS:
-        raise ConfigError(ENV, raw, f"auto or one of {', '.join(ISAS)}",
-                          f"This CPU has {', '.join(have)}; unset it to pick automatically")
     if want not in have:
-        raise ConfigError(ENV, raw, f"a path this CPU has: {', '.join(have)}",
+        raise ConfigError(ENV, want, f"a path this CPU has: {', '.join(have)}",
                           "Set one of those, or unset it to pick automatically")
-    return want, f"{ENV}={raw}"
+    return want, f"{ENV}={want}"
 
 
 def flags(isa: str) -> list[str]:

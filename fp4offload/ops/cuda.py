@@ -9,10 +9,10 @@ E2M1 rounding, which gives the same codes (see csrc/cuda/fp4_kernels.cu).
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from .. import switches
 from ._bindings import make_kernel_api
 
 NAME = "cuda"
@@ -36,9 +36,9 @@ def arch_flags(archs: list[str] | None = None) -> list[str]:
     these targets. ``-arch=sm_100a`` alone fails in ptxas; the ``-gencode`` form is what works.
     """
     if archs is None:
-        env = os.environ.get("FP4OFFLOAD_CUDA_ARCH", "").strip()
+        env = switches.get("FP4OFFLOAD_CUDA_ARCH")  # a tuple of targets, "sm_" dropped, or None
         if env:
-            archs = [a.strip().removeprefix("sm_") for a in env.split(",") if a.strip()]
+            archs = list(env)
         else:
             archs = sorted({_arch_for(*torch.cuda.get_device_capability(i)) for i in range(torch.cuda.device_count())})
     return [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]

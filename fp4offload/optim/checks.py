@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..config import (INT64_MAX, MASTER_DEVICES, MASTER_FORMS, NVME_IO_ENGINES, OPTIMIZER_DEVICES, ROUNDINGS,
-                      STEP_BACKENDS, V_FORMATS, WORKING_COPIES, check_adam_hyperparameters, check_directory)
+from ..config import (INT64_MAX, MASTER_FORMS, OPTIMIZER_DEVICES, ROUNDINGS, V_FORMATS, check_adam_hyperparameters,
+                      check_directory)
 from ..errors import ConfigError
 from . import fused
 
@@ -92,48 +92,91 @@ def check_param_group(group: Any, index: int, defaults: dict | None = None) -> N
                               **{k: group[k] for k in GROUP_OPTIONS if k in group})
 
 
-def check_arguments(*, lr, betas, eps, weight_decay, m_rounding, v_format, min_numel, state_device, nvme_path,
-                    nvme_io, tensor_key, backend, working_copy, master="fp32", maximize=False, nvme_threads=4,
-                    v_rounding="nearest",
-                    nvme_reserve_bytes=0, seed=0, skip_nonfinite=True, metrics_every=100, master_device="same"):
+def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_device, nvme_path, state_format, nvme,
+                    step_options):
     """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one.
 
     Every number is checked where it enters: finite, in range, of the right type (bools are not numbers) and
-    arity (betas a pair). The NVMe folder is checked last, by fp4offload.config.check_directory (expanded,
-    resolved, created only under an existing parent). Returns ``nvme_path``: the resolved folder for
+    arity (betas a pair); the option groups' fields were checked when they were made (options.py), here their
+    types and the rules that join them. The NVMe folder is checked last, by fp4offload.config.check_directory
+    (expanded, resolved, created only under an existing parent). Returns ``nvme_path``: the resolved folder for
     ``state_device="nvme"``, else as given (unused)."""
-    check_hyperparameters("", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize,
-                          m_rounding=m_rounding, v_rounding=v_rounding, v_format=v_format, min_numel=min_numel,
-                          seed=seed)
+    from .options import NvmeOptions, StateFormat, StepOptions
+
+    check_hyperparameters("", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+    for key, value, cls in (("state_format", state_format, StateFormat), ("nvme", nvme, NvmeOptions),
+                            ("step_options", step_options, StepOptions)):
+        if not isinstance(value, cls):
+            raise ConfigError(key, value, f"a fp4offload.optim.{cls.__name__}", f"e.g. {key}={cls.__name__}()")
     check_choice("state_device", state_device, OPTIMIZER_DEVICES)
     if state_device == "nvme" and nvme_path is None:
         raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
-    check_choice("nvme_io", nvme_io, NVME_IO_ENGINES)
-    check_int("nvme_threads", nvme_threads, minimum=1, maximum=NVME_THREADS_MAX)
-    check_int("nvme_reserve_bytes", nvme_reserve_bytes, minimum=0)
-    if tensor_key is not None and not callable(tensor_key):
-        raise ConfigError("tensor_key", tensor_key, "None or a function tensor -> str | None")
-    check_choice("backend", backend, STEP_BACKENDS)
-    check_choice("working_copy", working_copy, WORKING_COPIES)
     check_choice("master", master, MASTER_FORMS, "'split' keeps the fp32 master exactly in 2 B/param beside the bf16 "
                  "parameter; 'bf16' rounds the bf16 parameter stochastically")
-    check_choice("master_device", master_device, MASTER_DEVICES)
-    if master_device == "nvme" and (master, state_device) != ("split", "nvme"):
-        raise ConfigError("master_device", master_device, f"'same' with master={master!r} and "
+    if nvme.master_device == "nvme" and (master, state_device) != ("split", "nvme"):
+        raise ConfigError("nvme.master_device", nvme.master_device, f"'same' with master={master!r} and "
                           f"state_device={state_device!r}", "only split's residual goes to the NVMe files, beside "
                           "the states: use master='split' and state_device='nvme', or master_device='same'")
-    if master != "fp32" and working_copy is not None:
-        raise ConfigError("working_copy", working_copy, f"None with master={master!r}",
+    if master != "fp32" and step_options.working_copy is not None:
+        raise ConfigError("step_options.working_copy", step_options.working_copy, f"None with master={master!r}",
                           "the bf16 parameter is the working copy; use master='fp32' for an NVFP4 copy")
-    check_bool("skip_nonfinite", skip_nonfinite)
-    check_int("metrics_every", metrics_every, minimum=0)
-    if backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():
+    if step_options.backend == "fused" and fused.cpu_extension() is None and not torch.cuda.is_available():
         why = "; ".join(v for k, v in fused.failures().items() if k.startswith("cpu"))
-        raise ConfigError("backend", backend, "'auto' or 'reference' on this machine",
+        raise ConfigError("step_options.backend", step_options.backend, "'auto' or 'reference' on this machine",
                           f"the fused CPU step does not build: {why}")
     if state_device == "nvme":
         return check_directory("nvme_path", nvme_path)
     return nvme_path
+
+
+def check_master(master: str, state_device: str, p, compute_device) -> None:
+    """A compact master (``master`` "split" or "bf16") needs a bf16 parameter, contiguous, stepped where it
+    lives (`compute_device`: where the step of `p` runs); ConfigError otherwise."""
+    if master == "fp32":
+        return
+    why = None
+    if p.dtype != torch.bfloat16:
+        why = (f"a {p.dtype} parameter", "cast the model to bf16 first (model.to(torch.bfloat16)), or use "
+               "master='fp32'")
+    elif not p.is_contiguous():
+        why = ("a non-contiguous parameter", "make it contiguous, or use master='fp32'")
+    elif compute_device != p.device:
+        why = (f"a {p.device.type} parameter with state_device={state_device!r}",
+               "keep the states beside the parameter (state_device='same'), or use master='fp32'")
+    if why is not None:
+        raise ConfigError("master", master, "bf16 parameters the step can update where they live", why[1]
+                          + f" (got {why[0]} of shape {tuple(p.shape)})")
+
+
+#: FP4AdamW's keywords that live in an option group: keyword -> (group keyword, its class, the field)
+GROUPED = {"m_rounding": ("state_format", "StateFormat", "m_rounding"),
+           "v_rounding": ("state_format", "StateFormat", "v_rounding"),
+           "v_format": ("state_format", "StateFormat", "v_format"),
+           "min_numel": ("state_format", "StateFormat", "min_numel"),
+           "seed": ("state_format", "StateFormat", "seed"),
+           "nvme_threads": ("nvme", "NvmeOptions", "threads"),
+           "nvme_reserve_bytes": ("nvme", "NvmeOptions", "reserve_bytes"),
+           "nvme_io": ("nvme", "NvmeOptions", "io"), "nvme_keep": ("nvme", "NvmeOptions", "keep"),
+           "master_device": ("nvme", "NvmeOptions", "master_device"),
+           "backend": ("step_options", "StepOptions", "backend"),
+           "working_copy": ("step_options", "StepOptions", "working_copy"),
+           "skip_nonfinite": ("step_options", "StepOptions", "skip_nonfinite"),
+           "metrics_every": ("step_options", "StepOptions", "metrics_every"),
+           "tensor_key": ("step_options", "StepOptions", "tensor_key")}
+
+
+def check_extra_keywords(extra: dict) -> None:
+    """The keywords FP4AdamW's constructor takes beyond its own: torch AdamW's options (UNSUPPORTED, through
+    check_unsupported); an option of a group, given alone, is a ConfigError naming the group to put it in;
+    any other is Python's TypeError for an unexpected keyword."""
+    for key, value in extra.items():
+        if key in GROUPED:
+            group, cls, field = GROUPED[key]
+            raise ConfigError(key, value, f"{group}={cls}({field}=...)", f"FP4AdamW takes {key} inside its "
+                              f"{group} group (fp4offload.optim.{cls})")
+        if key not in UNSUPPORTED:
+            raise TypeError(f"FP4AdamW.__init__() got an unexpected keyword argument {key!r}")
+    check_unsupported(extra)
 
 
 #: torch.optim.AdamW options FP4AdamW does not have, and why (the value each may take: off)

@@ -1,6 +1,8 @@
 """Conversions of one parameter's FP4AdamW state to and from its saved forms.
 
-Owns: the state-dict entry of a parameter (:func:`saved_entry`, the tier-independent form of state.py), loading
+Owns: the optimizer's state dict (:func:`state_dict_of`, :func:`load_state_dict_into`: the groups, the ids and
+the checks of torch's form, around the entries; the state-dict hooks are the optimizer's), the state-dict entry
+of a parameter (:func:`saved_entry`, the tier-independent form of state.py), loading
 an entry (:func:`load_entry`: FP4AdamW's from any tier and v format, or torch AdamW's ``exp_avg`` /
 ``exp_avg_sq``, quantized once), the change of a group's ``v_format`` (:func:`change_v_format`), and
 :func:`load_param_states`, which takes the per-parameter states of a live torch AdamW (or any Adam keeping
@@ -16,8 +18,10 @@ another shape a ConfigError. Entries without them (torch AdamW's, or saved befor
 
 from __future__ import annotations
 
+import copy
 import json
 import zlib
+from collections import defaultdict
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -25,6 +29,7 @@ import torch
 from ..errors import ConfigError, CorruptionError
 from . import master as MW
 from . import reference_step as R
+from .checks import UNSUPPORTED
 from .state import PACKED_KEYS, as_u8, decode_state, encode_state, packed_from_entry, step_of
 
 if TYPE_CHECKING:
@@ -33,7 +38,7 @@ if TYPE_CHECKING:
 
 def saved_entry(opt: FP4AdamW, p) -> dict | None:
     """p's state-dict entry: packed states as uint8 CPU tensors, fp32 ones as fp32 (None: p has no state).
-    Call ``opt._tier.sync()`` first on the NVMe tier."""
+    Call ``opt.placement.sync()`` first on the NVMe tier."""
     st = opt.state.get(p)
     if not st or "step" not in st:
         return None
@@ -41,7 +46,7 @@ def saved_entry(opt: FP4AdamW, p) -> dict | None:
     if "master" in st:
         e["master"] = st["master"].detach().cpu().clone()
     packed = "exp_avg" not in st
-    m, v, res = opt._tier.states_and_residual(st, p) if packed else (None, None, None)
+    m, v, res = opt.placement.states_and_residual(st, p) if packed else (None, None, None)
     if res is None and "master_lo" in st:
         res = st["master_lo"], st["master_odd"]
     if res is not None:  # split: the residual and odd positions as bytes (a cast to a float dtype loses nothing)
@@ -151,7 +156,7 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
     n = p.numel()
     opt.state.pop(p, None)
     packed_saved = "m_codes" in entry
-    packed = opt._packed(group, p)
+    packed = opt.is_packed(group, p)
     if packed:
         want = group["v_format"]
         if packed_saved:
@@ -169,9 +174,9 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
     # split's residual before the state is made: the NVMe tier writes it into the files with m and v
     res = _split_start(p, entry) if opt.master == "split" else None
     if packed:
-        st = opt._init_state(group, p, m, v, res)
+        st = opt.fresh_state(group, p, m, v, res)
     else:
-        st = opt._init_state(group, p, res=res)
+        st = opt.fresh_state(group, p, res=res)
         st["exp_avg"].copy_(m.reshape(p.shape))
         st["exp_avg_sq"].copy_(v.reshape(p.shape))
     st["step"] = torch.tensor(float(step_of(entry.get("step", 0))))
@@ -233,7 +238,7 @@ def _flat_cpu(t: torch.Tensor) -> torch.Tensor:
 
 def change_v_format(opt: FP4AdamW, group: dict, p) -> None:
     """Re-encode p's packed states in the group's (changed) ``v_format``, once."""
-    opt._tier.sync()
+    opt.placement.sync()
     load_entry(opt, group, p, saved_entry(opt, p))
 
 
@@ -245,7 +250,7 @@ def load_param_states(opt: FP4AdamW, states: Mapping) -> int:
     FP4AdamW state-dict entry. Tensors without state (empty dicts) are skipped; a tensor `opt` does not
     step raises ConfigError. Neither optimizer's state dict is built.
     """
-    group_of = {id(p): group for group, p, _ in opt._params()}
+    group_of = {id(p): group for group, p, _ in opt.numbered_params()}
     loaded = 0
     with torch.no_grad():
         for t, entry in states.items():
@@ -260,3 +265,117 @@ def load_param_states(opt: FP4AdamW, states: Mapping) -> int:
             load_entry(opt, group_of[id(t)], t, entry)
             loaded += 1
     return loaded
+
+
+# ---- the whole state dict -----------------------------------------------------------------------------------
+
+
+def state_dict_of(opt: FP4AdamW) -> dict:
+    """`opt`'s state dict, without its hooks (FP4AdamW.state_dict runs them): ``param_groups`` with parameter ids
+    numbered as torch numbers them, ``state`` mapping an id to its sealed entry, and the keys of
+    ``optimizer.state`` that are not tensors carried over as they are."""
+    ids: dict[int, int] = {}
+    start, groups = 0, []
+    for g in opt.param_groups:
+        packed = {k: v for k, v in g.items() if k != "params"}
+        ids.update({id(p): i for i, p in enumerate(g["params"], start) if id(p) not in ids})
+        packed["params"] = [ids[id(p)] for p in g["params"]]
+        start += len(packed["params"])
+        groups.append(packed)
+    opt.placement.sync()
+    state, seen = {}, set()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            e = saved_entry(opt, p)
+            if e is not None:
+                state[ids[id(p)]] = seal_entry(e, ids[id(p)], p)
+    state.update({k: v for k, v in opt.state.items() if not torch.is_tensor(k)})
+    return {"state": state, "param_groups": groups}
+
+
+def load_state_dict_into(opt: FP4AdamW, state_dict: Mapping) -> None:
+    """Load a state dict of FP4AdamW (any tier) or of torch.optim.AdamW into `opt` (after its load pre-hooks).
+
+    As torch's: group sizes must match, parameters are matched through the saved groups' ids, and keys that are
+    not parameter ids (strings that are not integers) are kept in ``optimizer.state`` as they are. Every entry is
+    checked before anything changes: a key that is no saved parameter id (``-1``, an id past the end) or an
+    entry whose fingerprint names another parameter or shape is a ConfigError naming the key, a checksum
+    mismatch a CorruptionError (check_entry). Survives a caller that cast the state tensors to a floating dtype
+    (packed states are whole bytes). torch AdamW groups with ``amsgrad=True`` are refused (their max_exp_avg_sq
+    would be lost); its implementation flags (foreach, fused, capturable, differentiable) are dropped."""
+    if "param_groups" not in state_dict:
+        raise ConfigError("state_dict", f"a dict with keys {sorted(map(str, state_dict))}",
+                          "an optimizer state dict ('state' and 'param_groups')")
+    saved_groups = copy.deepcopy(list(state_dict["param_groups"]))
+    if len(saved_groups) != len(opt.param_groups):
+        raise ConfigError("state_dict['param_groups']", f"{len(saved_groups)} groups",
+                          f"{len(opt.param_groups)}, as this optimizer has", "the state dict belongs to another "
+                          "model (loaded state dict has a different number of parameter groups)")
+    for i, (g, sg) in enumerate(zip(opt.param_groups, saved_groups)):
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), (list, tuple)):
+            raise ConfigError(f"state_dict['param_groups'][{i}]", type(sg).__name__ if not isinstance(sg, dict)
+                              else f"a group with keys {sorted(map(str, sg))}", "a dict with a 'params' list")
+        if len(sg["params"]) != len(g["params"]):
+            raise ConfigError(f"state_dict['param_groups'][{i}]['params']", f"{len(sg['params'])} parameters",
+                              f"{len(g['params'])}, as this optimizer's group has", "the state dict belongs to "
+                              "another model (a parameter group doesn't match the size of optimizer's group)")
+        if sg.get("amsgrad"):
+            raise ConfigError(f"state_dict['param_groups'][{i}]['amsgrad']", sg["amsgrad"], "False",
+                              UNSUPPORTED["amsgrad"] + "; its saved max_exp_avg_sq would be lost")
+    id_map = {}
+    for sg, g in zip(saved_groups, opt.param_groups):
+        id_map.update(zip(sg["params"], g["params"]))
+    plan, extra, seen = [], {}, set()
+    for key, entry in state_dict.get("state", {}).items():
+        pid = _param_id(key)
+        if pid is None:
+            extra[key] = entry
+            continue
+        if pid not in id_map or pid in seen:
+            ids = sorted(k for k in id_map if isinstance(k, int))
+            raise ConfigError(f"state_dict['state'][{key!r}]", "an entry for " + (
+                "a parameter already loaded under another key" if pid in seen else
+                "no parameter id of the saved param_groups"),
+                f"one entry per id in {ids[0]}..{ids[-1]}" if ids else "no entries (no parameters)",
+                "the state dict belongs to another model, or its keys were changed")
+        seen.add(pid)
+        check_entry(entry, pid, id_map[pid])
+        plan.append((id_map[pid], entry))
+    groups = []
+    for g, sg in zip(opt.param_groups, saved_groups):
+        sg["params"] = g["params"]
+        if "param_names" in g and "param_names" not in sg:
+            sg["param_names"] = g["param_names"]
+        for k in UNSUPPORTED:
+            sg.pop(k, None)
+        sg.pop("decoupled_weight_decay", None)
+        for k, val in opt.defaults.items():  # a torch AdamW state dict lacks our per-group options
+            sg.setdefault(k, val)
+        sg["betas"] = tuple(sg["betas"])
+        groups.append(sg)
+    opt.param_groups = groups
+    opt.state = defaultdict(dict)
+    group_of: dict[int, dict] = {}
+    for g in groups:
+        for p in g["params"]:
+            group_of.setdefault(id(p), g)
+    for p, entry in plan:
+        load_entry(opt, group_of[id(p)], p, entry)
+    opt.state.update(extra)
+
+
+def _param_id(key) -> int | None:
+    """The parameter id a state-dict key stands for (an int, or a string of one); None for other keys."""
+    if isinstance(key, bool):
+        raise ConfigError("state_dict['state']", f"the key {key!r}", "integer parameter ids")
+    if isinstance(key, int):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None

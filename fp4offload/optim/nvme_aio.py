@@ -2,7 +2,7 @@
 
 Owns: loading DeepSpeed's async_io op (:func:`aio_op`), the page-locked buffer pool (:class:`LockedPool`),
 the probe of a folder (:func:`probe`), and the reads and writes of one segment file (:func:`read_file`,
-:func:`write_file`). The store (nvme.py) keeps one aio handle per worker thread and hands it in.
+:func:`write_file`). The aio engine (nvme_io.AioEngine) keeps one aio handle per worker thread and hands it in.
 
 The file is fp4offload's container laid out for direct I/O: the JSON header is padded with spaces so the
 payload starts at 4096, each tensor starts on a 64-byte boundary (zero gaps), and a trailing zero tensor

@@ -315,7 +315,7 @@ class _FileSegments:
 class NvmeTier(HostTier):
     """Packed states in files of an NvmeStore (optim/nvme.py), named by each tensor's key; only ``step`` and
     ``master`` stay in ``optimizer.state``. A store made with ``residuals`` keeps split's residual of each
-    tensor in its files too (FP4AdamW's ``master_device="nvme"``): a step's new residual goes to the step's
+    tensor in its files too (NvmeOptions' ``master_device="nvme"``): a step's new residual goes to the step's
     generation with its states, so, like them, it needs no undo.
 
     A step is one store transaction: the space of all its files (and of the undo log beyond
@@ -345,7 +345,7 @@ class NvmeTier(HostTier):
         return True
 
     def key(self, p) -> str:
-        """The key of p's files: given once, kept while p lives (see FP4AdamW's ``tensor_key``)."""
+        """The key of p's files: given once, kept while p lives (see StepOptions' ``tensor_key``)."""
         key = self.keys.get(p)
         if key is not None:
             return key
@@ -365,7 +365,8 @@ class NvmeTier(HostTier):
             other = holder() if holder is not None else None
             if other is not None and other is not p:
                 if self._has_states(other):
-                    raise ConfigError("tensor_key", raw, "a key no other tensor with states in this optimizer has",
+                    raise ConfigError("step_options.tensor_key", raw, "a key no other tensor with states in this "
+                                      "optimizer has",
                                       f"two tensors ({tuple(other.shape)} and {tuple(p.shape)}) would share NVMe "
                                       "files")
                 self.keys.pop(other, None)  # a tensor without states hands its key over (re-created tensor)
@@ -491,7 +492,7 @@ class NvmeTier(HostTier):
 def _keep_from_env(nvme_keep):
     if nvme_keep is not None:
         if not isinstance(nvme_keep, bool):
-            raise ConfigError("nvme_keep", nvme_keep, "True, False or None (None: the FP4OFFLOAD_NVME_KEEP "
+            raise ConfigError("nvme.keep", nvme_keep, "True, False or None (None: the FP4OFFLOAD_NVME_KEEP "
                               "environment variable, default False)")
         return nvme_keep
     raw = os.environ.get("FP4OFFLOAD_NVME_KEEP", "").strip().lower()
@@ -506,8 +507,9 @@ def make_tier(state_device: str, *, nvme_path=None, nvme_threads: int = 4, nvme_
               nvme_io: str = "auto", tensor_key: Callable | None = None,
               has_states: Callable[[torch.Tensor], bool] = lambda t: False, nvme_keep: bool | None = None,
               residuals: bool = False) -> DeviceTier:
-    """The tier of ``state_device`` (arguments as FP4AdamW's; `nvme_keep` None reads FP4OFFLOAD_NVME_KEEP;
-    `residuals`: the NVMe files keep split's residuals, FP4AdamW's ``master_device="nvme"``)."""
+    """The tier of ``state_device`` (the NVMe arguments as NvmeOptions' fields; `nvme_keep` None reads
+    FP4OFFLOAD_NVME_KEEP; `residuals`: the NVMe files keep split's residuals, NvmeOptions'
+    ``master_device="nvme"``)."""
     if state_device == "same":
         return DeviceTier()
     if state_device == "cpu":

@@ -32,7 +32,7 @@ from . import reference_step as R
 @dataclass(eq=False)
 class WeightRegion:
     """A (rows, cols) matrix at element `offset` of a flat parameter whose NVFP4 16x16 copy the fused CPU
-    step writes (FP4AdamW.register_weight_regions).
+    step writes (FP4AdamW.hooks.weight_regions).
 
     Set before a step: ``amax``, the amax the tensor scale comes from (None: the step leaves the region
     alone). Set by the step: ``packed`` (a PackedTensor of shape (rows, cols), equal to
@@ -91,7 +91,7 @@ class WorkingCopies:
     # ---- regions ----------------------------------------------------------------------------------------
 
     def register(self, tensor: torch.Tensor, regions: list[WeightRegion]) -> None:
-        """See FP4AdamW.register_weight_regions."""
+        """See EngineHooks.weight_regions (hooks.py)."""
         end = 0
         for r in sorted(regions, key=lambda r: r.offset):
             if r.rows <= 0 or r.cols <= 0 or r.offset < end or r.offset + r.rows * r.cols > tensor.numel():

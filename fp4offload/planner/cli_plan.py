@@ -385,8 +385,8 @@ def run_check(args: argparse.Namespace) -> int:
         if args.emit or args.save_readings is not None:
             raise ConfigError("--emit" if args.emit else "--save-readings", args.emit or args.save_readings,
                               "not with --check", "--check writes nothing; plan without --check to write a config")
-        from fp4offload.integrations import ds_preflight
-        from fp4offload.integrations.deepspeed import BLOCK_KEY, prepare_config, read_config
+        from fp4offload._deepspeed import preflight as ds_preflight
+        from fp4offload._deepspeed.config import BLOCK_KEY, prepare_config, read_config
         from fp4offload.jsonfile import read_json
 
         model = resolve_model(args.model or DEFAULT_MODEL)

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from fp4offload.config import (ActivationsConfig, Fp4OffloadConfig, FsdpPolicyConfig, MonitorConfig,
-                               OptimizerStatesConfig, WeightsConfig, dump_fsdp_policy_yaml, validate_deepspeed_config)
+                               OptimizerStatesConfig, WeightsConfig, dump_fsdp_policy_yaml)
+from fp4offload._deepspeed.schema import validate_deepspeed_config
 from fp4offload.errors import ConfigError
 from fp4offload.jsonfile import write_text
 from fp4offload.planner.hardware import Cluster

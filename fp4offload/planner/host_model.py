@@ -141,9 +141,9 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
                        accelerator: str = "gpu", host: Any = None, states: Any = None,
                        free_bytes: int | None = None) -> Inputs:
     """:class:`Inputs` from a DeepSpeed config dict with the block's rewrites applied (as
-    ``fp4offload.integrations.deepspeed.prepare_config`` returns it) or a plain one.
+    ``fp4offload._deepspeed.config.prepare_config`` returns it) or a plain one.
 
-    ``host``: the block's effective host settings (``ds_host.HostSettings``), None for DeepSpeed's own
+    ``host``: the block's effective host settings (``_deepspeed.config.HostSettings``), None for DeepSpeed's own
     behaviour. ``states``: the states' placement as prepare_config resolved it (``Prepared.states``: format,
     device, master, master_device), which wins over the block's keys: once it has turned DeepSpeed's NVMe
     offload into its own tier, the rewritten config says ``offload_optimizer.device "cpu"`` and no longer shows
@@ -266,7 +266,7 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         mb, label = (FP32_BYTES, "fp32") if x.master == "fp32" else (BF16_BYTES, "bf16")
         if on_cpu_accel and x.states is not None and x.master != "fp32" and e == BF16_BYTES and offload_opt \
                 and x.offload_param == "none":
-            mb = 0  # the block's compact master is the model's bf16 partition here (ds_host.master_is_device_partition)
+            mb = 0  # the block's compact master is the model's bf16 partition here (zero12.master_is_device_partition)
         where = {"host": "host", "nvme": "nvme"}.get(master_where)
         residual = BF16_BYTES * part if x.master == "split" and not x.residual_on_nvme else 0
         for key, nbytes in ((f"{label} master partition", mb * part), ("split master residual", residual)):
@@ -285,7 +285,7 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
     elif offload_opt:  # ZeRO-3: the partition in the compute dtype, and the master's gradient in the master's dtype
         put("gradient partition", e * part)  # grad_partitions_flat_buffer
         # with the block the master's gradient is a slice of that partition when the dtypes agree, or when the fp32
-        # master takes the bf16 partition (bf16_grads): ds_host.zero3_gradient_partition
+        # master takes the bf16 partition (bf16_grads): zero3.zero3_gradient_partition
         if not (x.states is not None and (x.bf16_grads or (x.master != "fp32") == (e == BF16_BYTES))):
             label, gb = ("fp32", FP32_BYTES) if x.master == "fp32" else ("bf16", BF16_BYTES)
             put(f"{label} master gradient", gb * sub)
