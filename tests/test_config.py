@@ -366,8 +366,6 @@ def test_building_every_schema_with_a_missing_nvme_folder_touches_no_disk(tmp_pa
 
 
 def test_prepare_path_creates_one_level_where_the_folder_is_first_used(tmp_path, monkeypatch):
-    from fp4offload.config import check_directory
-
     monkeypatch.setenv("FP4_PREPARE_ROOT", str(tmp_path))
     got = prepare_path("optimizer_states.nvme_path", "$FP4_PREPARE_ROOT/states")
     assert got == tmp_path / "states" and got.is_dir() and (got.stat().st_mode & 0o777) == 0o700
@@ -375,4 +373,3 @@ def test_prepare_path_creates_one_level_where_the_folder_is_first_used(tmp_path,
     with pytest.raises(ConfigError, match="mistyped mount point") as e:
         prepare_path("optimizer_states.nvme_path", str(tmp_path / "gone" / "states"))
     assert e.value.key == "optimizer_states.nvme_path" and not (tmp_path / "gone").exists()
-    assert check_directory is prepare_path

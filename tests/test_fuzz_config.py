@@ -824,7 +824,7 @@ def test_fp4adamw_param_groups_are_checked_and_a_refused_group_is_not_added():
 
 
 def test_nvme_path_rules_for_fp4adamw(sb):
-    """The one folder check (fp4offload.config.check_directory), as FP4AdamW's nvme_path meets it."""
+    """The one folder check (fp4offload.config.prepare_path), as FP4AdamW's nvme_path meets it."""
     from fp4offload.optim import FP4AdamW, NvmeOptions
 
     def opt(path):

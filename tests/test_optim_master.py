@@ -360,7 +360,7 @@ def test_cuda_compact_master_equals_the_cpu_step(master):
 
 
 def test_a_grad_scale_is_applied_in_fp32_so_split_stays_the_fp32_run(step_ext):
-    """set_grad_scale (DeepSpeed ZeRO-3's clipping when the master's gradient is its bf16 gradient partition):
+    """hooks.scale_grad (DeepSpeed ZeRO-3's clipping when the master's gradient is its bf16 gradient partition):
     split with bf16 gradients, and the fp32 master with bf16 gradients (scaled in fp32 segment by segment, the
     gradient left as it is), step exactly as the fp32 master whose fp32 gradients were multiplied by the scale
     in place; a skipped step drops its scale."""

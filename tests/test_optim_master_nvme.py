@@ -375,7 +375,7 @@ def test_state_dicts_copies_and_conversions_between_master_devices(tmp_path):
 
 
 def test_grad_scale_with_the_residual_on_nvme(tmp_path):
-    """set_grad_scale (fp32 multiply per segment) steps the same with the residual in the files as in RAM."""
+    """hooks.scale_grad (fp32 multiply per segment) steps the same with the residual in the files as in RAM."""
     out = []
     for kw in ({}, _nvme(tmp_path)):
         params = _fault_params()[:2]

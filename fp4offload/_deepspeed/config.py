@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp4offload.config import (Fp4OffloadConfig, HostConfig, check_directory, check_path_syntax,
+from fp4offload.config import (Fp4OffloadConfig, HostConfig, prepare_path, check_path_syntax,
                                parse_block, with_checked_paths)
 from fp4offload import switches
 from fp4offload.errors import ConfigError
@@ -115,7 +115,7 @@ class Prepared:
 
     def checked_paths(self) -> "Prepared":
         """These settings with their NVMe folders checked on this machine and resolved (fp4offload.config.
-        check_directory: ``~`` and ``$VARS`` expanded, made absolute, created one level deep under an existing
+        prepare_path: ``~`` and ``$VARS`` expanded, made absolute, created one level deep under an existing
         parent, refused when a file, a device, in /proc or /sys, unwritable or under a missing parent), for
         ``optimizer_states``, ``activations`` and DeepSpeed's ``offload_optimizer.nvme_path`` when the block takes
         it. :func:`initialize` calls it before anything is built; ``prepare_config`` does not look at the disk
@@ -126,7 +126,7 @@ class Prepared:
             st = self.block.optimizer_states
             key = (f"{BLOCK_KEY}.optimizer_states.nvme_path" if st is not None and st.nvme_path is not None
                    else "zero_optimization.offload_optimizer.nvme_path")
-            folder = check_directory(key, str(Path(states.nvme_path).parent))
+            folder = prepare_path(key, str(Path(states.nvme_path).parent))
             states = replace(states, nvme_path=str(folder / "optimizer_states"))
         return replace(self, block=block, states=states)
 

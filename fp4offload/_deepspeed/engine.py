@@ -201,7 +201,7 @@ def _close_on_destroy(engine: Any) -> bool:
 
 def _norm_source(engine: Any) -> bool:
     """ZeRO-1/2 computes the global gradient norm before the optimizer steps (for clipping, and always under
-    offload): FP4AdamW's non-finite check reads it instead of every gradient (set_grad_norm_source)."""
+    offload): FP4AdamW's non-finite check reads it instead of every gradient (``hooks.grad_norm_source``)."""
     import weakref
 
     from fp4offload.optim import FP4AdamW
@@ -217,7 +217,7 @@ def _norm_source(engine: Any) -> bool:
         z = ref()
         return None if z is None else dsi.read(z, "_global_grad_norm")
 
-    inner.set_grad_norm_source(norm)
+    inner.hooks.grad_norm_source(norm)
     return True
 
 

@@ -13,7 +13,7 @@ Which hook, and why (DeepSpeed 0.19.8):
   group, and decodes to the compute dtype on the device. ``partition`` is wrapped so a partition that
   was updated in place (``GatheredParameters(modifier_rank=...)``) is packed again.
 - The packed copy is written inside FP4AdamW's fused step over the sub-group's flat fp32 master: each
-  partition is a region of that flat tensor (``FP4AdamW.register_weight_regions``), encoded band by band
+  partition is a region of that flat tensor (``FP4AdamW.hooks.weight_regions``), encoded band by band
   as the step updates it. The tensor scale comes from the weight's amax, max-reduced across the
   partition group (so every rank's shard shares it and the gathered codes decode as one tensor,
   docs/design.md 3.8) and rounded up to a power of two (``FP4AdamW.copy_amax``); the step uses the previous step's
@@ -308,7 +308,7 @@ def _register_regions(pw: PackedWeights, opt) -> None:
     """Ask FP4AdamW (when it is the inner optimizer) to write each packed partition's NVFP4 copy inside its
     fused step over the sub-group's flat fp32 master."""
     inner = dsi.read(opt, "optimizer")
-    if not hasattr(inner, "register_weight_regions"):
+    if not hasattr(getattr(inner, "hooks", None), "weight_regions"):
         return
     from fp4offload.optim import WeightRegion
 
@@ -326,7 +326,7 @@ def _register_regions(pw: PackedWeights, opt) -> None:
             pw.regions[id(p)] = WeightRegion(off, n // cols, cols)
             regs.append(pw.regions[id(p)])
         if regs:
-            inner.register_weight_regions(flat32, regs)
+            inner.hooks.weight_regions(flat32, regs)
 
 
 def _offsets(opt, pw: PackedWeights) -> dict[int, tuple[int, int, int]]:

@@ -153,7 +153,7 @@ def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None, 
 def fp32_clip(engine: Any, any_master: bool = False) -> bool:
     """ZeRO-3 with a compact master (or, ``any_master``, an fp32 master whose gradient is DeepSpeed's bf16
     gradient partition, :func:`zero3_gradient_partition`): the clipping and loss-scale factor goes to FP4AdamW
-    (``set_grad_scale``), which applies it in fp32 as it reads each gradient segment, instead of DeepSpeed's
+    (``hooks.scale_grad``), which applies it in fp32 as it reads each gradient segment, instead of DeepSpeed's
     multiply in place. DeepSpeed's bf16 master mode keeps ZeRO-3's gradient partition in bf16, so its own
     multiply would round every clipped gradient to bf16; the fp32-master run multiplies an fp32 partition
     holding the same bf16 values by the same factor. With the factor applied in fp32 the two runs step with
@@ -177,7 +177,7 @@ def fp32_clip(engine: Any, any_master: bool = False) -> bool:
             combined = loss_scale
             if clip_grad > 0.0:
                 combined = torch.clamp(((total_norm / loss_scale) + 1e-6) / clip_grad, min=1.0) * loss_scale
-            inner.set_grad_scale(flats[sub_group_id], 1.0 / combined)
+            inner.hooks.scale_grad(flats[sub_group_id], 1.0 / combined)
 
         return unscale_and_clip_grads
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from .block import (ActivationsConfig, Fp4OffloadConfig, HostConfig, MonitorConfig, OptimizerStatesConfig,
                     WeightsConfig, parse_block)
-from .checks import (check_adam_hyperparameters, check_directory, check_number, check_path_syntax, prepare_path,
+from .checks import (check_adam_hyperparameters, check_number, check_path_syntax, prepare_path,
                      with_checked_paths)
 from .fsdp import (POLICY_MAX_BYTES, FsdpPolicyConfig, check_fsdp_states, dump_fsdp_policy_yaml,
                    load_fsdp_policy_yaml, parse_fsdp_policy)
@@ -65,6 +65,6 @@ __all__ = [
     "STATE_MIN_NUMEL", "ACTIVATION_MIN_NUMEL", "ACTIVATION_MODULES", "KEEP_BF16", "MMAP_THRESHOLD",
     "ALLOCATOR_CACHE", "OFF_VALUES", "ON_WORDS", "OFF_WORDS", "PREFLIGHT_MODES", "CODEC_BACKENDS", "CPU_ISAS",
     "V_FORMAT_DEFAULT", "V_ROUNDING_DEFAULT", "INT64_MAX", "F32_MAX", "F32_TINY", "PATH_MAX", "NAME_MAX",
-    "check_number", "check_adam_hyperparameters", "prepare_path", "check_directory", "check_path_syntax",
+    "check_number", "check_adam_hyperparameters", "prepare_path", "check_path_syntax",
     "with_checked_paths", "MMAP_THRESHOLD_MAX",
 ]

@@ -32,7 +32,7 @@ from fp4offload.errors import ConfigError
 
 from .vocab import F32_MAX, F32_TINY, INT64_MAX, NAME_MAX, PATH_MAX
 
-__all__ = ["check_number", "check_adam_hyperparameters", "check_path_syntax", "prepare_path", "check_directory",
+__all__ = ["check_number", "check_adam_hyperparameters", "check_path_syntax", "prepare_path",
            "with_checked_paths"]
 
 #: the kernel file systems no state file belongs in
@@ -314,10 +314,6 @@ def prepare_path(key: str, value: Any) -> Path:
     except OSError as exc:
         raise _error(key, value, "a folder this process can create", f"{p}: {exc.strerror}") from None
     return p
-
-
-#: the same function as :func:`prepare_path`, under the name its callers import
-check_directory = prepare_path
 
 
 def _kind(mode: int) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from ..config import (ActivationsConfig, FsdpPolicyConfig, MonitorConfig, OptimizerStatesConfig, WeightsConfig,
-                      check_directory, check_fsdp_states, load_fsdp_policy_yaml)
+                      prepare_path, check_fsdp_states, load_fsdp_policy_yaml)
 from ..errors import ConfigError
 
 __all__ = ["Policy", "policy_from_yaml"]
@@ -148,7 +148,7 @@ class Policy:
         """This policy with its NVMe folders (``optimizer_states.nvme_path``, ``activations.nvme_path``) checked on
         this machine and resolved: ``~`` and ``$VARS`` expanded, made absolute, created (one level, under an
         existing parent) when missing, refused with ConfigError when they are a file, a device, in /proc or /sys,
-        unwritable, or under a missing parent (fp4offload.config.check_directory). :func:`fp4offload.fsdp.apply`
+        unwritable, or under a missing parent (fp4offload.config.prepare_path). :func:`fp4offload.fsdp.apply`
         calls it before anything is sharded; building a Policy (or reading its YAML) does not look at the disk,
         since a policy may be written on one machine for another."""
         changes = {}
@@ -156,7 +156,7 @@ class Policy:
             sub = getattr(self, key)
             path = getattr(sub, "nvme_path", None)
             if path is not None and getattr(sub, "device", None) == "nvme":
-                resolved = str(check_directory(f"{key}.nvme_path", path))
+                resolved = str(prepare_path(f"{key}.nvme_path", path))
                 if resolved != path:
                     changes[key] = dataclasses.replace(sub, nvme_path=resolved)
         return dataclasses.replace(self, **changes) if changes else self

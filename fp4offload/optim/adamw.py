@@ -213,19 +213,6 @@ class FP4AdamW(Optimizer):
             st = self.state[p]
         return self.stepper.step(group, p, st, pid, self.is_packed(group, p), fresh, sample, self.hooks.scales.get(p))
 
-    # forwards to self.hooks until the DeepSpeed modules move
-    def set_grad_norm_source(self, fn):
-        return self.hooks.grad_norm_source(fn)
-
-    def set_grad_scale(self, p, scale):
-        return self.hooks.scale_grad(p, scale)
-
-    def start_master(self, p, lo, odd=None):
-        return self.hooks.start_master(p, lo, odd)
-
-    def register_weight_regions(self, tensor, regions):
-        return self.hooks.weight_regions(tensor, regions)
-
     # ---- working copies, bytes held, closing ------------------------------------------------------------
 
     copy_amax = staticmethod(copy_amax)

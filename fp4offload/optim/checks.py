@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import (INT64_MAX, MASTER_FORMS, OPTIMIZER_DEVICES, ROUNDINGS, V_FORMATS, check_adam_hyperparameters,
-                      check_directory)
+                      prepare_path)
 from ..errors import ConfigError
 from . import fused
 
@@ -98,7 +98,7 @@ def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_dev
 
     Every number is checked where it enters: finite, in range, of the right type (bools are not numbers) and
     arity (betas a pair); the option groups' fields were checked when they were made (options.py), here their
-    types and the rules that join them. The NVMe folder is checked last, by fp4offload.config.check_directory
+    types and the rules that join them. The NVMe folder is checked last, by fp4offload.config.prepare_path
     (expanded, resolved, created only under an existing parent). Returns ``nvme_path``: the resolved folder for
     ``state_device="nvme"``, else as given (unused)."""
     from .options import NvmeOptions, StateFormat, StepOptions
@@ -125,7 +125,7 @@ def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_dev
         raise ConfigError("step_options.backend", step_options.backend, "'auto' or 'reference' on this machine",
                           f"the fused CPU step does not build: {why}")
     if state_device == "nvme":
-        return check_directory("nvme_path", nvme_path)
+        return prepare_path("nvme_path", nvme_path)
     return nvme_path
 
 

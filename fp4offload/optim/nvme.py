@@ -64,7 +64,8 @@ class NvmeStore:
         fsync: flush every file to stable storage before renaming it (default False).
         keep: keep the folder when the store closes (see nvme_folder.py).
         residuals: every segment file also holds split's residual of the segment (``master_lo``,
-            ``master_odd_bits``), read and written with the states (``FP4AdamW(master_device="nvme")``).
+            ``master_odd_bits``), read and written with the states
+            (``FP4AdamW(nvme=NvmeOptions(master_device="nvme"))``).
         aio_block_size, aio_queue_depth: DeepSpeed aio_handle settings (its defaults: 1 MiB, 8).
     """
 

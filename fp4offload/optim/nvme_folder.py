@@ -146,7 +146,8 @@ class Folder:
         """Write the lock file naming this process (and the KEEP mark when kept)."""
         _write_json(self.path / LOCK_NAME, _lock_info())
         if self.keep:
-            (self.path / KEEP_NAME).write_text("kept: FP4AdamW(nvme_keep=True); remove the folder when done\n")
+            (self.path / KEEP_NAME).write_text("kept: FP4AdamW(nvme=NvmeOptions(keep=True)); remove the folder "
+                                               "when done\n")
 
     def __call__(self) -> None:
         for close in self.closers:
@@ -168,7 +169,8 @@ class Folder:
 # ---- a kept folder, read back ---------------------------------------------------------------------------------
 
 def read_kept(folder) -> dict[str, dict]:
-    """The states of a folder kept with ``keep=True`` (``FP4AdamW(nvme_keep=True)``), after its store closed.
+    """The states of a folder kept with ``keep=True`` (``FP4AdamW(nvme=NvmeOptions(keep=True))``), after its store
+    closed.
 
     Returns ``{key: entry}``, each entry an FP4AdamW state-dict entry (``step``, ``v_format`` and the six packed
     uint8 tensors; split's ``master_lo`` and ``master_odd`` too when the files hold the residual) that

@@ -3,8 +3,8 @@
 File layout: fp4offload's container (fp4offload/formats/container.py: magic, format version, a checksummed
 JSON header with the shape, dtype, offset and CRC32 of every tensor, then the raw bytes) holding the six
 tensors of one segment (``m_codes``, ``m_scales``, ``m_tscale``, ``v_codes``, ``v_scales``, ``v_tscale``;
-in a store made with ``residuals=True``, ``FP4AdamW(master="split", master_device="nvme")``, also split's
-residual of the segment: ``master_lo``, ``master_odd_bits``, see state.Residual) and in the header the
+in a store made with ``residuals=True``, ``FP4AdamW(master="split", nvme=NvmeOptions(master_device="nvme"))``,
+also split's residual of the segment: ``master_lo``, ``master_odd_bits``, see state.Residual) and in the header the
 segment's identity (key, segment number, element count, v format) and where it stands: the tensor's ``step``
 count the states belong to, the store's generation ``gen`` that wrote it and the store's ``run`` id (random,
 one per store). The aio engine lays the same container out for direct I/O (nvme_aio.py).

@@ -33,7 +33,6 @@ What the optimizer asks of a tier (``st`` is ``optimizer.state[p]``, whose ``"v_
 
 from __future__ import annotations
 
-import os
 import re
 import weakref
 import zlib
@@ -495,12 +494,9 @@ def _keep_from_env(nvme_keep):
             raise ConfigError("nvme.keep", nvme_keep, "True, False or None (None: the FP4OFFLOAD_NVME_KEEP "
                               "environment variable, default False)")
         return nvme_keep
-    raw = os.environ.get("FP4OFFLOAD_NVME_KEEP", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ConfigError("FP4OFFLOAD_NVME_KEEP", raw, "1/true/yes/on or 0/false/no/off (or unset)")
+    from fp4offload import switches
+
+    return switches.get("FP4OFFLOAD_NVME_KEEP")
 
 
 def make_tier(state_device: str, *, nvme_path=None, nvme_threads: int = 4, nvme_reserve_bytes: int = 0,
