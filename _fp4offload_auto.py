@@ -1,7 +1,7 @@
 """fp4offload's start-up hook: a DeepSpeed program whose config carries the ``"fp4offload"`` block gets it.
 
 ``fp4offload-auto.pth``, installed at the top of site-packages, runs one line at interpreter start: unless
-``FP4OFFLOAD_AUTO`` is an off word (0, false, no, off, none: ``fp4offload.switches.OFF_WORDS``, spelled out in
+``FP4OFFLOAD_AUTO`` is an off word (0, false, no, off, none: ``fp4offload._switches.OFF_WORDS``, spelled out in
 the line, which can import nothing), it puts a finder first in ``sys.meta_path`` that answers ``None`` for
 every name but ``deepspeed`` and, for ``deepspeed``, imports this module and calls :func:`find_spec`. So a
 program that never imports deepspeed pays one string comparison per import and imports nothing (not even
@@ -13,7 +13,7 @@ after deepspeed's ``__init__`` has run, ``deepspeed.initialize`` is replaced by 
 ``fp4offload._deepspeed.engine.initialize`` (imported on the first call; configs without the block
 pass through untouched), and the finder leaves ``sys.meta_path``. It stays until then because
 ``importlib.util.find_spec("deepspeed")`` (how Accelerate and transformers probe) asks it without importing.
-Each call of the wrapper first reads ``FP4OFFLOAD_AUTO`` with :mod:`fp4offload.switches`: an off word set since
+Each call of the wrapper first reads ``FP4OFFLOAD_AUTO`` with :mod:`fp4offload._switches`: an off word set since
 start-up hands the call to deepspeed's own initialize, and a word that is neither on nor off is a ConfigError
 naming the variable. See docs/design.md section 5 (DeepSpeed, zero-code entry).
 """
@@ -43,7 +43,7 @@ def _patch(module) -> None:
         return
 
     def initialize(*args, **kwargs):
-        from fp4offload import switches
+        from fp4offload import _switches as switches
 
         if not switches.get("FP4OFFLOAD_AUTO"):
             return initialize.__wrapped__(*args, **kwargs)

@@ -79,7 +79,7 @@ def make_optimizer(variant: str, params, lr: float, weight_decay: float):
         return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     if variant.startswith("fp4"):
         from fp4offload import FP4AdamW
-        from fp4offload.optim import StateFormat
+        from fp4offload._optim import StateFormat
 
         # explicit roundings everywhere, so a variant means the same thing whatever FP4AdamW's defaults are (these
         # variants keep sqrt(v) rounded to nearest, as when their results in RESULTS.md were measured)

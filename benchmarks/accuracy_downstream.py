@@ -276,7 +276,7 @@ def make_optimizer(arm: str, params, lr: float = LR):
         return MasterAdamW(params, lr, WEIGHT_DECAY)
     if arm in ("fp4", "fp4_ufp4", "fp4_split", "fp4_bf16"):
         from fp4offload import FP4AdamW
-        from fp4offload.optim import StateFormat
+        from fp4offload._optim import StateFormat
 
         kw = {"fp4": {}, "fp4_ufp4": {"state_format": StateFormat(v_format="ufp4")}, "fp4_split": {"master": "split"},
               "fp4_bf16": {"master": "bf16"}}[arm]

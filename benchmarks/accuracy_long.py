@@ -200,7 +200,7 @@ def make_optimizer(arm: str, params, lr: float):
         return MasterAdamW(params, lr, WEIGHT_DECAY)
     if arm.startswith("fp4"):
         from fp4offload import FP4AdamW
-        from fp4offload.optim import StateFormat
+        from fp4offload._optim import StateFormat
 
         sr, rn, old = "stochastic", "nearest", {"v_format": "ufp4"}
         kw = {"fp4": {},  # whatever FP4AdamW's defaults are; the run records them
@@ -248,7 +248,7 @@ def stored_states(opt) -> dict[str, dict[str, list[torch.Tensor]]]:
     val: dict[str, list] = {"m": [], "v": []}
     code: dict[str, list] = {"m": [], "v": []}
     if isinstance(opt, FP4AdamW):
-        from fp4offload.optim.state import decode_state
+        from fp4offload._optim.state import decode_state
 
         for group in opt.param_groups:
             for p in group["params"]:

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness
-from fp4offload.offload import ActivationPolicy, offload_activations
+from fp4offload._offload import ActivationPolicy, offload_activations
 
 PRESETS = {
     "cpu": dict(hidden=128, layers=4, heads=4, intermediate=344, batch=8, seq=256, dtype="float32"),

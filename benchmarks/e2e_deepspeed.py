@@ -326,7 +326,7 @@ def child(args) -> dict:
 
     import fp4offload.deepspeed as fds
     from benchmarks import harness
-    from fp4offload import metrics
+    from fp4offload import _metrics as metrics
     from fp4offload._deepspeed import host as ds_host
     from fp4offload._deepspeed import monitor as ds_monitor
     from fp4offload._deepspeed import zero12

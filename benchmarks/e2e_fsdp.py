@@ -177,14 +177,14 @@ def _padded(shape, world: int) -> int:
 
 def _prebuild(cuda: bool, fp4_optimizer: bool) -> dict:
     """Build the JIT extensions once, here, so that no rank pays (or races for) the build inside a timed arm."""
-    from fp4offload.ops import backend_name
+    from fp4offload._ops import backend_name
 
     out = {}
     for dev in (["cpu", "cuda"] if cuda else ["cpu"]):
         t = time.time()
         out[f"codec_{dev}"] = f"{backend_name(dev)} ({time.time() - t:.1f} s)"
     if fp4_optimizer:
-        from fp4offload.optim import fused
+        from fp4offload._optim import fused
 
         t = time.time()
         ok = fused.cpu_extension() is not None and (not cuda or fused.cuda_extension() is not None)

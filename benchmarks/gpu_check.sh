@@ -139,7 +139,7 @@ if ! cuda_only build; then
 step build 240 '
 $PY - <<"EOF"
 import json, time, torch
-from fp4offload.ops import cpu, cuda
+from fp4offload._ops import cpu, cuda
 t = time.time(); cuda.extension(); dt = time.time() - t
 t = time.time(); cpu.extension(); dc = time.time() - t
 cap = torch.cuda.get_device_capability()
@@ -150,7 +150,7 @@ EOF
 fi
 [ -n "$DRY" ] && step build-cpu 300 '$PY -c "
 import json, time
-from fp4offload.ops import cpu
+from fp4offload._ops import cpu
 t = time.time(); cpu.extension(); print(json.dumps({\"kind\": \"build\", \"cpu_s\": round(time.time() - t, 1)}))"'
 
 if ! cuda_only gpu; then

@@ -268,7 +268,7 @@ def micro_optim(dry: bool, numel: int | None = None, reps: int = 10) -> list[dic
 def planner_rows(results: list[dict], dry: bool) -> list[dict]:
     """The planner's predicted GPU peak of each measured arm that has a catalogue strategy, from live readings."""
     sys.path.insert(0, str(ROOT))
-    from fp4offload.planner import hardware, memory, models, probe, strategies
+    from fp4offload._planner import hardware, memory, models, probe, strategies
 
     readings = probe.probe()
     cluster = hardware.build_cluster(readings=readings, gpus=1)

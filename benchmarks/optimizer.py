@@ -112,13 +112,13 @@ class _on_path:
         self.isa = isa
 
     def __enter__(self):
-        from fp4offload.ops import cpu_isa
+        from fp4offload._ops import cpu_isa
 
         self.before = os.environ.get(cpu_isa.ENV)
         os.environ[cpu_isa.ENV] = self.isa
 
     def __exit__(self, *exc):
-        from fp4offload.ops import cpu_isa
+        from fp4offload._ops import cpu_isa
 
         if self.before is None:
             os.environ.pop(cpu_isa.ENV, None)
@@ -146,7 +146,7 @@ def _deepspeed_on_path(p, lr: float, isa: str):
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
 
-    from fp4offload.ops import cpu_isa
+    from fp4offload._ops import cpu_isa
 
     flags = {"avx512": ("-D__AVX512__", " ".join(cpu_isa.FLAGS["avx512"])),
              "avx2": ("-D__AVX256__", "-mavx2 -mfma -mf16c")}
@@ -200,7 +200,7 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 out[full] = (_deepspeed_on_path(p, lr, isa), p)
                 continue
             if isa:
-                from fp4offload.ops import cpu_isa
+                from fp4offload._ops import cpu_isa
 
                 if isa not in cpu_isa.available():
                     raise ValueError(f"this CPU has no {isa} path ({', '.join(cpu_isa.available())})")
@@ -211,21 +211,21 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 continue
             if name == "fp4adamw":
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
 
                 p = param()
                 # the defaults: stochastic m, checked
                 out[name] = (FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_nearest":
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StateFormat, StepOptions
+                from fp4offload._optim import StateFormat, StepOptions
 
                 p = param()
                 out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(m_rounding="nearest"),
                                       step_options=StepOptions(backend="fused")), p)
             elif name in ("fp4adamw_vnearest", "fp4adamw_vsr"):  # sqrt(v) rounded to nearest / stochastically
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StateFormat, StepOptions
+                from fp4offload._optim import StateFormat, StepOptions
 
                 p = param()
                 vr = "nearest" if name == "fp4adamw_vnearest" else "stochastic"
@@ -233,20 +233,20 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                                       step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_ufp4":  # sqrt(v) on the ufp4 grid (the default before 2026-12-03)
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StateFormat, StepOptions
+                from fp4offload._optim import StateFormat, StepOptions
 
                 p = param()
                 out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(v_format="ufp4"),
                                       step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_nocheck":  # without the non-finite gradient pass (DeepSpeedCPUAdam has none)
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
 
                 p = param()
                 out[name] = (FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused", skip_nonfinite=False)), p)
             elif name == "fp4adamw_norm":  # the engine's global norm replaces the non-finite pass (DeepSpeed)
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
 
                 p = param()
                 opt = FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused"))
@@ -254,7 +254,7 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 out[name] = (opt, p)
             elif name.startswith("fp4adamw_bf16_"):  # a bf16 parameter (bf16 gradient) with each master form
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
 
                 p = torch.nn.Parameter(base.to(torch.bfloat16))
                 p.grad = grad.to(torch.bfloat16)
@@ -265,7 +265,7 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 # ZeRO-3's fp32 master under the block: its gradient an fp32 buffer or DeepSpeed's bf16 gradient
                 # partition, a clipping factor of 0.999 (applied as the step reads the gradient), or none
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
                 from fp4offload._deepspeed.at_init import set_grad as _set_grad
 
                 p = param()
@@ -276,13 +276,13 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 out[name] = (_Clipped(opt, p, scale), p)
             elif name == "fp4adamw_wcopy":  # + the NVFP4 16x16 working copy, written inside the fused step
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
 
                 p = param(mat)
                 out[name] = (FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused", working_copy="nvfp4")), p)
             elif name == "fp4adamw_wcopy_separate":  # the same copy made by a pass of its own after the step
                 from fp4offload import FP4AdamW
-                from fp4offload.optim import StepOptions
+                from fp4offload._optim import StepOptions
 
                 p = param(mat)
                 out[name] = (_StepThenEncode(FP4AdamW([p], lr=lr, step_options=StepOptions(backend="fused")), p), p)
@@ -367,8 +367,9 @@ def bench_step(n: int, rounds: int, which: list[str], lr: float = 1e-3) -> list[
 
 def bench_nvme(n: int, rounds: int, path: str | None, io: str = "auto") -> list[dict]:
     """FP4AdamW with states in files (I/O engine `io`: auto, aio, threads) against the same step in RAM."""
-    from fp4offload import FP4AdamW, metrics
-    from fp4offload.optim import NvmeOptions, StepOptions
+    from fp4offload import FP4AdamW
+    from fp4offload import _metrics as metrics
+    from fp4offload._optim import NvmeOptions, StepOptions
 
     folder = path or tempfile.mkdtemp(prefix="fp4-nvme-bench-")
     base = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -407,8 +408,9 @@ def residual_child(n: int, steps: int, folder: str, io: str, where: str) -> dict
     import hashlib
     import threading
 
-    from fp4offload import FP4AdamW, metrics
-    from fp4offload.optim import NvmeOptions, StepOptions
+    from fp4offload import FP4AdamW
+    from fp4offload import _metrics as metrics
+    from fp4offload._optim import NvmeOptions, StepOptions
 
     g = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter((torch.randn(n, generator=g) * 0.02).to(torch.bfloat16))

@@ -1,4 +1,4 @@
-// The bit rules of the bf16 rounding and of FP4AdamW's compact master weights (fp4offload/optim/master.py,
+// The bit rules of the bf16 rounding and of FP4AdamW's compact master weights (fp4offload/_optim/master.py,
 // normative; docs/numerics.md "Master weights"), shared by the CPU step (csrc/cpu/adam_cpu.cpp) and the CUDA
 // step (csrc/cuda/adam_kernels.cu). `b` is the 32-bit pattern of an fp32 value, `h` a bf16 pattern.
 #pragma once

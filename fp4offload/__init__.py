@@ -1,23 +1,27 @@
 """fp4offload: 4-bit floating point (NVFP4, MXFP4) for what training holds but is not computing with.
 
-Public names: `quantize`, `dequantize`, `PackedTensor`; `FP4AdamW`; `offload_activations`,
-`ActivationPolicy`; and the modules `fp4offload.deepspeed` and `fp4offload.fsdp`.
+Public names: `quantize`, `dequantize`, `PackedTensor`; `FP4AdamW` with its option groups `StateFormat`,
+`NvmeOptions`, `StepOptions`, and `read_kept` (the states of a kept NVMe folder); `offload_activations`,
+`ActivationPolicy`, `wrap_modules`; the errors. Public modules: `fp4offload.deepspeed`, `fp4offload.fsdp`,
+`fp4offload.formats`, `fp4offload.host_allocator`, `fp4offload.errors`; the command line is `fp4offload`
+(`fp4offload.cli`). Every module whose name starts with `_` is an implementation detail.
 """
 
 from __future__ import annotations
 
-from .codec import dequantize, quantize
+from ._codec import dequantize, quantize
 from .errors import CapacityError, ConfigError, CorruptionError, NonFiniteError
 from .formats.packed import PackedTensor
 
 __version__ = "0.1.0"
 
-__all__ = ["quantize", "dequantize", "PackedTensor", "FP4AdamW", "offload_activations", "ActivationPolicy",
-           "ConfigError", "NonFiniteError", "CorruptionError", "CapacityError", "__version__"]
+__all__ = ["quantize", "dequantize", "PackedTensor", "FP4AdamW", "StateFormat", "NvmeOptions", "StepOptions",
+           "read_kept", "offload_activations", "ActivationPolicy", "wrap_modules", "ConfigError", "NonFiniteError",
+           "CorruptionError", "CapacityError", "__version__"]
 
-_LAZY = {"FP4AdamW": ("fp4offload.optim", "FP4AdamW"),
-         "offload_activations": ("fp4offload.offload", "offload_activations"),
-         "ActivationPolicy": ("fp4offload.offload", "ActivationPolicy")}
+_LAZY = {**{name: ("fp4offload._optim", name) for name in ("FP4AdamW", "StateFormat", "NvmeOptions", "StepOptions")},
+         "read_kept": ("fp4offload._optim.nvme", "read_kept"),
+         **{name: ("fp4offload._offload", name) for name in ("offload_activations", "ActivationPolicy", "wrap_modules")}}
 
 
 def __getattr__(name):  # PEP 562: heavy parts load on first use

@@ -12,7 +12,7 @@ from .errors import ConfigError, FP4OffloadError
 
 
 def _doctor(args) -> int:
-    from .doctor import render, report
+    from ._doctor import render, report
 
     r = report(args.config)
     print(json.dumps(r, indent=2) if args.json else render(r))
@@ -21,7 +21,7 @@ def _doctor(args) -> int:
 
 def _inspect(args) -> int:
     from .formats.container import verify_container
-    from .jsonfile import file_kind
+    from ._jsonfile import file_kind
 
     path = args.path
     if not path or "\0" in path:
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("path")
     i.set_defaults(func=_inspect)
     try:
-        from .planner.cli_plan import add_bench_parser, add_plan_parser
+        from ._planner.cli_plan import add_bench_parser, add_plan_parser
     except ImportError:
         pass
     else:

@@ -1,4 +1,4 @@
-"""FSDP2 policies: ``fp4offload.fsdp.apply(model, Policy(...))`` (see fp4offload/integrations/fsdp.py).
+"""FSDP2 policies: ``fp4offload.fsdp.apply(model, Policy(...))`` (see fp4offload/_fsdp/apply.py).
 
 ::
 
@@ -16,9 +16,9 @@ Under Hugging Face Accelerate (FSDP2), one call shards, builds FP4AdamW and prep
     model, opt = ff.prepare(accelerator, model, policy, lr=3e-4)   # policy: a Policy or a YAML path
 """
 
-from .integrations.fsdp import (AllGatherCounter, Policy, apply, count_all_gathers, fp4_parameters, load, optimizer,
+from ._fsdp.apply import (AllGatherCounter, Policy, apply, count_all_gathers, fp4_parameters, load, optimizer,
                                 policy_from_yaml, refresh, reset_stats, save, state_dict, stats)
-from .integrations.accelerate_fsdp import prepare
+from ._fsdp.accelerate import prepare
 
 __all__ = ["apply", "Policy", "policy_from_yaml", "optimizer", "save", "load", "refresh", "stats", "reset_stats",
            "count_all_gathers", "AllGatherCounter", "fp4_parameters", "state_dict", "prepare"]

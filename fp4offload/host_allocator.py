@@ -18,7 +18,7 @@ there before (glibc's malloc through torch).
 
 The DeepSpeed block installs it together with its glibc setting
 (:func:`fp4offload._deepspeed.host.control_host_allocator`, the block's ``host.allocator_cache``);
-called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or an off word (:mod:`fp4offload.switches`). It
+called directly, ``FP4OFFLOAD_HOST_CACHE`` sets the fraction, or an off word (:mod:`fp4offload._switches`). It
 is process-wide, Linux only, and changes no tensor's values: only where the bytes of new CPU tensors come from.
 
     >>> from fp4offload import host_allocator
@@ -33,8 +33,8 @@ import functools
 import logging
 import platform
 
-from . import switches
-from .config import ALLOCATOR_CACHE
+from . import _switches as switches
+from ._config import ALLOCATOR_CACHE
 from .errors import ConfigError
 
 log = logging.getLogger("fp4offload.host_allocator")
@@ -51,7 +51,7 @@ _PRIORITY = 1  # above torch's own registration (0)
 
 @functools.lru_cache(maxsize=None)
 def _extension():
-    from .ops.build import build
+    from ._ops.build import build
 
     return build("fp4offload_host", ["cpu/host_allocator.cpp"])
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fp4offload.ops import cpu_isa
+from fp4offload._ops import cpu_isa
 
 #: the CPU paths the cross-backend tests run over on this architecture (skipped where the CPU lacks one)
 CPU_PATHS = ("sve", "neon", "scalar") if cpu_isa.arch() == "aarch64" else ("avx512", "avx2", "scalar")
@@ -13,7 +13,7 @@ CPU_PATHS = ("sve", "neon", "scalar") if cpu_isa.arch() == "aarch64" else ("avx5
 
 def fused_extension(cuda: bool):
     """The fused FP4AdamW step extension (CUDA or CPU); skips when it does not build."""
-    from fp4offload.optim import fused
+    from fp4offload._optim import fused
 
     e = fused.cuda_extension() if cuda else fused.cpu_extension()
     if e is None:

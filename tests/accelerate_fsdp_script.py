@@ -185,7 +185,7 @@ def main() -> None:
         model, opt = acc.prepare(model, opt)
         counter = ff.count_all_gathers(model)
         res["fp4"] = []
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     res["names"] = sorted(n for n, _ in model.named_parameters())
     res["wrapper"] = type(opt).__name__

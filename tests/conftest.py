@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def cpu_ext():
     """The CPU extension module (built on first use); skips when no compiler is available."""
-    from fp4offload.ops import cpu
+    from fp4offload._ops import cpu
 
     try:
         return cpu.extension()
@@ -65,7 +65,7 @@ def skip_or_fail(why: str) -> None:
 def engine(request):
     """FP4AdamW's NVMe I/O engines, each test run with both (aio needs DeepSpeed's async_io op)."""
     if request.param == "aio":
-        from fp4offload.optim import nvme as nvme_mod
+        from fp4offload._optim import nvme as nvme_mod
 
         op, why = nvme_mod.aio_op()
         if op is None:

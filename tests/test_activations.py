@@ -1,4 +1,4 @@
-"""Activations saved for backward, compressed and moved (fp4offload.offload): gradients, bytes, composition.
+"""Activations saved for backward, compressed and moved (fp4offload._offload): gradients, bytes, composition.
 
 A tiny Llama (benchmarks.harness.small_llama: hidden 64, 2 layers, batch 4 x 64 tokens) with fixed seeds,
 trained for one step with and without the hooks; the gradients are compared per parameter tensor.
@@ -13,8 +13,8 @@ import torch
 
 from benchmarks import harness
 from fp4offload import ActivationPolicy, ConfigError, offload_activations, quantize
-from fp4offload.offload import SavedTensorReleasedError
-from fp4offload.offload.hooks import _from_parameter
+from fp4offload._offload import SavedTensorReleasedError
+from fp4offload._offload.hooks import _from_parameter
 
 from _activations_common import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 
@@ -336,7 +336,7 @@ def test_packing_without_count_readback_matches_quantize(fmt, dtype):
     """The hooks call the codec extension directly (no device sync); the bytes must be quantize()'s."""
     import warnings
 
-    from fp4offload.offload import packing
+    from fp4offload._offload import packing
 
     x = torch.randn(3, 100, 48, generator=torch.Generator().manual_seed(5)).to(dtype)
     x[0, 0, :40] = float("nan")  # non-finite blocks propagate as NaN, as quantize(nonfinite="propagate")
@@ -351,7 +351,7 @@ def test_packing_without_count_readback_matches_quantize(fmt, dtype):
 
 
 def test_counters_reach_fp4offload_metrics():
-    from fp4offload import metrics
+    from fp4offload import _metrics as metrics
 
     metrics.reset("offload.activations.")
     _, off, _ = step(P(format="nvfp4", min_numel=MIN_NUMEL, error_sample_every=4))
@@ -384,7 +384,7 @@ def test_the_default_pool_cap_is_shared_by_the_local_ranks(monkeypatch):
     node's local ranks (LOCAL_WORLD_SIZE)."""
     import psutil
 
-    from fp4offload.offload import pinned_pool
+    from fp4offload._offload import pinned_pool
 
     class Mem:
         available = 64 << 30

@@ -1,4 +1,4 @@
-"""Offloading chosen modules only: "MLP inputs yes, attention no" (fp4offload.offload.wrap_modules)."""
+"""Offloading chosen modules only: "MLP inputs yes, attention no" (fp4offload._offload.wrap_modules)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from benchmarks import harness
 from fp4offload import ActivationPolicy, ConfigError, offload_activations
-from fp4offload.offload import wrap_modules
-from fp4offload.offload.modules import plan
+from fp4offload._offload import wrap_modules
+from fp4offload._offload.modules import plan
 
 from _activations_common import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 

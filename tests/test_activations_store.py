@@ -10,8 +10,8 @@ import torch
 
 from benchmarks import harness
 from fp4offload import ActivationPolicy, ConfigError, CorruptionError, offload_activations
-from fp4offload.offload import HostSlabPool, SavedTensorReleasedError
-from fp4offload.offload.pinned_pool import ALIGN
+from fp4offload._offload import HostSlabPool, SavedTensorReleasedError
+from fp4offload._offload.pinned_pool import ALIGN
 
 from _activations_common import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 

@@ -225,7 +225,7 @@ def test_accelerate_launch_with_a_deepspeed_config_file_gets_the_block(tmp_path)
 
 
 def test_the_pth_line_and_the_switch_parser_agree_on_the_off_words():
-    from fp4offload.switches import OFF_WORDS
+    from fp4offload._switches import OFF_WORDS
 
     line = (ROOT / "fp4offload-auto.pth").read_text()
     assert line.count("\n") == 1 and line.startswith("import ")  # site runs one line at a time

@@ -6,7 +6,7 @@ from _codec_data import codec_data, rows_cols
 from _extensions import CPU_PATHS, cpu_path
 
 from fp4offload.formats import reference
-from fp4offload.ops import cpu
+from fp4offload._ops import cpu
 
 SHAPES = [(0,), (1,), (7,), (16,), (17,), (33,), (1000,), (4097,), (3, 5), (16, 16), (17, 31), (2, 3, 50),
           (64, 48), (130, 257)]

@@ -1,4 +1,4 @@
-"""fp4offload.config: the "fp4offload" block of a DeepSpeed config and the FSDP2 policy YAML."""
+"""fp4offload._config: the "fp4offload" block of a DeepSpeed config and the FSDP2 policy YAML."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fp4offload._deepspeed.schema import find_auto_values, validate_deepspeed_config
-from fp4offload.config import (ActivationsConfig, Fp4OffloadConfig, FsdpPolicyConfig, MonitorConfig,
+from fp4offload._config import (ActivationsConfig, Fp4OffloadConfig, FsdpPolicyConfig, MonitorConfig,
                                OptimizerStatesConfig, WeightsConfig, dump_fsdp_policy_yaml, load_fsdp_policy_yaml,
                                parse_block, parse_fsdp_policy, prepare_path)
 from fp4offload.errors import ConfigError
@@ -281,7 +281,7 @@ def test_example_state_devices_match_their_names():
 def test_activation_defaults_are_one_set():
     """The schema's activations defaults and ActivationPolicy's are the same values (config.py's vocabulary);
     an empty ``modules`` list means every module in both."""
-    from fp4offload.offload import ActivationPolicy
+    from fp4offload._offload import ActivationPolicy
 
     cfg, pol = ActivationsConfig(), ActivationPolicy()
     for name in ("format", "device", "nvme_path", "min_numel", "modules", "exclude"):
@@ -292,13 +292,13 @@ def test_activation_defaults_are_one_set():
 
 def test_building_every_schema_with_a_missing_nvme_folder_touches_no_disk(tmp_path, monkeypatch):
     """Schemas check a path's text only: no folder is created, looked up or probed for writability (that is
-    fp4offload.config.prepare_path's, where the folder is first used)."""
+    fp4offload._config.prepare_path's, where the folder is first used)."""
     import builtins
     import os
 
     import fp4offload.deepspeed as fds
     import fp4offload.fsdp as ff
-    from fp4offload.config import HostConfig
+    from fp4offload._config import HostConfig
 
     marker = "fp4-nvme-missing"
     paths = [str(tmp_path / marker / "deeper" / "states"), f"~/{marker}/states", f"${{FP4_UNSET_{marker[4:8]}}}/x",

@@ -12,8 +12,8 @@ import textwrap
 import pytest
 
 from fp4offload.errors import ConfigError
-from fp4offload.ops import cpu_isa
-from fp4offload.planner.hardware import CPU_FP4_PER_CORE, build_cluster
+from fp4offload._ops import cpu_isa
+from fp4offload._planner.hardware import CPU_FP4_PER_CORE, build_cluster
 
 
 def test_available_paths_end_with_scalar_and_match_the_cpu():
@@ -87,8 +87,8 @@ _CHECK = textwrap.dedent("""
     import sys, torch
     import fp4offload
     from fp4offload import FP4AdamW
-    from fp4offload.ops import cpu
-    from fp4offload.optim import StepOptions, fused
+    from fp4offload._ops import cpu
+    from fp4offload._optim import StepOptions, fused
     want = sys.argv[1]
     assert fused.cpu_extension().isa() == want and cpu.extension().isa() == want
     g = torch.Generator().manual_seed(0)

@@ -28,7 +28,7 @@ MX_VARIANTS = ["mxfp4", "mxfp4-floor", "mxfp4-sr", "mxfp8", "mxfp8-floor"]
 @pytest.fixture(scope="module")
 def cu():
     """The CUDA backend module with its extension built (a build failure fails, it does not skip)."""
-    from fp4offload.ops import cuda
+    from fp4offload._ops import cuda
 
     cuda.extension()
     return cuda
@@ -229,7 +229,7 @@ def test_runs_on_the_current_stream(cu):
 
 def test_cuda_tensors_dispatch_to_the_cuda_backend(monkeypatch):
     import fp4offload
-    from fp4offload.ops import backend_for, backend_name
+    from fp4offload._ops import backend_for, backend_name
 
     monkeypatch.delenv("FP4OFFLOAD_BACKEND", raising=False)
     assert backend_name("cuda") == "cuda"

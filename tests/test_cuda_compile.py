@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4offload.ops import build, cuda
+from fp4offload._ops import build, cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the C
 
 
 def jit_nvcc_flags(arch: str) -> list[str]:
-    """The nvcc flags fp4offload.ops.build passes to torch's JIT builder for `arch`, read off the real call."""
+    """The nvcc flags fp4offload._ops.build passes to torch's JIT builder for `arch`, read off the real call."""
     from torch.utils import cpp_extension
 
     seen = {}

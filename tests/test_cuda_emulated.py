@@ -24,8 +24,8 @@ import torch
 
 from _codec_data import codec_data
 from fp4offload.formats import reference
-from fp4offload.optim import master as MW
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import master as MW
+from fp4offload._optim import reference_step as R
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "csrc"
@@ -614,7 +614,7 @@ def _run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, s
 @pytest.fixture(scope="module")
 def cpu_ext():
     """The CPU extension's fused_step_master as a second oracle, where it builds (else the reference alone)."""
-    from fp4offload.optim import fused
+    from fp4offload._optim import fused
 
     return fused.cpu_extension()
 

@@ -245,8 +245,8 @@ def test_nvme_states_through_fp4adamw_tier(tmp_path):
 def test_client_adamw_becomes_fp4adamw_with_its_groups_and_scheduler():
     import torch
 
-    from fp4offload.integrations import ds_optim
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._deepspeed import optim as ds_optim
+    from fp4offload._optim import FP4AdamW
 
     a, b = torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64))
     opt = torch.optim.AdamW([{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0, "lr": 1e-4}],
@@ -272,7 +272,7 @@ def test_client_adamw_becomes_fp4adamw_with_its_groups_and_scheduler():
 def test_client_optimizers_fp4adamw_cannot_replace_are_refused(make, key):
     import torch
 
-    from fp4offload.integrations import ds_optim
+    from fp4offload._deepspeed import optim as ds_optim
 
     opt = make([torch.nn.Parameter(torch.randn(8))])
     with pytest.raises(ConfigError) as ei:

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fp4offload.optim import FP4AdamW, StepOptions
+from fp4offload._optim import FP4AdamW, StepOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -42,7 +42,7 @@ def _expected_sub_groups(world: int, sub_group: int) -> list[int]:
 @pytest.mark.distributed
 @pytest.mark.parametrize("nranks", [1, 2])
 def test_zero3_nvme_states_with_several_sub_groups_train_like_the_baseline(tmp_path, nranks):
-    from fp4offload.optim import nvme as nvme_mod
+    from fp4offload._optim import nvme as nvme_mod
     from test_deepspeed import BLOCK, STEPS, assert_close_curves, ds_config
 
     if nranks == 2 and (os.cpu_count() or 1) < 2:
@@ -91,8 +91,8 @@ def _worker(spec_path: str) -> None:
     import test_deepspeed_worker as W
     from benchmarks import harness
     from fp4offload.formats.container import read_container
-    from fp4offload.integrations import ds_optim
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._deepspeed import optim as ds_optim
+    from fp4offload._optim import FP4AdamW
 
     spec = json.loads(Path(spec_path).read_text())
     made = []

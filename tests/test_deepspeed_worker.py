@@ -204,7 +204,7 @@ def _probe_master(engine, att) -> dict:
 
     import torch
 
-    from fp4offload.optim import master as MW
+    from fp4offload._optim import master as MW
 
     zo, inner = engine.optimizer, engine.basic_optimizer
     z3 = not getattr(zo, "single_partition_of_fp32_groups", None)
@@ -332,7 +332,7 @@ def main(spec_path: str) -> None:
     import deepspeed
 
     from benchmarks import harness
-    from fp4offload.integrations import ds_optim
+    from fp4offload._deepspeed import optim as ds_optim
 
     if spec.get("factory", "auto") == "adamw" or (spec.get("factory", "auto") == "auto"
                                                    and not ds_optim.fp4adamw_available()):

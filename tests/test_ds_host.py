@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fp4offload.config import HostConfig, parse_block
+from fp4offload._config import HostConfig, parse_block
 from fp4offload.errors import ConfigError
 from fp4offload._deepspeed import config as dsc
 
@@ -83,7 +83,7 @@ def test_bad_environment_overrides_name_the_variable(var, raw):
 
 
 def test_doctor_reports_the_settings_of_a_config(tmp_path, monkeypatch):
-    from fp4offload import doctor
+    from fp4offload import _doctor as doctor
 
     for var in dsc.ENV.values():
         monkeypatch.delenv(var, raising=False)
@@ -98,7 +98,7 @@ def test_doctor_reports_the_settings_of_a_config(tmp_path, monkeypatch):
 
 _PROBE = textwrap.dedent("""
     import json, sys
-    from fp4offload.config import HostConfig
+    from fp4offload._config import HostConfig
     from fp4offload._deepspeed.config import resolve
     from fp4offload._deepspeed.host import control_host_allocator
     host = HostConfig(**json.loads(sys.argv[1])) if sys.argv[1] != "null" else None

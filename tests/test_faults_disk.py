@@ -27,9 +27,9 @@ import torch
 
 from fp4offload import ActivationPolicy, FP4AdamW, offload_activations
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
-from fp4offload.optim import SEGMENT, NvmeOptions, StateFormat, StepOptions, load_param_states
-from fp4offload.optim import nvme as nvme_mod
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import SEGMENT, NvmeOptions, StateFormat, StepOptions, load_param_states
+from fp4offload._optim import nvme as nvme_mod
+from fp4offload._optim import reference_step as R
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -379,7 +379,7 @@ _CHILD = textwrap.dedent("""
     import os, signal, sys, torch
     import torch._dynamo  # what torch.optim imports on first use, once for both processes
     from fp4offload import FP4AdamW
-    from fp4offload.optim import NvmeOptions, StateFormat, StepOptions
+    from fp4offload._optim import NvmeOptions, StateFormat, StepOptions
 
     def optimizer(root, keep=False):
         p = torch.nn.Parameter(torch.randn(3000))
@@ -415,7 +415,7 @@ def test_nothing_is_left_behind(tmp_path, caplog):
     assert kept_dir.parent == keep_root and killed_dir.parent == kill_root
     assert killed_dir.exists() and (killed_dir / nvme_mod.LOCK_NAME).exists()
     p = torch.nn.Parameter(torch.randn(10))
-    with caplog.at_level(logging.WARNING, logger="fp4offload.optim.nvme"):
+    with caplog.at_level(logging.WARNING, logger="fp4offload._optim.nvme"):
         opt = FP4AdamW([p], state_device="nvme", nvme_path=kill_root, nvme=NvmeOptions(io="threads"))
     assert opt.placement.store.swept == [killed_dir] and not killed_dir.exists()
     assert any(str(killed_dir) in r.getMessage() and "abandoned" in r.getMessage() for r in caplog.records)

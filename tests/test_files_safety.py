@@ -31,7 +31,7 @@ import fp4offload
 from fp4offload import CorruptionError, PackedTensor
 from fp4offload.errors import ConfigError
 from fp4offload.formats import container
-from fp4offload.jsonfile import check_output, read_json, write_text
+from fp4offload._jsonfile import check_output, read_json, write_text
 
 
 def _packed(fmt="nvfp4", shape=(5, 70), **kw) -> PackedTensor:

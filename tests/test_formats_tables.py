@@ -91,7 +91,7 @@ def backend(request, monkeypatch):
         monkeypatch.setenv("FP4OFFLOAD_BACKEND", "reference")
         yield request.param
         return
-    from fp4offload.ops import cpu
+    from fp4offload._ops import cpu
 
     request.getfixturevalue("cpu_ext")
     monkeypatch.setenv("FP4OFFLOAD_BACKEND", "cpu")

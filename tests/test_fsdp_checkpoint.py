@@ -49,7 +49,7 @@ def _step(model, opt, step: int, rank: int, world: int) -> float:
 
 def _opt_states_local(model, opt):
     """(parameter name, m, v) of every parameter: this rank's shard of its state, decoded and flattened."""
-    from fp4offload.optim.state import decode_state, packed_from_entry
+    from fp4offload._optim.state import decode_state, packed_from_entry
 
     names = {id(p): n for n, p in model.named_parameters()}
     for p, proxy in opt._fsdp_pairs:

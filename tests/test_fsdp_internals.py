@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fp4offload.integrations import fsdp_internals
+from fp4offload._fsdp import internals as fsdp_internals
 
 
 def test_this_torch_has_every_name():

@@ -37,7 +37,7 @@ def _run(rank: int, master: str, steps: int, reduce_dtype) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    from fp4offload.optim import master as MW
+    from fp4offload._optim import master as MW
 
     h = hashlib.sha256()  # of the fp32 masters: the fp32 shards themselves, or split's rebuilt from its halves
     for p, proxy in opt._fsdp_pairs:

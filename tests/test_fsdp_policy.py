@@ -16,9 +16,9 @@ import torch.nn as nn
 
 import fp4offload
 import fp4offload.fsdp as ff
-from fp4offload.config import FsdpPolicyConfig, OptimizerStatesConfig, WeightsConfig
+from fp4offload._config import FsdpPolicyConfig, OptimizerStatesConfig, WeightsConfig
 from fp4offload.errors import ConfigError
-from fp4offload.integrations import fsdp_weight as fw
+from fp4offload._fsdp import weight as fw
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +47,8 @@ def test_policy_accepts_mappings_and_names():
 def test_policy_takes_module_classes_as_well_as_names():
     """Policy(block_classes=(MyBlock,)) as torchtitan passes them; names and classes pick the same blocks and
     the same keep_bf16 first/last blocks, and the YAML form writes names."""
-    from fp4offload.integrations import keep_bf16
-    from fp4offload.integrations.fsdp import _blocks
+    from fp4offload import _keep_bf16 as keep_bf16
+    from fp4offload._fsdp.apply import _blocks
 
     class Block(nn.Module):
         def __init__(self):
@@ -78,9 +78,9 @@ def test_policy_takes_module_classes_as_well_as_names():
 def test_a_keep_bf16_entry_that_names_nothing_is_refused_with_the_nearest_names():
     """A typo, or first:N past the blocks, would pack a weight meant to stay bf16: ConfigError naming the entry
     and what the model has. The generic defaults (\"bias\" in a model without biases) may name nothing."""
-    from fp4offload.config import KEEP_BF16
+    from fp4offload._config import KEEP_BF16
     from fp4offload.errors import ConfigError
-    from fp4offload.integrations import keep_bf16
+    from fp4offload import _keep_bf16 as keep_bf16
 
     class Block(nn.Module):
         def __init__(self):

@@ -200,7 +200,7 @@ def _hf_expect(key: str, v) -> str:
 
 def generate(tmp: Path) -> list[Case]:
     """Every case, built in (and writing only under) ``tmp``."""
-    from fp4offload.planner.readings import HostReading, Readings
+    from fp4offload._planner.readings import HostReading, Readings
 
     tmp.mkdir(parents=True, exist_ok=True)
     readings = tmp / "node.json"

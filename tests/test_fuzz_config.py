@@ -36,7 +36,7 @@ import pytest
 import torch
 import yaml
 
-from fp4offload.config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, MASTER_FORMS, OPTIMIZER_DEVICES,
+from fp4offload._config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, MASTER_FORMS, OPTIMIZER_DEVICES,
                                OPTIMIZER_FORMATS, PREFLIGHT_MODES, ROUNDINGS, WEIGHT_FORMATS)
 from fp4offload.errors import ConfigError
 
@@ -449,7 +449,7 @@ def _ds_target(path: str) -> bool:
 
 
 def ds_problems(prep: Any, case: Case, verdicts: dict) -> list[str]:
-    from fp4offload.integrations import ds_optim
+    from fp4offload._deepspeed import optim as ds_optim
 
     out = block_problems(prep.block, "fp4offload.", case.doc.get("fp4offload"), verdicts, prep.states)
     if prep.block.optimizer_states is not None:
@@ -539,7 +539,7 @@ def _text_mutation(rng: random.Random, doc: dict, case: Case) -> bytes:
 
 
 def policy_problems(pol: Any, case: Case, verdicts: dict) -> list[str]:
-    from fp4offload.integrations.fsdp_optim import inner_optimizer_class
+    from fp4offload._fsdp.optim import inner_optimizer_class
 
     out = block_problems(pol, "", case.doc, verdicts)
     for k in ("cpu_offload", "reshard_after_forward"):
@@ -602,7 +602,7 @@ def adamw_bases(sb: Sandbox) -> list[dict]:
 def _fp4adamw(params, kw: dict):
     """FP4AdamW from flat arguments: a ``group.field`` key goes into that option group (StateFormat, NvmeOptions,
     StepOptions), the others are keywords of their own."""
-    from fp4offload.optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
+    from fp4offload._optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
 
     classes = {"state_format": StateFormat, "nvme": NvmeOptions, "step_options": StepOptions}
     top, groups = {}, {}
@@ -806,7 +806,7 @@ def test_fp4adamw_numbers_are_checked_in_the_constructor(kwargs, key, fragment):
 
 
 def test_fp4adamw_param_groups_are_checked_and_a_refused_group_is_not_added():
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     a, b = _params()
     _raises(lambda: FP4AdamW([{"params": [a]}, {"params": [b], "lr": NAN}]), "param_groups[1].lr", "NaN")
@@ -824,8 +824,8 @@ def test_fp4adamw_param_groups_are_checked_and_a_refused_group_is_not_added():
 
 
 def test_nvme_path_rules_for_fp4adamw(sb):
-    """The one folder check (fp4offload.config.prepare_path), as FP4AdamW's nvme_path meets it."""
-    from fp4offload.optim import FP4AdamW, NvmeOptions
+    """The one folder check (fp4offload._config.prepare_path), as FP4AdamW's nvme_path meets it."""
+    from fp4offload._optim import FP4AdamW, NvmeOptions
 
     def opt(path):
         return FP4AdamW(_params(), state_device="nvme", nvme_path=path, nvme=NvmeOptions(io="threads"))
@@ -895,7 +895,7 @@ def test_deepspeed_initialize_refuses_a_bad_folder_before_anything_is_built(sb):
     ({"optimizer_states": {"nvme_path": "/proc/x", "device": "nvme"}}, "optimizer_states.nvme_path", "kernel"),
 ])
 def test_block_refuses_what_would_be_ignored_or_out_of_range(block, key, fragment):
-    from fp4offload.config import parse_block
+    from fp4offload._config import parse_block
 
     _raises(lambda: parse_block(block, prefix="fp4offload."), "fp4offload." + key, fragment)
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_arms_name_real_strategies_and_peers():
-    from fp4offload.planner import strategies
+    from fp4offload._planner import strategies
 
     cat = strategies.load_catalogue()
     for arm, (family, strategy, _) in gpu_e2e.ARMS.items():
@@ -26,7 +26,7 @@ def test_arms_name_real_strategies_and_peers():
 
 
 def test_gpu_model_is_one_to_three_billion_parameters():
-    from fp4offload.planner import models
+    from fp4offload._planner import models
 
     n = models.from_hf_config(gpu_e2e.hf_config(gpu_e2e.dims(dry=False))).param_count()
     assert 1e9 <= n <= 3e9, n

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 from conftest import skip_or_fail
 
-from fp4offload.ops import cpu_isa
-from fp4offload.ops.build import csrc_dir
+from fp4offload._ops import cpu_isa
+from fp4offload._ops.build import csrc_dir
 
 DRIVER = Path(__file__).parent / "isa_driver" / "driver.cpp"
 INSTALL = "apt-get install -y qemu-user-static g++-aarch64-linux-gnu"
-# the flags of the extension builds (fp4offload/ops/build.py): no fast math, no FMA contraction
+# the flags of the extension builds (fp4offload/_ops/build.py): no fast math, no FMA contraction
 CFLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 
 

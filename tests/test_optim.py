@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from fp4offload import FP4AdamW, metrics
-from fp4offload.optim import StateFormat, StepOptions
+from fp4offload import FP4AdamW
+from fp4offload import _metrics as metrics
+from fp4offload._optim import StateFormat, StepOptions
 from fp4offload.errors import ConfigError
 
 
@@ -225,7 +226,7 @@ def test_load_torch_adamw_state_dict():
     opt.load_state_dict(topt.state_dict())
     st = opt.state[next(m_fp4.parameters())]
     assert st["m_codes"].dtype == torch.uint8 and int(st["step"]) == 5
-    from fp4offload.optim.state import decode_state, packed_from_entry
+    from fp4offload._optim.state import decode_state, packed_from_entry
 
     entry = opt.state_dict()["state"][0]
     m, v = decode_state(*packed_from_entry(entry, 64 * 96), 64 * 96, "ufp4")
@@ -316,7 +317,7 @@ def test_tensor_key_must_be_callable():
 def test_load_param_states_takes_a_live_torch_adamw_per_parameter():
     """A stepped torch AdamW's states go into an FP4AdamW over the same tensors, one parameter at a time,
     exactly as loading torch AdamW's state dict would put them."""
-    from fp4offload.optim import load_param_states
+    from fp4offload._optim import load_param_states
 
     model = _model()
     topt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -333,7 +334,7 @@ def test_load_param_states_takes_a_live_torch_adamw_per_parameter():
 
 
 def test_argument_errors_list_the_allowed_values():
-    from fp4offload.config import OPTIMIZER_DEVICES, WORKING_COPIES
+    from fp4offload._config import OPTIMIZER_DEVICES, WORKING_COPIES
 
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ConfigError) as e:

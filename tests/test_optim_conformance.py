@@ -11,9 +11,9 @@ import torch
 from torch.optim.lr_scheduler import StepLR
 
 from fp4offload import FP4AdamW
-from fp4offload.optim import NvmeOptions, StateFormat, StepOptions
+from fp4offload._optim import NvmeOptions, StateFormat, StepOptions
 from fp4offload.errors import ConfigError
-from fp4offload.optim.checks import UNSUPPORTED
+from fp4offload._optim.checks import UNSUPPORTED
 
 
 def _params(seed=0, shapes=((48, 40), (40,), (3, 7))):

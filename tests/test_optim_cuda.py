@@ -4,7 +4,7 @@ import pytest
 import torch
 from _extensions import fused_extension
 
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import reference_step as R
 
 pytestmark = pytest.mark.gpu
 
@@ -120,8 +120,8 @@ def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypa
     from test_cuda_emulated import _plant_ties
 
     from fp4offload import FP4AdamW
-    from fp4offload.optim import StepOptions
-    from fp4offload.optim import master as MW
+    from fp4offload._optim import StepOptions
+    from fp4offload._optim import master as MW
 
     calls = []
     for name in ("join", "split", "stochastic_bf16"):
@@ -161,7 +161,7 @@ def test_fp4adamw_compact_master_on_cuda_takes_the_fused_kernel(master, monkeypa
 def test_gpu_params_match_cpu_params(tier, v_rounding, tmp_path):
     """GPU parameters with states on the GPU or on the host train bit-identically to CPU parameters."""
     from fp4offload import FP4AdamW
-    from fp4offload.optim import StateFormat
+    from fp4offload._optim import StateFormat
 
     def run(device, state_device):
         torch.manual_seed(0)
@@ -186,7 +186,7 @@ def test_gpu_params_match_cpu_params(tier, v_rounding, tmp_path):
 def test_bf16_gpu_params_match_bf16_cpu_params(tier):
     """bf16 GPU parameters keep an fp32 master on the compute device and train like bf16 CPU parameters."""
     from fp4offload import FP4AdamW
-    from fp4offload.optim import StateFormat
+    from fp4offload._optim import StateFormat
 
     def run(device, state_device):
         torch.manual_seed(0)

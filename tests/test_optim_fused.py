@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import reference_step as R
 
 SIZES = [1, 15, 16, 17, 1000, 1024, 1025, 4096, 5003, 70001]
 
@@ -142,7 +142,7 @@ def test_fused_grad_scale_is_checked(step_ext):
 def test_grads_ok_is_the_aminmax_rule(step_ext, dtype):
     """grads_ok (FP4AdamW's gradient check on the CPU) agrees with the torch rule it replaces: finite and of
     magnitude below GRAD_LIMIT (2^64), at the boundary, for every special value and position."""
-    from fp4offload.optim.adamw import GRAD_LIMIT
+    from fp4offload._optim.adamw import GRAD_LIMIT
 
     def rule(t):
         lo, hi = torch.aminmax(t)
@@ -183,7 +183,7 @@ def test_all_finite_positions(step_ext, simd, n):
 def test_optimizer_fused_equals_reference_backend():
     """The whole optimizer, fused vs torch-op backend, on a model with small and large tensors."""
     from fp4offload import FP4AdamW
-    from fp4offload.optim import StateFormat, StepOptions
+    from fp4offload._optim import StateFormat, StepOptions
 
     def run(backend):
         torch.manual_seed(0)
@@ -215,8 +215,9 @@ def test_fused_nvfp4_working_copy(step_ext, simd, shape):
     """The NVFP4 16x16 working copy is the codec's encode with the weight's amax rounded up to a power of two,
     byte for byte, at every step; the fused step writes it, except on the first step and where that rounded
     amax moved (then a pass of its own does); the step's own result (weights, states) is unchanged by it."""
-    from fp4offload import FP4AdamW, metrics, quantize
-    from fp4offload.optim import StateFormat, StepOptions
+    from fp4offload import FP4AdamW, quantize
+    from fp4offload import _metrics as metrics
+    from fp4offload._optim import StateFormat, StepOptions
 
     def run(copy):
         torch.manual_seed(1)
@@ -267,8 +268,8 @@ def test_fused_weight_regions(step_ext, simd, threads):
     amax; the step's weights and states are the same bits as without regions; a region without an amax, or
     a step that was skipped, writes nothing."""
     from fp4offload import ConfigError, FP4AdamW, quantize
-    from fp4offload.optim import StepOptions
-    from fp4offload.optim import WeightRegion
+    from fp4offload._optim import StepOptions
+    from fp4offload._optim import WeightRegion
 
     n = 200_003
     layout = [(1000, 40, 128), (1000 + 40 * 128 + 7, 33, 50), (60_001, 700, 192)]  # (offset, rows, cols)

@@ -1,13 +1,13 @@
 """FP4AdamW's compact master weights: ``master="split"`` is the fp32 master exactly, ``"bf16"`` rounds
-stochastically and repeats itself (fp4offload/optim/master.py, docs/numerics.md "Master weights")."""
+stochastically and repeats itself (fp4offload/_optim/master.py, docs/numerics.md "Master weights")."""
 
 import pytest
 import torch
 
 from fp4offload.errors import ConfigError
-from fp4offload.optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
-from fp4offload.optim import master as MW
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
+from fp4offload._optim import master as MW
+from fp4offload._optim import reference_step as R
 
 
 # ---- the representation ---------------------------------------------------------------------------------
@@ -286,7 +286,7 @@ def test_bad_master_settings_are_refused_before_anything_is_built():
     opt = FP4AdamW([pb], master="bf16")
     with pytest.raises(ConfigError, match="master"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4))]})
-    from fp4offload.optim import WeightRegion
+    from fp4offload._optim import WeightRegion
     with pytest.raises(ConfigError, match="master"):
         opt.hooks.weight_regions(pb, [WeightRegion(0, 2, 5)])
 

@@ -1,5 +1,5 @@
 """FP4AdamW(master="split", state_device="nvme", nvme=NvmeOptions(master_device="nvme")): split's residual lives in
-each segment file beside that segment's m and v (fp4offload/optim/state.Residual, nvme.py), read ahead and written
+each segment file beside that segment's m and v (fp4offload/_optim/state.Residual, nvme.py), read ahead and written
 behind with them.
 
 It must train bit for bit as the fp32 master and as the residual in RAM, hold no full-size residual in RAM, keep a
@@ -14,17 +14,17 @@ import json
 import pytest
 import torch
 
-from fp4offload import metrics
+from fp4offload import _metrics as metrics
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 from fp4offload.formats.container import read_container, verify_container, write_container
-from fp4offload.optim import SEGMENT, FP4AdamW, NvmeOptions, StepOptions, load_param_states
-from fp4offload.optim import master as MW
-from fp4offload.optim import nvme as nvme_mod
-from fp4offload.optim import nvme_io
-from fp4offload.optim.nvme_aio import ALIGN, aio_layout
-from fp4offload.optim.reference_step import packed_sizes
-from fp4offload.optim.state import PACKED_KEYS, RESIDUAL_KEYS, residual_sizes
-from fp4offload.optim.tiers import undo_bytes
+from fp4offload._optim import SEGMENT, FP4AdamW, NvmeOptions, StepOptions, load_param_states
+from fp4offload._optim import master as MW
+from fp4offload._optim import nvme as nvme_mod
+from fp4offload._optim import nvme_io
+from fp4offload._optim.nvme_aio import ALIGN, aio_layout
+from fp4offload._optim.reference_step import packed_sizes
+from fp4offload._optim.state import PACKED_KEYS, RESIDUAL_KEYS, residual_sizes
+from fp4offload._optim.tiers import undo_bytes
 
 BIG = SEGMENT + 4097  # a full segment and a partial one
 ACTIVE = SEGMENT // 2  # the big tensor's elements with a gradient: the rest keep their (planted) ties, step after step

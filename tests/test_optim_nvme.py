@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from fp4offload import FP4AdamW
-from fp4offload.optim import NvmeOptions, StateFormat, StepOptions
+from fp4offload._optim import NvmeOptions, StateFormat, StepOptions
 from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 from fp4offload.formats.container import read_container
-from fp4offload.optim import SEGMENT
+from fp4offload._optim import SEGMENT
 from conftest import LIBAIO_FIX, skip_or_fail
-from fp4offload.optim import nvme as nvme_mod
-from fp4offload.optim import nvme_io
+from fp4offload._optim import nvme as nvme_mod
+from fp4offload._optim import nvme_io
 
 ENGINES = ("threads", "aio")
 

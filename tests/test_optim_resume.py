@@ -10,7 +10,7 @@ WORKER = textwrap.dedent('''
     import json, os, signal, sys
     import torch
     from fp4offload import FP4AdamW
-    from fp4offload.optim import StateFormat
+    from fp4offload._optim import StateFormat
     mode, path, n1, n2 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))

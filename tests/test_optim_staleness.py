@@ -7,9 +7,9 @@ import torch
 
 import fp4offload
 from fp4offload import FP4AdamW
-from fp4offload.optim import StateFormat, StepOptions
+from fp4offload._optim import StateFormat, StepOptions
 from fp4offload.errors import ConfigError
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import reference_step as R
 
 
 def _train(backend, master, v_rounding, n=2 * R.CHUNK * 5 + 77, steps=3, dtype=torch.float32):
@@ -90,7 +90,7 @@ def _ema_tracking(v_rounding, steps=3000, v_format="ufp4"):
         p.grad = grad
         opt.step()
         v = 0.999 * v + 0.001 * grad.double() ** 2
-    from fp4offload.optim.state import decode_state
+    from fp4offload._optim.state import decode_state
 
     m_p, v_p = opt.placement.states(opt.state[p], p)
     _, stored = decode_state(m_p, v_p, n, v_format)

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 
-from fp4offload.optim import FP4AdamW, StateFormat, StepOptions
+from fp4offload._optim import FP4AdamW, StateFormat, StepOptions
 
 SHAPES = [(70, 100), (5000,), (3, 5), (2500, 2)]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from fp4offload._deepspeed.schema import validate_deepspeed_config
-from fp4offload.config import load_fsdp_policy_yaml
-from fp4offload.planner.cli_plan import add_bench_parser, add_plan_parser, main
-from fp4offload.planner.readings import GpuReading, HostReading, Readings
+from fp4offload._config import load_fsdp_policy_yaml
+from fp4offload._planner.cli_plan import add_bench_parser, add_plan_parser, main
+from fp4offload._planner.readings import GpuReading, HostReading, Readings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,8 +137,8 @@ def test_bad_input_exits_2_with_a_clear_message(capsys, argv, fragment):
 
 def test_no_gpu_here_and_no_arguments_plans_the_default_target(capsys):
     """The README's main job: `fp4offload plan` alone works on a machine without a GPU."""
-    from fp4offload.planner.cli_plan import DEFAULT_MODEL
-    from fp4offload.planner.hardware import DEFAULT_GPU
+    from fp4offload._planner.cli_plan import DEFAULT_MODEL
+    from fp4offload._planner.hardware import DEFAULT_GPU
 
     rc, out, _ = run(capsys, "plan")
     assert rc == 0
@@ -160,7 +160,7 @@ def fake_fp4(monkeypatch):
     """Stand in for FP4AdamW, whose first step may build a C++ extension (minutes)."""
     import torch
 
-    from fp4offload.planner import bench
+    from fp4offload._planner import bench
 
     class FakeFP4(torch.optim.AdamW):
         pass
@@ -205,12 +205,12 @@ def test_no_planner_module_imports_cli_plan():
             assert not any(n.split(".")[-1] == "cli_plan" for n in names), (f.name, names)
 
 
-@pytest.mark.parametrize("first", ["fp4offload.planner.hardware", "fp4offload.planner.cli_plan",
-                                   "fp4offload.planner.sizes", "fp4offload.planner.memory"])
+@pytest.mark.parametrize("first", ["fp4offload._planner.hardware", "fp4offload._planner.cli_plan",
+                                   "fp4offload._planner.sizes", "fp4offload._planner.memory"])
 def test_each_planner_module_imports_first_in_a_fresh_interpreter(first):
     code = (f"import {first}\n"
-            "from fp4offload.planner.hardware import DEFAULT_GPU, build_cluster\n"
-            "from fp4offload.planner.readings import Readings\n"
+            "from fp4offload._planner.hardware import DEFAULT_GPU, build_cluster\n"
+            "from fp4offload._planner.readings import Readings\n"
             "c = build_cluster(readings=Readings())\n"
             "assert any(DEFAULT_GPU in n for n in c.notes), c.notes\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,

@@ -10,14 +10,14 @@ from pathlib import Path
 import pytest
 
 from fp4offload._deepspeed.schema import find_auto_values, validate_deepspeed_config
-from fp4offload.config import load_fsdp_policy_yaml
+from fp4offload._config import load_fsdp_policy_yaml
 from fp4offload.errors import ConfigError
-from fp4offload.planner.emit import (OptimizerSettings, deepspeed_config, fp4offload_block, fsdp_policy,
+from fp4offload._planner.emit import (OptimizerSettings, deepspeed_config, fp4offload_block, fsdp_policy,
                                      write_deepspeed, write_fsdp)
-from fp4offload.planner.hardware import build_cluster
-from fp4offload.planner.memory import TrainSetup
-from fp4offload.planner.models import PRESETS
-from fp4offload.planner.strategies import load_catalogue
+from fp4offload._planner.hardware import build_cluster
+from fp4offload._planner.memory import TrainSetup
+from fp4offload._planner.models import PRESETS
+from fp4offload._planner.strategies import load_catalogue
 
 CAT = load_catalogue()
 DS = sorted(n for n, s in CAT.items() if s.engine == "deepspeed")
@@ -147,7 +147,7 @@ def test_the_deepspeed_integration_takes_emitted_configs_as_they_are(name, clust
 
 
 def test_compact_master_strategies_emit_the_bf16_master_mode_and_need_one_micro_batch(cluster):
-    from fp4offload.planner.rank import evaluate
+    from fp4offload._planner.rank import evaluate
 
     s = CAT["zero2-opt-cpu-fp4-split"]
     cfg = deepspeed_config(s, PRESETS["llama-3.1-8b"], cluster, replace(SETUP, grad_accum=1))
@@ -192,7 +192,7 @@ def test_fsdp2_policy_takes_the_residual_on_nvme(tmp_path):
     policy's optimizer_states the same way."""
     import yaml
 
-    from fp4offload.planner.strategies import parse_strategy
+    from fp4offload._planner.strategies import parse_strategy
 
     doc = yaml.safe_load((ROOT / "strategies" / "fsdp2-cpu-fp4.yaml").read_text())
     doc["tensors"].update(weights={"device": "cpu", "format": "bf16"},

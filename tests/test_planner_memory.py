@@ -221,10 +221,10 @@ def _scenario(torch, nn, Model, dims, mb, seq, dtype, mode, status) -> int:
 
 
 def _predict(name: str) -> tuple[int, dict]:
-    from fp4offload.planner.hardware import build_cluster
-    from fp4offload.planner.memory import TrainSetup, estimate_memory
-    from fp4offload.planner.models import ModelSpec
-    from fp4offload.planner.strategies import load_catalogue
+    from fp4offload._planner.hardware import build_cluster
+    from fp4offload._planner.memory import TrainSetup, estimate_memory
+    from fp4offload._planner.models import ModelSpec
+    from fp4offload._planner.strategies import load_catalogue
 
     shape, mb, seq, dtype_name, ckpt, mode = SCENARIOS[name]
     cat = load_catalogue()
@@ -266,7 +266,7 @@ def test_memory_model_matches_measurement(name, measurements):
 
 def test_parameter_count_of_test_model_matches_spec():
     # The spec must count what the worker builds: q, o, k, v, three MLP matrices, two norms a block.
-    from fp4offload.planner.models import ModelSpec
+    from fp4offload._planner.models import ModelSpec
 
     d = SHAPES["small"]
     spec = ModelSpec("t", d["hidden"], d["layers"], d["heads"], d["kv_heads"], d["ffn"], d["vocab"])
@@ -283,10 +283,10 @@ if __name__ == "__main__":
 def test_host_gradient_partition_is_bf16_only_where_the_block_makes_it_so():
     """ZeRO-1/2 offload with FP4 states and one micro-batch: the block keeps the host gradient partition in bf16
     (2 B/param); with accumulation, or DeepSpeedCPUAdam's fp32 states, it is fp32 (4 B/param)."""
-    from fp4offload.planner.hardware import build_cluster
-    from fp4offload.planner.memory import TrainSetup, estimate_memory
-    from fp4offload.planner.models import ModelSpec
-    from fp4offload.planner.strategies import load_catalogue
+    from fp4offload._planner.hardware import build_cluster
+    from fp4offload._planner.memory import TrainSetup, estimate_memory
+    from fp4offload._planner.models import ModelSpec
+    from fp4offload._planner.strategies import load_catalogue
 
     cat = load_catalogue()
     cluster = build_cluster(gpu="h100-80gb", gpus=1, nodes=1)
@@ -308,8 +308,8 @@ def test_byte_sizes_are_those_of_the_packed_formats():
     import torch
 
     from fp4offload import quantize
-    from fp4offload.optim import reference_step as R
-    from fp4offload.planner import hardware, memory, timing
+    from fp4offload._optim import reference_step as R
+    from fp4offload._planner import hardware, memory, timing
 
     m_or_v = 0.5 + 1 / 16 + 4 / 1024  # one state: 4-bit codes, an E4M3 scale per 16, an fp32 scale per 1024
     assert memory.STATE_BYTES["nvfp4"] == 2 * m_or_v == 1.1328125
@@ -334,11 +334,11 @@ def test_split_master_with_the_residual_on_nvme_bytes_by_hand(name):
     """Split's residual in the NVMe state files: host RAM keeps the bf16 half (2 B/param) and the bf16 gradient
     partition (2), nothing of the residual; NVMe the packed m and v (1.1328125) and the residual's 16 bits with a
     bit of tie positions (2.125). One node of 8 GPUs, so per node is the whole model."""
-    from fp4offload.planner.hardware import build_cluster
-    from fp4offload.planner.memory import TrainSetup, estimate_memory
-    from fp4offload.planner.models import resolve_model
-    from fp4offload.planner.strategies import load_catalogue
-    from fp4offload.planner.timing import estimate_time
+    from fp4offload._planner.hardware import build_cluster
+    from fp4offload._planner.memory import TrainSetup, estimate_memory
+    from fp4offload._planner.models import resolve_model
+    from fp4offload._planner.strategies import load_catalogue
+    from fp4offload._planner.timing import estimate_time
 
     cat = load_catalogue()
     cluster = build_cluster(gpu="h100-80gb", gpus=8, nodes=1, nvme_path="/local_nvme", nvme_gb=1000)
@@ -367,9 +367,9 @@ def test_split_master_with_the_residual_on_nvme_bytes_by_hand(name):
 
 
 def test_residual_bytes_on_nvme_are_what_the_state_files_hold():
-    from fp4offload.optim import SEGMENT
-    from fp4offload.optim.nvme import segment_file_bytes
-    from fp4offload.planner.sizes import RESIDUAL_NVME_BYTES
+    from fp4offload._optim import SEGMENT
+    from fp4offload._optim.nvme import segment_file_bytes
+    from fp4offload._planner.sizes import RESIDUAL_NVME_BYTES
 
     assert RESIDUAL_NVME_BYTES == 2 + 1 / 8
     assert segment_file_bytes(SEGMENT, True) - segment_file_bytes(SEGMENT, False) == RESIDUAL_NVME_BYTES * SEGMENT

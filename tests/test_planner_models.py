@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fp4offload.errors import ConfigError
-from fp4offload.planner.models import (PRESETS, PUBLISHED_ACTIVE, PUBLISHED_TOTALS, ModelSpec, from_hf_config,
+from fp4offload._planner.models import (PRESETS, PUBLISHED_ACTIVE, PUBLISHED_TOTALS, ModelSpec, from_hf_config,
                                        parse_dims, resolve_model)
 
 REQUIRED = ("llama-3.1-8b", "llama-3.1-70b", "llama-4-scout-17b-16e", "qwen3-32b", "mixtral-8x7b")

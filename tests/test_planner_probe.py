@@ -9,9 +9,9 @@ import types
 import pytest
 
 from fp4offload.errors import ConfigError
-from fp4offload.planner import probe as probe_mod
-from fp4offload.planner.hardware import GPU_PRESETS, NODE_PRESETS, build_cluster, match_gpu, pcie_bandwidth
-from fp4offload.planner.readings import SCHEMA_VERSION, DiskReading, GpuReading, HostReading, Readings
+from fp4offload._planner import probe as probe_mod
+from fp4offload._planner.hardware import GPU_PRESETS, NODE_PRESETS, build_cluster, match_gpu, pcie_bandwidth
+from fp4offload._planner.readings import SCHEMA_VERSION, DiskReading, GpuReading, HostReading, Readings
 
 GiB = 1 << 30
 
@@ -212,8 +212,8 @@ def test_bad_machine_arguments(kwargs, key):
 
 
 def test_bench_measures_the_cpu_optimizer_step(tmp_path, monkeypatch):
-    from fp4offload.planner import bench
-    from fp4offload.planner.bench import run_bench
+    from fp4offload._planner import bench
+    from fp4offload._planner.bench import run_bench
 
     # FP4AdamW's first step may build a C++ extension (minutes): the path is exercised with a
     # stand-in, and with one that fails to step (the benchmark must survive an optimizer in the works).

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from fp4offload.planner.hardware import build_cluster
-from fp4offload.planner.memory import STATE_BYTES, TrainSetup, estimate_memory, weight_host_bytes
-from fp4offload.planner.models import PRESETS
-from fp4offload.planner.rank import RISK_ORDER, TIE_TOLERANCE, evaluate, make_plan
-from fp4offload.planner.readings import HostReading, Readings
-from fp4offload.planner.strategies import load_catalogue
-from fp4offload.planner.timing import estimate_time
+from fp4offload._planner.hardware import build_cluster
+from fp4offload._planner.memory import STATE_BYTES, TrainSetup, estimate_memory, weight_host_bytes
+from fp4offload._planner.models import PRESETS
+from fp4offload._planner.rank import RISK_ORDER, TIE_TOLERANCE, evaluate, make_plan
+from fp4offload._planner.readings import HostReading, Readings
+from fp4offload._planner.strategies import load_catalogue
+from fp4offload._planner.timing import estimate_time
 
 GiB = 1 << 30
 BARE = TrainSetup(host_runtime_bytes=0)  # host bytes without the per-process baseline
@@ -177,7 +177,7 @@ def test_nothing_fits(cat):
 def test_the_exact_master_wins_a_tie():
     """llama-3.1-8b on one H100: the split, fp32 and bf16 masters run at the same estimated speed and all fit; the
     exact forms outrank the lossy bf16 master, and split (less host RAM) the fp32 master."""
-    from fp4offload.planner.rank import risk_profile
+    from fp4offload._planner.rank import risk_profile
 
     cat = load_catalogue()
     c = build_cluster(gpu="h100-80gb", gpus=1)

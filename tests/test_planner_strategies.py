@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fp4offload.errors import ConfigError
-from fp4offload.planner import strategies as st
+from fp4offload._planner import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,7 +144,7 @@ def test_built_wheel_ships_the_catalogue_and_finds_it_installed(tmp_path):
     assert shipped == {p.name for p in (ROOT / "strategies").glob("*.yaml")}
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    code = ("import fp4offload.planner.strategies as s, pathlib; f = s.catalogue_files(); "
+    code = ("import fp4offload._planner.strategies as s, pathlib; f = s.catalogue_files(); "
             "import importlib.resources as r; print(len(f), r.files('fp4offload._strategies'))")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(tmp_path),
                          env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"}, timeout=300)

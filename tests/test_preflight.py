@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from fp4offload.config import parse_block
+from fp4offload._config import parse_block
 from fp4offload.errors import CapacityError, ConfigError
 from fp4offload._deepspeed import config as dsc
 from fp4offload._deepspeed import preflight as ds_preflight
-from fp4offload.planner import host_model
-from fp4offload.planner.sizes import STATE_BYTES
+from fp4offload._planner import host_model
+from fp4offload._planner.sizes import STATE_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 P = 100_000_000
@@ -80,7 +80,7 @@ def test_zero3_nvme_terms_deepspeed_swapper_and_the_blocks_tier():
                accel="gpu")
     assert fp4.nvme == {"optimizer states (nvfp4)": int(STATE_BYTES["nvfp4"] * P)}
     assert fp4.consumers["fp32 master partition"] == 4 * P
-    # the master's gradient is DeepSpeed's bf16 gradient partition (ds_host.zero3_gradient_partition) ...
+    # the master's gradient is DeepSpeed's bf16 gradient partition (_deepspeed.zero3.zero3_gradient_partition) ...
     assert fp4.consumers["gradient partition"] == 2 * P and "fp32 master gradient" not in fp4.consumers
     own = _est(_cfg(stage=3, offload="cpu", block={"optimizer_states": {"device": "nvme", "nvme_path": "/x"},
                                                    "host": {"bf16_gradient_partition": False}}), accel="gpu")
@@ -295,7 +295,7 @@ def test_plan_check_prints_the_preflight_estimate_with_and_without_the_block(tmp
     plain, block = doc["arms"]
     assert (plain["arm"], block["arm"]) == ("without the block", "with the block") and doc["accelerator"] == "cpu"
     # the same model the preflight uses, fed the same inputs
-    from fp4offload.planner.models import resolve_model
+    from fp4offload._planner.models import resolve_model
 
     params = resolve_model(dims).param_count()
     assert doc["params"] == params

@@ -7,7 +7,7 @@ import torch
 
 from benchmarks import quant_sim as Q
 from fp4offload.formats import reference
-from fp4offload.optim import reference_step as R
+from fp4offload._optim import reference_step as R
 
 
 @pytest.mark.parametrize("grid,mbits", [("e3m1", 1), ("e2m2", 2)])

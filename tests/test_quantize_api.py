@@ -494,7 +494,7 @@ def test_reference_nibble_packing(n):
     assert back[:n].tolist() == codes.tolist() and back[n:].tolist() == [0] * (len(back) - n)
 
 
-_CODEC_SIDE = ["fp4offload.formats.layout", "fp4offload.formats.packed", "fp4offload.formats", "fp4offload.codec"]
+_CODEC_SIDE = ["fp4offload.formats.layout", "fp4offload.formats.packed", "fp4offload.formats", "fp4offload._codec"]
 
 
 @pytest.mark.parametrize("first", _CODEC_SIDE)
@@ -502,7 +502,7 @@ def test_each_module_imports_first_in_a_fresh_interpreter(first):
     code = (f"import {first}\n"
             "import torch\n"
             "from fp4offload.formats.packed import PackedTensor\n"
-            "from fp4offload.codec import quantize\n"
+            "from fp4offload._codec import quantize\n"
             "x = torch.linspace(-3, 3, 64)\n"
             "p = quantize(x)\n"
             "assert isinstance(p, PackedTensor) and torch.equal(p.dequantize(), p.dequantize(torch.float32))\n"
@@ -512,7 +512,7 @@ def test_each_module_imports_first_in_a_fresh_interpreter(first):
 
 
 def test_formats_import_nothing_from_the_codec():
-    """formats/ sits below fp4offload.codec: no module of it imports codec, at the top or inside a function."""
+    """formats/ sits below fp4offload._codec: no module of it imports codec, at the top or inside a function."""
     root = Path(fp4offload.formats.__file__).parent
     for f in root.glob("*.py"):
         for node in ast.walk(ast.parse(f.read_text())):

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from fp4offload import FP4AdamW, dequantize, quantize
-from fp4offload.optim import StateFormat, StepOptions
+from fp4offload._optim import StateFormat, StepOptions
 from fp4offload.errors import ConfigError, CorruptionError, NonFiniteError
-from fp4offload.offload import offload_activations
-from fp4offload.offload.policy import ActivationPolicy
-from fp4offload.optim.adamw import GRAD_LIMIT
-from fp4offload.optim.convert import CHECKSUM, FINGERPRINT
+from fp4offload._offload import offload_activations
+from fp4offload._offload.policy import ActivationPolicy
+from fp4offload._optim.adamw import GRAD_LIMIT
+from fp4offload._optim.convert import CHECKSUM, FINGERPRINT
 
 
 def _params(shapes=((40, 32), (40,), (32, 40), (5, 3)), seed=0):

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from fp4offload import switches
-from fp4offload.config import HostConfig
+from fp4offload import _switches as switches
+from fp4offload._config import HostConfig
 from fp4offload.errors import ConfigError
-from fp4offload.switches import BY_NAME, OFF_WORDS, ON_WORDS, SWITCHES
+from fp4offload._switches import BY_NAME, OFF_WORDS, ON_WORDS, SWITCHES
 
 ROOT = Path(__file__).resolve().parents[1]
 ON_OFF = [s.name for s in SWITCHES if s.kind == "on/off"]
@@ -123,7 +123,7 @@ def test_the_patched_initialize_reads_fp4offload_auto_with_the_parser(monkeypatc
 def test_fp4offload_verbose_build_false_is_off(monkeypatch):
     from torch.utils import cpp_extension
 
-    from fp4offload.ops import build
+    from fp4offload._ops import build
 
     seen = []
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(kw["verbose"]))
@@ -137,7 +137,7 @@ def test_fp4offload_verbose_build_false_is_off(monkeypatch):
 
 
 def test_the_codec_backend_and_the_host_cache_read_the_same_words(monkeypatch):
-    from fp4offload import host_allocator, ops
+    from fp4offload import _ops as ops, host_allocator
 
     for raw, want in (("", None), ("auto", None), (" CPU ", "cpu"), ("reference", "reference")):
         monkeypatch.setenv("FP4OFFLOAD_BACKEND", raw)
@@ -164,7 +164,7 @@ def test_host_settings_name_the_source_that_won():
 def test_the_guide_holds_the_table_of_the_code():
     guide = (ROOT / "docs" / "guide.md").read_text()
     table = switches.markdown_table()
-    assert table in guide, "docs/guide.md's table of variables differs from fp4offload.switches.markdown_table()"
+    assert table in guide, "docs/guide.md's table of variables differs from fp4offload._switches.markdown_table()"
     rows = [line for line in guide.splitlines() if line.startswith("| `FP4OFFLOAD_")]
     assert len(rows) == len(SWITCHES)
 
@@ -190,7 +190,7 @@ def test_doctor_config_shows_each_value_and_its_source(tmp_path):
     assert r["active"]["cpu_tensors"]["backend"] == "reference"
     assert r["host"]["settings"]["allocator_cache"]["source"] == "fp4offload.host.allocator_cache"
 
-    from fp4offload.doctor import render
+    from fp4offload._doctor import render
 
     text = render(r)
     assert re.search(r"fp4offload\.host\.allocator_cache +0\.5 +fp4offload\.host\.allocator_cache", text), text

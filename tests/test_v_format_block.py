@@ -4,9 +4,10 @@ FP4AdamW through the DeepSpeed block and the FSDP2 policy."""
 import pytest
 import torch
 
-from fp4offload.config import V_FORMAT_DEFAULT, parse_block, parse_fsdp_policy
+from fp4offload._config import V_FORMAT_DEFAULT, parse_block, parse_fsdp_policy
 from fp4offload.errors import ConfigError
-from fp4offload.integrations import ds_optim, fsdp_optim
+from fp4offload._deepspeed import optim as ds_optim
+from fp4offload._fsdp import optim as fsdp_optim
 
 
 def test_default_is_ue2m2_and_ufp4_can_be_pinned():

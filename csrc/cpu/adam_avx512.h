@@ -1,5 +1,5 @@
 // AVX-512 inner loop of the fused FP4AdamW step (csrc/cpu/adam_cpu.cpp): one chunk of 1024 elements.
-// Same operations in the same order as the scalar path and fp4offload/optim/reference_step.py; every
+// Same operations in the same order as the scalar path and fp4offload/_optim/reference_step.py; every
 // lane rounds as the scalar rule in fp4_codec.h does (integer round-to-nearest-even on the fp32 pattern,
 // decode through a per-block 16-entry table and a permute).
 #pragma once

@@ -412,7 +412,7 @@ void step_range_scalar(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1
   for (int64_t c = c0; c < c1; ++c) chunk_scalar(a, grad, c);
 }
 
-// ---- compact masters (fp4offload/optim/master.py, normative) -----------------------------------------
+// ---- compact masters (fp4offload/_optim/master.py, normative) -----------------------------------------
 //
 // A group of elements [e0, e1) of a bf16 parameter `hi` is rebuilt into fp32 patterns bb[0..e1-e0), stepped
 // like an fp32 master, and written back. Split (mode 1) keeps the int16 residual `lo` and the sorted positions

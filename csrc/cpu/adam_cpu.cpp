@@ -1,6 +1,6 @@
 // The fused FP4AdamW step on CPU: one pass per chunk of 1024 elements that decodes m and sqrt(v), updates
 // the fp32 master weight, re-encodes m (NVFP4) and sqrt(v) (ue2m2 or ufp4), and optionally writes a bf16 copy of
-// the new weight. The operation order is the one in fp4offload/optim/reference_step.py (normative);
+// the new weight. The operation order is the one in fp4offload/_optim/reference_step.py (normative);
 // every scalar rule comes from csrc/fp4_codec.h, so the bytes equal the torch reference's.
 //
 // Parallel over chunks with at::parallel_for (OpenMP). The chunk itself is one of three paths, all with the
@@ -208,7 +208,7 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   return out;
 }
 
-// ---- compact master weights (fp4offload/optim/master.py, normative) ---------------------------------
+// ---- compact master weights (fp4offload/_optim/master.py, normative) ---------------------------------
 
 // One AdamW step over a flat bf16 parameter `hi` whose master is compact (mode 1: split, with the int16
 // residual `lo` and the sorted int64 positions `odd`; mode 2: bf16 with stochastic rounding), with packed

@@ -1,7 +1,7 @@
 // Which vector path this build of a CPU extension carries, and the run-time switch to its scalar path.
 //
 // fp4offload builds each CPU extension once per instruction set, each with its own target flags and module
-// name (fp4offload/ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build (0 scalar, 1 avx512, 2 avx2, 3 neon, 4 sve).
+// name (fp4offload/_ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build (0 scalar, 1 avx512, 2 avx2, 3 neon, 4 sve).
 // The AVX-512 build runs the hand-scheduled kernels (nvfp4_avx512.h, adam_avx512.h); the AVX2, NEON and SVE
 // builds run the portable vector path (adam_chunk.h), vectorized by the compiler for their target; every
 // build keeps the scalar path, which tests select with set_simd(false) to compare the two.

@@ -1,6 +1,6 @@
 // Torch bindings of the fused CUDA FP4AdamW step (csrc/cuda/adam_kernels.cu); same signatures as the CPU
 // extension's fused_step and fused_step_master (less fused_step's NVFP4 weight regions w_*, which only the CPU step
-// writes; v_stochastic, a keyword in both, comes after them there), so fp4offload/optim/adamw.py calls either the
+// writes; v_stochastic, a keyword in both, comes after them there), so fp4offload/_optim/adamw.py calls either the
 // same way.
 #include <torch/extension.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,6 +1,6 @@
 // The fused FP4AdamW step on CUDA: one thread block per chunk of 1024 elements, one thread per NVFP4 block
 // of 16 elements. Decodes m and sqrt(v), updates the master weight, re-encodes both, optionally writes a bf16
-// copy of the new weight. Same operation order as fp4offload/optim/reference_step.py (normative) and the
+// copy of the new weight. Same operation order as fp4offload/_optim/reference_step.py (normative) and the
 // CPU step; every scalar rule comes from csrc/fp4_codec.h. Build with --fmad=false (no contraction) and
 // without fast math: sqrtf and '/' are then IEEE round-to-nearest, as the reference requires.
 //
@@ -10,7 +10,7 @@
 //
 // The master is a template parameter of the one kernel (the Adam math is written once):
 //   kFp32  - an fp32 tensor, updated in place (optionally with a bf16 copy);
-//   kSplit - master="split" (fp4offload/optim/master.py, normative): the bf16 parameter `hi`, the int16
+//   kSplit - master="split" (fp4offload/_optim/master.py, normative): the bf16 parameter `hi`, the int16
 //            residual `lo` and the odd flags, here a dense mask of one uint16 per block of 16 (bit j: element
 //            j of the block is odd), which the thread that owns the block reads before and writes after;
 //   kBf16  - master="bf16": the bf16 parameter, rounded stochastically after the update.

@@ -14,6 +14,6 @@
 - ``weights``: packed NVFP4 weight shards under ZeRO-3;
 - ``monitor``: the counters written through the engine's monitor.
 
-The optimizer the block builds comes from :mod:`fp4offload.integrations.ds_optim`. No module here imports
+The optimizer the block builds comes from :mod:`fp4offload._deepspeed.optim`. No module here imports
 deepspeed at import time.
 """

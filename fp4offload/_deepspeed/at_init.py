@@ -66,7 +66,7 @@ class compact_master_at_init(WhileInitializing):
         outer = self
 
         def _configure_master_weights(zo, *args, **kwargs):
-            from fp4offload.optim import FP4AdamW
+            from fp4offload._optim import FP4AdamW
 
             inner = dsi.read(zo, "optimizer", None)
             compact = isinstance(inner, FP4AdamW) and inner.master != "fp32"

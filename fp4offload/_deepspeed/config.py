@@ -8,7 +8,7 @@ packed states on NVMe itself; DeepSpeed's bf16 master mode for a compact master)
 ConfigError with the key path, the value and what is allowed. It builds nothing and does not look at the disk;
 :meth:`Prepared.checked_paths` checks the NVMe folders on this machine.
 
-The block's ``host`` settings (fp4offload.config.HostConfig) each have an environment override:
+The block's ``host`` settings (fp4offload._config.HostConfig) each have an environment override:
 
 ================================  ============================  =================================================
 ``host.`` key                     override                      what it does
@@ -37,13 +37,13 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp4offload.config import (Fp4OffloadConfig, HostConfig, prepare_path, check_path_syntax,
+from fp4offload._config import (Fp4OffloadConfig, HostConfig, prepare_path, check_path_syntax,
                                parse_block, with_checked_paths)
-from fp4offload import switches
+from fp4offload import _switches as switches
 from fp4offload.errors import ConfigError
-from fp4offload.integrations import ds_optim
-from fp4offload.jsonfile import read_json
-from fp4offload.switches import Setting
+from fp4offload._deepspeed import optim as ds_optim
+from fp4offload._jsonfile import read_json
+from fp4offload._switches import Setting
 
 from .schema import validate_deepspeed_config
 
@@ -55,7 +55,7 @@ BLOCK_KEY = "fp4offload"
 # ----------------------------------------------------------------------------------------------
 # the host settings
 
-#: the environment override of each ``host`` key (from fp4offload.switches, the table of every variable)
+#: the environment override of each ``host`` key (from fp4offload._switches, the table of every variable)
 ENV = {sw.json_key.split(".", 1)[1]: sw.name for sw in switches.SWITCHES
        if sw.json_key is not None and sw.json_key.startswith("host.")}
 
@@ -76,7 +76,7 @@ class HostSettings:
 
 
 def resolve(host: HostConfig | None, environ: Mapping[str, str] | None = None) -> HostSettings:
-    """The effective host settings: the environment override (read by fp4offload.switches, checked as the key
+    """The effective host settings: the environment override (read by fp4offload._switches, checked as the key
     is), else the config's value, else the default."""
     default = HostConfig()
     out = {}
@@ -114,7 +114,7 @@ class Prepared:
     host: HostSettings = field(default_factory=lambda: resolve(None))
 
     def checked_paths(self) -> "Prepared":
-        """These settings with their NVMe folders checked on this machine and resolved (fp4offload.config.
+        """These settings with their NVMe folders checked on this machine and resolved (fp4offload._config.
         prepare_path: ``~`` and ``$VARS`` expanded, made absolute, created one level deep under an existing
         parent, refused when a file, a device, in /proc or /sys, unwritable or under a missing parent), for
         ``optimizer_states``, ``activations`` and DeepSpeed's ``offload_optimizer.nvme_path`` when the block takes

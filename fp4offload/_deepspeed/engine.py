@@ -12,7 +12,7 @@ config carries the block it, in this order, before DeepSpeed builds anything:
 4. checks that the host RAM the config needs fits (:mod:`fp4offload._deepspeed.preflight`; CapacityError,
    ``host.preflight``);
 5. builds FP4AdamW from the client optimizer or the config's ``optimizer`` section
-   (:mod:`fp4offload.integrations.ds_optim`);
+   (:mod:`fp4offload._deepspeed.optim`);
 
 then calls the real ``deepspeed.initialize`` and attaches what needs the engine: packed ZeRO-3 weight
 shards (:mod:`fp4offload._deepspeed.weights`), saved-activation packing, and the metrics writer
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp4offload.config import Fp4OffloadConfig
-from fp4offload import switches
+from fp4offload._config import Fp4OffloadConfig
+from fp4offload import _switches as switches
 from fp4offload.errors import ConfigError
-from fp4offload.integrations import ds_optim
+from fp4offload._deepspeed import optim as ds_optim
 
 from . import internals as dsi
 from . import preflight
@@ -181,7 +181,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 def _close_on_destroy(engine: Any) -> bool:
     """``engine.destroy()`` also closes FP4AdamW: its NVMe state folder goes (or stays, kept with its manifest,
     under ``FP4OFFLOAD_NVME_KEEP=1``). Normal interpreter exit removes it as well (the tier's atexit)."""
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     zo = getattr(engine, "optimizer", None)
     opt = zo if isinstance(zo, FP4AdamW) else dsi.read(zo, "optimizer")
@@ -204,7 +204,7 @@ def _norm_source(engine: Any) -> bool:
     offload): FP4AdamW's non-finite check reads it instead of every gradient (``hooks.grad_norm_source``)."""
     import weakref
 
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     zo = getattr(engine, "optimizer", None)
     inner = dsi.read(zo, "optimizer")
@@ -267,12 +267,12 @@ def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, mod
 
 
 def _attach_activations(model: Any, block: Fp4OffloadConfig) -> Any:
-    """Pack the saved activations of the modules the block names, every step (fp4offload.offload.wrap_modules)."""
+    """Pack the saved activations of the modules the block names, every step (fp4offload._offload.wrap_modules)."""
     try:
-        from fp4offload.offload import ActivationPolicy, wrap_modules
+        from fp4offload._offload import ActivationPolicy, wrap_modules
     except Exception as exc:
         raise ConfigError("fp4offload.activations", block.to_dict().get("activations"),
-                          "a block this build can apply", f"fp4offload.offload does not import ({exc}); "
+                          "a block this build can apply", f"fp4offload._offload does not import ({exc}); "
                           "remove the activations sub-block") from None
     policy = ActivationPolicy.from_config(block.activations)
     return wrap_modules(model, policy)

@@ -150,7 +150,7 @@ def _collector(engine: Any, attached: Any) -> Callable[[], dict[str, float]]:
                     out.update({f"optimizer/{k}": float(v) for k, v in vals.items() if isinstance(v, (int, float))})
                 break
         try:
-            from fp4offload import metrics  # the project's counters, when present
+            from fp4offload import _metrics as metrics  # the project's counters, when present
 
             snap = metrics.snapshot()
             out.update({f"metrics/{k}": float(v) for k, v in snap.items() if isinstance(v, (int, float))})

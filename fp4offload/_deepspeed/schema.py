@@ -1,6 +1,6 @@
 """Validation of a whole DeepSpeed config that may carry the ``"fp4offload"`` block.
 
-:func:`validate_deepspeed_config` checks how the block (:func:`fp4offload.config.block.
+:func:`validate_deepspeed_config` checks how the block (:func:`fp4offload._config.block.
 parse_block`) combines with DeepSpeed's own keys. Nothing here imports deepspeed unless asked to
 (``check_with_deepspeed``), nothing looks at the disk, and nothing imports torch: the planner emits configs
 through it. The rewrite at initialize (:mod:`fp4offload._deepspeed.config`) calls it first.
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from fp4offload.config.block import Fp4OffloadConfig, parse_block
+from fp4offload._config.block import Fp4OffloadConfig, parse_block
 from fp4offload.errors import ConfigError
 
 __all__ = ["find_auto_values", "validate_deepspeed_config"]

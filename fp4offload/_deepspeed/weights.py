@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from fp4offload.errors import ConfigError
-from fp4offload.optim.adamw import FP4AdamW
+from fp4offload._optim.adamw import FP4AdamW
 
-from fp4offload.integrations import keep_bf16
+from fp4offload import _keep_bf16 as keep_bf16
 
 from . import internals as dsi
 
@@ -58,7 +58,7 @@ __all__ = ["attach", "PackedWeights", "select"]
 def select(model: Any, keep: tuple[str, ...], world: int) -> tuple[list, dict]:
     """(packed [(name, param)], kept {name: reason}) for the ZeRO-3 parameters of ``model``.
 
-    ``keep`` is ``weights.keep_bf16`` (fp4offload.integrations.keep_bf16: the same rules as under FSDP2)."""
+    ``keep`` is ``weights.keep_bf16`` (fp4offload._keep_bf16: the same rules as under FSDP2)."""
     kept_ids = keep_bf16.kept_parameters(model, keep, keep_bf16.find_blocks(model))
     packed, kept = [], {}
     for name, p in model.named_parameters():
@@ -246,7 +246,7 @@ def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor],
                  known: list[float] | None = None) -> None:
     """Pack each parameter's partition from ``sources`` (fp32 flat, this rank's elements) with a shared amax:
     ``known`` (already max-reduced over the partition group), else measured and max-reduced here."""
-    from fp4offload.codec import quantize
+    from fp4offload._codec import quantize
 
     if not params:
         return
@@ -310,7 +310,7 @@ def _register_regions(pw: PackedWeights, opt) -> None:
     inner = dsi.read(opt, "optimizer")
     if not hasattr(getattr(inner, "hooks", None), "weight_regions"):
         return
-    from fp4offload.optim import WeightRegion
+    from fp4offload._optim import WeightRegion
 
     for sg, params in enumerate(dsi.require(opt, "fp16_groups")):
         flat32 = dsi.require(opt, "fp32_partitioned_groups_flat")[sg]

@@ -104,7 +104,7 @@ def _wants_bf16_grads(zero_opt: Any, settings: HostSettings) -> bool:
         return False
     import torch
 
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     return (bool(dsi.read(zero_opt, "single_partition_of_fp32_groups"))
             and bool(dsi.read(zero_opt, "cpu_offload", False))

@@ -42,7 +42,7 @@ class zero3_grads_at_init(WhileInitializing):
 
     @staticmethod
     def _fits(zo) -> bool:
-        from fp4offload.optim import FP4AdamW
+        from fp4offload._optim import FP4AdamW
 
         groups = dsi.read(zo, "fp16_groups", None) or []
         return (isinstance(dsi.read(zo, "optimizer", None), FP4AdamW) and bool(dsi.read(zo, "offload_optimizer", False))
@@ -106,7 +106,7 @@ def zero3_gradient_partition(engine: Any, settings: HostSettings | None = None, 
     over a scaled bf16 gradient goes segment by segment, outside that fusion."""
     import torch
 
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     settings = resolve(None) if settings is None else settings
     zo = getattr(engine, "optimizer", None)
@@ -162,7 +162,7 @@ def fp32_clip(engine: Any, any_master: bool = False) -> bool:
     ``clip_grad > 0``, the gradient multiplied by ``1 / (clip * loss_scale)``. Returns whether it applied."""
     import torch
 
-    from fp4offload.optim import FP4AdamW
+    from fp4offload._optim import FP4AdamW
 
     zo = getattr(engine, "optimizer", None)
     inner = dsi.read(zo, "optimizer", None)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from ..errors import CorruptionError
-from ..jsonfile import DuplicateKeyError, file_kind, parse_json
+from .._jsonfile import DuplicateKeyError, file_kind, parse_json
 
 MAGIC = b"FP4OFFL\x01"
 VERSION = 1

@@ -10,8 +10,8 @@ Owns:
 - :func:`bytes_per_element`: the same per element, for capacity planning (fp4offload/planner).
 
 Not here: where the codes sit in a byte (``reference.pack_nibbles`` and csrc/fp4_codec.h), encoding and
-decoding (``reference`` and the backends of fp4offload.ops), the container (``packed.PackedTensor``), and
-argument checking and backend dispatch (fp4offload/codec.py, which imports this module, never the reverse).
+decoding (``reference`` and the backends of fp4offload._ops), the container (``packed.PackedTensor``), and
+argument checking and backend dispatch (fp4offload/_codec.py, which imports this module, never the reverse).
 It uses no torch.
 """
 

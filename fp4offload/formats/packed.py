@@ -2,7 +2,7 @@
 
 Owns the container: its tensors, header, size check, file format (through ``container``) and device moves.
 Its geometry (formats, the 2-D view, the sizes it must have) comes from ``layout``. Encoding, decoding and
-the choice of backend belong to fp4offload/codec.py, which imports this module; this module imports nothing
+the choice of backend belong to fp4offload/_codec.py, which imports this module; this module imports nothing
 from it. ``PackedTensor.dequantize`` calls the decoder codec.py installs with :func:`set_decoder` when it is
 imported, which importing anything of fp4offload does first (the package's ``__init__`` imports codec).
 """
@@ -25,12 +25,12 @@ _HEADER_KEYS = ("format", "block", "shape", "dtype", "scale_scope", "binding")
 _SOURCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TENSOR_SCALED = ("nvfp4", "ufp4")
 
-#: fp4offload.codec.dequantize, installed by fp4offload.codec (see set_decoder)
+#: fp4offload._codec.dequantize, installed by fp4offload._codec (see set_decoder)
 _decoder: Callable[["PackedTensor", "torch.dtype | None"], torch.Tensor] | None = None
 
 
 def set_decoder(decode: Callable[["PackedTensor", "torch.dtype | None"], torch.Tensor]) -> None:
-    """Install the function behind :meth:`PackedTensor.dequantize` (fp4offload.codec.dequantize)."""
+    """Install the function behind :meth:`PackedTensor.dequantize` (fp4offload._codec.dequantize)."""
     global _decoder
     _decoder = decode
 

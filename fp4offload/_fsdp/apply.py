@@ -1,0 +1,407 @@
+"""FSDP2 (``fully_shard``) policies: NVFP4 weight all-gathers, FP4 optimizer states, activation offload.
+
+``apply(model, policy, mesh=None)`` shards the model per block (module class names or a callable,
+like an auto-wrap policy) and at the root, after wrapping every trainable weight the policy packs
+in an :class:`~fp4offload._fsdp.weight.FP4Weight` (fp32 master, NVFP4 all-gather).
+``optimizer(model, policy)`` builds FP4AdamW (or torch AdamW) over the local shards; ``save`` and
+``load`` write and read ``torch.distributed.checkpoint`` checkpoints in safetensors files (no pickle).
+
+Order of work in :func:`apply`, so that a bad policy fails before any collective: validate the
+policy and the mesh, find the blocks and the parameters to pack (ConfigError on anything wrong),
+and only then call ``fully_shard``.
+
+Fallbacks (each logged once per model):
+- one rank (a mesh of size 1) without CPU offload: nothing is gathered or copied, so nothing is
+  packed (with CPU offload the host-to-device copy is packed, also on one GPU);
+- parameters named by ``weights.keep_bf16``, frozen ones, integer ones and 0-d ones: FSDP's plain
+  gather in ``param_dtype``;
+- weights whose padded local shard has fewer than 16 rows (or a row count that is not a multiple
+  of 16), and 1-D ones: 1x16 blocks over the flattened local shard instead of 16x16 tiles (same
+  bytes per element, same global tensor scale).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import ConfigError
+from .internals import AllGatherBase, local_tensor, unit_parameters
+from .. import _keep_bf16 as keep_bf16
+from .policy import Policy, policy_from_yaml
+from .weight import STATS, CollectiveError, FP4Weight, GatherGroup, Slot, WeightSpec
+
+log = logging.getLogger("fp4offload.fsdp")
+
+__all__ = ["apply", "Policy", "policy_from_yaml", "optimizer", "save", "load", "refresh", "stats", "reset_stats",
+           "count_all_gathers", "AllGatherCounter", "fp4_parameters", "state_dict"]
+
+
+# --------------------------------------------------------------------------------------------------
+# what to shard and what to pack
+
+
+def _blocks(model: nn.Module, block_classes) -> list[tuple[str, nn.Module]]:
+    """The modules to shard one by one (keep_bf16.find_blocks); ConfigError when the policy names none."""
+    if keep_bf16.block_predicate(model, block_classes) is None:
+        raise ConfigError("block_classes", (), "class names of the model's repeated blocks, or a callable",
+                          f"{type(model).__name__} declares no _no_split_modules; pass e.g. "
+                          "Policy(block_classes=['TransformerBlock'])")
+    if not callable(block_classes) or isinstance(block_classes, type):
+        given = (block_classes,) if isinstance(block_classes, (str, type)) else tuple(block_classes)
+        names = {c if isinstance(c, str) else c.__name__ for c in given} or set(model._no_split_modules)
+        found = {type(m).__name__ for m in model.modules()}
+        if not names & found:
+            sample = ", ".join(sorted(found)[:10])
+            raise ConfigError("block_classes", sorted(names), f"class names of modules in this model (it has {sample})")
+    blocks = keep_bf16.find_blocks(model, block_classes)
+    if not blocks:
+        raise ConfigError("block_classes", "<callable>" if callable(block_classes) else list(block_classes),
+                          "something that matches at least one submodule (the root is always sharded anyway)")
+    return blocks
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    out: dict[int, list[tuple[nn.Module, str]]] = {}
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                out.setdefault(id(p), []).append((mod, name))
+    return out
+
+
+def _plan(model: nn.Module, policy: Policy, blocks, world: int) -> tuple[list[tuple[str, nn.Parameter]], dict]:
+    """(parameters to pack, counts of why others are not) — pure, no side effects."""
+    why = {"keep_bf16": 0, "frozen": 0, "not floating": 0, "0-d": 0}
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise ConfigError(f"parameter {name}", "a DTensor", "plain parameters (an unsharded model)",
+                              "fp4offload.fsdp.apply does the sharding; tensor-parallel models are not supported yet")
+    if not policy.packs_weights or (world < 2 and not policy.cpu_offload):
+        return [], why
+    kept = keep_bf16.kept_parameters(model, policy.weights.keep_bf16, blocks)
+    out = []
+    for name, p in model.named_parameters():
+        if id(p) in kept:
+            why["keep_bf16"] += 1
+        elif not p.requires_grad:
+            why["frozen"] += 1
+        elif not p.is_floating_point():
+            why["not floating"] += 1
+        elif p.dim() == 0:
+            why["0-d"] += 1
+        else:
+            if p.device.type == "meta":
+                raise ConfigError(f"parameter {name}", "on the meta device", "materialized parameters",
+                                  "initialize the model's weights (e.g. model.to_empty(...) and init) before apply")
+            out.append((name, p))
+    return out, why
+
+
+def _mesh_world(mesh) -> int:
+    """The number of ranks weights are sharded over; ConfigError for a mesh this module cannot use."""
+    if mesh is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ConfigError("mesh", None, "a DeviceMesh, or an initialized default process group",
+                              "call torch.distributed.init_process_group(...) before fp4offload.fsdp.apply")
+        return dist.get_world_size()
+    if getattr(mesh, "ndim", None) != 1:
+        raise ConfigError("mesh", mesh, "a 1-D DeviceMesh (data-parallel sharding)",
+                          "HSDP and tensor-parallel meshes are not supported by fp4offload.fsdp yet")
+    return mesh.size()
+
+
+def _default_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
+    return init_device_mesh(dev, (dist.get_world_size(),))
+
+
+def _wrap(model: nn.Module, params: list[tuple[str, nn.Parameter]], world: int, device: torch.device,
+          offload: bool) -> list[Slot]:
+    owners = _owners(model)
+    slots = []
+    for name, p in params:
+        slot = Slot(WeightSpec(name, tuple(p.shape), world))
+        master = p.detach()
+        if master.device != device:
+            master = master.to(device)
+        slot.offload = offload
+        newp = nn.Parameter(FP4Weight(master, slot), requires_grad=p.requires_grad)
+        for mod, attr in owners[id(p)]:
+            mod._parameters[attr] = newp
+        slot.owner = owners[id(p)][0]
+        slots.append(slot)
+    return slots
+
+
+# --------------------------------------------------------------------------------------------------
+# all-gather byte counter (a custom FSDP2 all-gather that counts what it delivers)
+
+
+class AllGatherCounter(AllGatherBase):
+    """An FSDP2 all-gather that counts the bytes it delivers to this rank (all parameters of a unit).
+
+    Attributes:
+        bytes: bytes received (output size) since the last reset. calls: collectives issued.
+    """
+
+    def __init__(self):
+        self.bytes = 0
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.bytes += output_tensor.numel() * output_tensor.element_size()
+        self.calls += 1
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        try:
+            return gather(output_tensor, input_tensor, group=group, async_op=async_op)
+        except Exception as e:
+            raise CollectiveError(f"an FSDP all-gather of {output_tensor.numel() * output_tensor.element_size()} "
+                                  "bytes", e) from e
+
+    def reset(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+
+def count_all_gathers(model: nn.Module) -> AllGatherCounter:
+    """Install one :class:`AllGatherCounter` on every FSDP2 unit of ``model`` (any FSDP2 model)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    counter = AllGatherCounter()
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            try:
+                m.set_custom_all_gather(counter)
+            except ValueError as e:  # several param groups on one unit (per-parameter meshes)
+                log.info("fp4offload.fsdp: all-gathers of %s not counted: %s", type(m).__name__, e)
+    return counter
+
+
+# --------------------------------------------------------------------------------------------------
+# gather groups: the FP4 weights of one fully_shard unit share one amax all-reduce per gather
+
+
+def _unit_slots(unit: nn.Module) -> list[Slot] | None:
+    """The FP4 slots of one FSDP unit, in FSDP's order (None if torch's internals moved)."""
+    params = unit_parameters(unit)
+    if params is None:
+        return None
+    out = []
+    for p in params:
+        local = local_tensor(p)
+        if isinstance(local, FP4Weight):
+            out.append(local._slot)
+    return out
+
+
+def _make_groups(units: list[nn.Module], slots: list[Slot], mesh) -> None:
+    pg = mesh.get_group()
+    claimed: set[int] = set()
+    for unit in units:
+        members = _unit_slots(unit)
+        if members is None:  # unknown internals: one group per weight (one all-reduce each, still correct)
+            log.info("fp4offload.fsdp: this torch hides FSDP's parameter groups (fsdp_internals.check()); "
+                     "one amax all-reduce per weight instead of one per unit")
+            break
+        members = [s for s in members if id(s) not in claimed]
+        if members:
+            GatherGroup(members, pg, mesh.device_type)
+            claimed.update(id(s) for s in members)
+    for s in slots:
+        if id(s) not in claimed:
+            GatherGroup([s], pg, mesh.device_type)
+
+
+# --------------------------------------------------------------------------------------------------
+# state dicts: the fp32 masters, as DTensors, never the wrapper
+
+
+def _unwrap_value(v):
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(v, DTensor) and isinstance(local_tensor(v), FP4Weight):
+        return DTensor.from_local(local_tensor(v)._master, v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride())
+    if isinstance(v, FP4Weight):
+        return v._master
+    return v
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    for k in list(state_dict.keys()):
+        state_dict[k] = _unwrap_value(state_dict[k])
+
+
+def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every FP4 shard as a DTensor over its fp32 master (no copies)."""
+    sd = model.state_dict()
+    return {k: _unwrap_value(v) for k, v in sd.items()}
+
+
+def fp4_parameters(model: nn.Module) -> list[tuple[str, Slot]]:
+    """(name, slot) of every parameter whose all-gather is NVFP4."""
+    out = []
+    for name, p in model.named_parameters():
+        local = local_tensor(p, p)
+        if isinstance(local, FP4Weight):
+            out.append((name, local._slot))
+    return out
+
+
+def refresh(model: nn.Module) -> None:
+    """Re-encode every packed shard at its next all-gather.
+
+    Needed only after changing weights behind fp4offload's back (writing into ``p._local_tensor``
+    storage directly); optimizers from :func:`optimizer`, ``load`` and in-place ops on the parameters
+    already do it.
+    """
+    for _, slot in fp4_parameters(model):
+        slot.mark_dirty()
+
+
+def stats() -> dict:
+    """Counters of the NVFP4 all-gather hooks in this process (see ``GatherStats``)."""
+    return STATS.snapshot()
+
+
+def reset_stats() -> None:
+    STATS.reset()
+
+
+# --------------------------------------------------------------------------------------------------
+# apply
+
+
+def _to_bf16(model: nn.Module, master: str | None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """With a compact master, the parameters become bf16 (the master's upper half; buffers stay). Under
+    split, returns each cast parameter's residual (master.split of its fp32 values), so the optimizer starts
+    from the fp32 values themselves."""
+    from .._optim import master as MW
+
+    out = {}
+    if master is None:
+        return out
+    with torch.no_grad():
+        for name, prm in model.named_parameters():
+            if prm.is_floating_point() and prm.dtype != torch.bfloat16:
+                h, lo, odd = MW.split(prm.data.float().reshape(-1))
+                prm.data = h.view(prm.shape)
+                if master == "split" and (lo.any() or odd.numel()):
+                    out[name] = (lo.view(prm.shape), odd)
+    return out
+
+
+def _keep_local_residuals(model: nn.Module, residuals: dict, mesh) -> None:
+    """Each rank keeps its shard's part of the residuals (FSDP2 shards dim 0 as torch.chunk does), on the
+    sharded parameter, for fp4offload.fsdp.optimizer to start FP4AdamW's split master from."""
+    if not residuals:
+        return
+    rank, world = mesh.get_local_rank(), mesh.size()
+    for name, prm in model.named_parameters():
+        if name not in residuals:
+            continue
+        lo, odd = residuals[name]
+        parts = lo.chunk(world, dim=0)
+        local = parts[rank] if rank < len(parts) else lo[:0]
+        start = sum(p.numel() for p in parts[:rank])
+        keep = (odd >= start) & (odd < start + local.numel())
+        prm._fp4offload_residual = (local.reshape(-1).clone(), odd[keep] - start)
+
+
+def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Module:
+    """Shard ``model`` with ``fully_shard`` per block and at the root, as ``policy`` says; returns it.
+
+    Args:
+        model: the module, with materialized parameters (on the mesh's device, or on the CPU: they
+            are moved).
+        policy: a :class:`Policy` (or an ``fp4offload._config.FsdpPolicyConfig``). Default ``Policy()``.
+        mesh: a 1-D DeviceMesh; default: one over the default process group ("cuda" when CUDA is
+            present and the backend is not gloo, else "cpu").
+
+    Raises:
+        ConfigError: a bad policy or mesh, block classes that match nothing, meta parameters. Raised
+            before ``fully_shard`` is called, so no collective has started.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from .._config import FsdpPolicyConfig
+
+    if policy is None:
+        policy = Policy()
+    elif isinstance(policy, FsdpPolicyConfig):
+        policy = Policy.from_config(policy)
+    elif not isinstance(policy, Policy):
+        raise ConfigError("policy", type(policy).__name__, "an fp4offload.fsdp.Policy or FsdpPolicyConfig")
+    policy = policy.checked_paths()  # the NVMe folders: expanded, resolved, created under an existing parent
+    if not isinstance(model, nn.Module):
+        raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
+    blocks = _blocks(model, policy.block_classes)
+    world = _mesh_world(mesh)
+    to_pack, why = _plan(model, policy, blocks, world)
+    act = _activation_policy(policy.activations)  # validated before anything changes
+    if act is not None:
+        from .._offload.modules import plan as activation_plan
+
+        activation_plan(model, act)  # ConfigError now if its module patterns match nothing
+
+    # ---- from here on the model changes and collectives may run ----
+    mesh = _default_mesh() if mesh is None else mesh
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
+        else torch.device(mesh.device_type)
+    residuals = _to_bf16(model, policy.compact_master)
+    slots = _wrap(model, to_pack, world, device, policy.cpu_offload)
+    mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if policy.cpu_offload else OffloadPolicy()
+    kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    units = []
+    for _, block in reversed(blocks):  # innermost first
+        fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **kw)
+        units.append(block)
+    # the root: FSDP's default keeps its weights from forward to backward (they are needed at once)
+    fully_shard(model, reshard_after_forward=None if policy.reshard_after_forward else False, **kw)
+    units.append(model)
+    _make_groups(units, slots, mesh)
+    _keep_local_residuals(model, residuals, mesh)
+    model.register_state_dict_post_hook(_state_dict_hook)
+    model._fp4offload_policy = policy
+    model._fp4offload_all_gather = count_all_gathers(model)
+    if act is not None:
+        from .._offload import wrap_modules
+
+        model._fp4offload_activations = wrap_modules(model, act)
+    if world < 2 and policy.packs_weights and not policy.cpu_offload:
+        log.info("fp4offload.fsdp: one rank without CPU offload: nothing is gathered or copied, weights are not "
+                 "packed")
+    else:
+        log.info("fp4offload.fsdp: %d weights all-gathered as NVFP4 over %d ranks, %d blocks; plain gathers: %s",
+                 len(slots), world, len(blocks), ", ".join(f"{v} {k}" for k, v in why.items() if v) or "none")
+    tiles = [s.spec.name for s in slots if s.spec.tile != 16]
+    if tiles:
+        log.info("fp4offload.fsdp: %d weights use 1x16 blocks (local shard rows not a multiple of 16), e.g. %s",
+                 len(tiles), tiles[0])
+    return model
+
+
+def _activation_policy(acts):
+    """The ActivationPolicy for ``wrap_modules`` from a policy's ``activations`` (None: off)."""
+    if acts is None:
+        return None
+    from .._offload import ActivationPolicy
+
+    if isinstance(acts, ActivationPolicy):
+        return acts
+    return ActivationPolicy.from_config(acts)
+
+from .checkpoint import load, save  # noqa: E402
+from .optim import optimizer  # noqa: E402

@@ -1,0 +1,245 @@
+"""The optimizer over an FSDP2 model's local shards: FP4AdamW (or torch AdamW) on plain fp32 tensors.
+
+FSDP2 parameters are DTensors; with NVFP4 weights their local tensor is an ``FP4Weight`` wrapper.
+Compiled optimizers need plain, contiguous fp32 tensors, so the optimizer built here steps over
+one *proxy* per parameter: a plain tensor that shares the storage of the local fp32 shard (FSDP may
+swap the local tensor object, e.g. when it re-pads a shard after ``load_state_dict``; the proxy is
+re-pointed before every step) and whose ``.grad`` is the local shard of the DTensor gradient.
+
+The returned object is an instance of the inner optimizer's class (``isinstance(opt, FP4AdamW)``
+and ``isinstance(opt, torch.optim.Optimizer)`` hold, so LR schedulers work), with ``step`` and
+``zero_grad`` extended: ``step`` binds the proxies, skips the step on every rank when any rank's gradients are
+non-finite (FP4AdamW's ``skip_nonfinite``, made global), steps, and marks the packed weight copies stale;
+``zero_grad`` also clears the DTensor gradients FSDP accumulates into.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+
+from ..errors import ConfigError
+from .internals import local_tensor
+from .policy import Policy
+from .weight import FP4Weight
+
+log = logging.getLogger("fp4offload.fsdp")
+
+__all__ = ["optimizer", "ShardedOptimizerMixin", "inner_optimizer_class"]
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The plain fp32 tensor holding a parameter's local values."""
+    local = local_tensor(p, p)
+    return local._master if isinstance(local, FP4Weight) else local
+
+
+class ShardedOptimizerMixin:
+    """Steps the inner optimizer over proxies of the local shards (see the module docstring)."""
+
+    _fsdp_pairs: list[tuple[nn.Parameter, torch.Tensor]]
+
+    def _fsdp_bind(self) -> None:
+        with torch.no_grad():
+            for p, proxy in self._fsdp_pairs:
+                m = _local(p)
+                if (proxy.data_ptr() != m.data_ptr() or proxy.shape != m.shape or proxy.stride() != m.stride()
+                        or proxy.device != m.device):
+                    proxy.set_(m)
+                g = p.grad
+                if g is not None:
+                    g = local_tensor(g, g)
+                proxy.grad = g
+
+    def _fsdp_grads_finite_everywhere(self) -> bool:
+        """True when every rank's gradient shards are finite (one all-reduce of a flag).
+
+        FP4AdamW skips a step with non-finite gradients, but it only sees this rank's shards: after the
+        reduce-scatter a NaN may sit in one rank's shard only, and ranks that decided differently would
+        hold weights from different steps. So the decision is made for all ranks together here.
+        """
+        import torch.distributed as dist
+
+        grads = [proxy.grad for _, proxy in self._fsdp_pairs if proxy.grad is not None]
+        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        mesh = next((p.device_mesh for p, _ in self._fsdp_pairs if hasattr(p, "device_mesh")), None)
+        if mesh is None or mesh.size() == 1:
+            return bool(ok)
+        flag = ok.to(torch.int32).reshape(1).to(mesh.device_type)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group())
+        return bool(flag.item())
+
+    def _fsdp_after_step(self) -> None:
+        for p, _ in self._fsdp_pairs:
+            local = local_tensor(p)
+            if isinstance(local, FP4Weight):
+                local._slot.mark_dirty()
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fsdp_bind()
+        if getattr(self, "skip_nonfinite", False) and not self._fsdp_grads_finite_everywhere():
+            self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+            log.warning("fp4offload.fsdp: non-finite gradients on some rank: step skipped on every rank (%d so far)",
+                        self.skipped_steps)
+            return loss
+        super().step()
+        self._fsdp_after_step()
+        self._fsdp_steps = getattr(self, "_fsdp_steps", 0) + 1
+        every = getattr(self, "_fsdp_monitor_every", 0)
+        if every and self._fsdp_steps % every == 0:
+            from .. import _metrics as metrics
+
+            log.info("fp4offload.fsdp step %d: %s", self._fsdp_steps, metrics.snapshot("fsdp."))
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, _ in self._fsdp_pairs:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_()
+                    p.grad.zero_()
+        super().zero_grad(set_to_none)
+
+    def is_packed(self, group, p) -> bool:
+        """FP4AdamW's packed-or-fp32 choice, made the same on every rank.
+
+        FP4AdamW compares the local numel with ``min_numel``; FSDP's last ranks hold shorter (or empty)
+        shards, so ranks could disagree and their checkpoints would hold different keys. The choice
+        here uses the padded shard size, which every rank shares.
+        """
+        n = self._fsdp_padded_numel.get(id(p))
+        if n is None:
+            return super().is_packed(group, p)
+        return n >= group["min_numel"]
+
+    def init_state(self) -> None:
+        """Create every state tensor without changing any parameter (a step with zero grads, lr 0)."""
+        if len(self.state) >= len(self._fsdp_pairs):
+            return
+        saved = [p.grad for p, _ in self._fsdp_pairs]
+        lrs = [g["lr"] for g in self.param_groups]
+        try:
+            self._fsdp_bind()
+            for _, proxy in self._fsdp_pairs:
+                proxy.grad = torch.zeros_like(proxy)
+            for g in self.param_groups:
+                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            super().step()
+        finally:
+            for g, lr in zip(self.param_groups, lrs):
+                g["lr"] = lr
+            for (p, proxy), g in zip(self._fsdp_pairs, saved):
+                p.grad = g
+                proxy.grad = None
+
+
+def _padded_local_numel(p: torch.Tensor) -> int:
+    """Elements of FSDP's padded local shard (the same on every rank)."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or p.dim() == 0:
+        return p.numel()
+    world = mesh.size()
+    return -(-p.shape[0] // world) * (p.numel() // p.shape[0] if p.shape[0] else 0)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _sharded_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedOptimizerMixin, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def inner_optimizer_class(policy: Policy) -> tuple[type, dict, str]:
+    """(optimizer class, extra constructor kwargs, name) the policy's ``optimizer_states`` asks for.
+
+    ``optimizer_states`` None, or ``format: fp32``: torch AdamW (fp32 states beside the shards).
+    ``format: nvfp4``: FP4AdamW with ``device`` -> ``state_device``, ``nvme_path``, ``master``, ``rounding`` ->
+    ``state_format.m_rounding``, ``v_rounding``, ``v_format`` and ``min_numel`` into its ``state_format``,
+    ``master_device`` into its ``nvme`` options; while FP4AdamW does not import, torch AdamW with a warning (the
+    returned name says which).
+    """
+    st = policy.optimizer_states
+    if st is None or st.format == "fp32":
+        return torch.optim.AdamW, {}, "torch.optim.AdamW"
+    try:
+        from .._optim import FP4AdamW
+    except ImportError as e:
+        log.warning("fp4offload.fsdp: FP4AdamW is not available (%s); using torch.optim.AdamW with fp32 states", e)
+        return torch.optim.AdamW, {}, "torch.optim.AdamW (FP4AdamW unavailable)"
+    return FP4AdamW, _fp4adamw_kwargs(st), "fp4offload.FP4AdamW"
+
+
+def _fp4adamw_kwargs(st) -> dict:
+    """Constructor kwargs of FP4AdamW for an OptimizerStatesConfig."""
+    from .._optim import NvmeOptions, StateFormat
+
+    return {"state_device": st.device, "nvme_path": st.nvme_path, "master": st.master,
+            "state_format": StateFormat(m_rounding=st.rounding, v_rounding=st.v_rounding, v_format=st.v_format,
+                                        min_numel=max(1, st.min_numel)),  # 0 and 1 both mean: every tensor
+            "nvme": NvmeOptions(master_device=st.master_device)}
+
+
+def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterable[Any] | None = None,
+              lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+              weight_decay: float = 1e-2, **kwargs: Any) -> torch.optim.Optimizer:
+    """The optimizer of an ``apply``-ed model: FP4AdamW (or torch AdamW) over its local shards.
+
+    Args:
+        model: the model ``apply`` returned.
+        policy: its policy (default: the one ``apply`` used). ``optimizer_states`` picks the class
+            and where states live.
+        params: parameters or param-group dicts of ``model`` (default ``model.parameters()``), as for
+            any torch optimizer; per-group options are kept.
+        lr, betas, eps, weight_decay, kwargs: the optimizer's hyperparameters (defaults as torch AdamW:
+            1e-3, (0.9, 0.999), 1e-8, 1e-2).
+    """
+    if policy is None:
+        policy = getattr(model, "_fp4offload_policy", None) or Policy()
+    if not isinstance(policy, Policy):
+        raise ConfigError("policy", type(policy).__name__, "an fp4offload.fsdp.Policy")
+    cls, extra, name = inner_optimizer_class(policy)
+    groups = list(model.parameters() if params is None else params)
+    if not groups:
+        raise ConfigError("params", "[]", "at least one parameter")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    pairs: list[tuple[nn.Parameter, torch.Tensor]] = []
+    seen: set[int] = set()
+    proxy_groups = []
+    for g in groups:
+        ps = list(g["params"])
+        proxies = []
+        for p in ps:
+            if id(p) in seen:
+                raise ConfigError("params", "a parameter listed twice", "each parameter in one group once")
+            seen.add(id(p))
+            proxy = torch.empty(0, dtype=_local(p).dtype, device=_local(p).device)
+            with torch.no_grad():
+                proxy.set_(_local(p))
+            proxy.requires_grad_(p.requires_grad)
+            pairs.append((p, proxy))
+            proxies.append(proxy)
+        proxy_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": proxies})
+    opt = _sharded_class(cls)(proxy_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              **extra, **kwargs)
+    opt._fsdp_pairs = pairs
+    opt._fsdp_monitor_every = policy.monitor.every if policy.monitor is not None else 0
+    opt._fsdp_padded_numel = {id(proxy): _padded_local_numel(p) for p, proxy in pairs}
+    opt.fp4offload_inner = name
+    for p, proxy in pairs:  # a compact master starts from the fp32 values apply cast to bf16
+        res = getattr(p, "_fp4offload_residual", None)
+        if res is not None and getattr(opt, "master", "fp32") == "split" and res[0].numel() == proxy.numel():
+            opt.hooks.start_master(proxy, res[0].to(proxy.device), res[1])
+            p._fp4offload_residual = None  # held by the optimizer now
+    return opt
