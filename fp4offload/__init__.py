@@ -21,7 +21,8 @@ __all__ = ["quantize", "dequantize", "PackedTensor", "FP4AdamW", "StateFormat", 
 
 _LAZY = {**{name: ("fp4offload._optim", name) for name in ("FP4AdamW", "StateFormat", "NvmeOptions", "StepOptions")},
          "read_kept": ("fp4offload._optim.nvme", "read_kept"),
-         **{name: ("fp4offload._offload", name) for name in ("offload_activations", "ActivationPolicy", "wrap_modules")}}
+         **{name: ("fp4offload._offload", name)
+            for name in ("offload_activations", "ActivationPolicy", "wrap_modules")}}
 
 
 def __getattr__(name):  # PEP 562: heavy parts load on first use

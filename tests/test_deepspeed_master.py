@@ -162,7 +162,8 @@ def test_zero2_split_survives_save_kill_and_resume(tmp_path):
 def test_zero3_split_is_the_fp32_run_with_bf16_master_partitions(long_runs):
     """ZeRO-3: DeepSpeed's bf16 master mode keeps the gradient partition in bf16 as well (2 B/param), and its
     clipping would round each clipped gradient to bf16. The block hands the clipping factor to FP4AdamW, which
-    applies it in fp32 (_deepspeed.zero3.fp32_clip): split is the fp32-master run bit for bit; bf16 trains close to it."""
+    applies it in fp32 (_deepspeed.zero3.fp32_clip): split is the fp32-master run bit for bit; bf16 trains close
+    to it."""
     res = long_runs
     f32 = res["z3_fp32"]
     assert len(f32["losses"]) == Z3_STEPS and f32["losses"][-1] < 0.85 * f32["losses"][0]
@@ -189,8 +190,8 @@ def test_zero3_master_gradient_is_deepspeeds_gradient_partition(long_runs):
     res = long_runs
     f32, own = res["z3_fp32"], res["z3_fp32_own_grad"]
     for name in ("z3_fp32", "z3_split", "z3_bf16", "z3_fp32_own_grad"):
-        # initialize allocated the master gradients without zero-filling them (_deepspeed.zero3.zero3_grads_at_init); the
-        # run that keeps its own fp32 gradient had them zero-filled afterwards, and is still the same run
+        # initialize allocated the master gradients without zero-filling them (_deepspeed.zero3.zero3_grads_at_init);
+        # the run that keeps its own fp32 gradient had them zero-filled afterwards, and is still the same run
         assert res[name]["master"]["grads_at_init"] is True and res[name]["grads_zero_at_start"] is True, name
     for name in ("z3_fp32", "z3_split", "z3_bf16"):
         assert res[name]["master"]["grad_in_partition"] == [True], name
