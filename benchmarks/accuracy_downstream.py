@@ -312,7 +312,7 @@ def _meta(steps: int, test_per_work: int, data: dict) -> dict:
     return {"steps": steps, "test_per_work": test_per_work, "lr": LR, "batch": BATCH,
             "warmup_fraction": WARMUP_FRACTION, "weight_decay": WEIGHT_DECAY, "passage_tokens": data["passage_tokens"],
             "works": data["works"], "label_words": data["label_words"], "data_version": data["version"],
-            "n_train": [int(t.shape[0]) for t in data["train"]], "torch": torch.__version__, "cpu": _cpu_name(),
+            "n_train": [int(t.shape[0]) for t in data["train"]], "torch": torch.__version__, "cpu": harness.cpu_name(),
             "date": time.strftime("%Y-%m-%d")}
 
 
@@ -376,7 +376,7 @@ def zero_shot(*, test_per_work: int, base=None, data: dict | None = None) -> dic
     return {"arm": "zero_shot", **s, "score_seconds": time.perf_counter() - t0, "threads": torch.get_num_threads(),
             "test_per_work": test_per_work, "works": data["works"], "label_words": data["label_words"],
             "passage_tokens": data["passage_tokens"], "data_version": data["version"], "torch": torch.__version__,
-            "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d")}
+            "cpu": harness.cpu_name(), "date": time.strftime("%Y-%m-%d")}
 
 
 # ---- the deepspeed arm --------------------------------------------------------------------------------------
@@ -518,13 +518,10 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
 def summarize(runs: list[dict]) -> list[dict]:
     """Per arm: test accuracy (mean, std over seeds), the paired gap to fp32 AdamW of the same seed (accuracy
     points), test loss and final training loss."""
-    by: dict[str, list[dict]] = {}
-    for r in runs:
-        by.setdefault(r["arm"], []).append(r)
+    by = harness.by_arm(runs, ARMS)
     ref = {r["seed"]: r["accuracy"] for r in by.get("adamw", [])}
     rows = []
-    for arm in [a for a in ARMS if a in by] + sorted(a for a in by if a not in ARMS):
-        rs = sorted(by[arm], key=lambda r: r["seed"])
+    for arm, rs in by.items():
         acc = [r["accuracy"] for r in rs if math.isfinite(r["accuracy"])]
         paired = [100 * (r["accuracy"] - ref[r["seed"]]) for r in rs
                   if r["seed"] in ref and math.isfinite(r["accuracy"])]
@@ -596,16 +593,6 @@ def plot(rows: list[dict], runs: list[dict], zs: dict | None, path: Path) -> Non
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _write(path: Path, r: dict) -> None:

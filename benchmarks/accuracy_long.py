@@ -364,17 +364,7 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
             "diverged_at": curve[-1][0] if diverged else None, "unchanged_last_10pct": stale,
             "optimizer": type(opt).__name__, "settings": settings,
             "seconds": time.perf_counter() - t0, "torch": torch.__version__,
-            "cpu": _cpu_name(), "date": time.strftime("%Y-%m-%d")}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
+            "cpu": harness.cpu_name(), "date": time.strftime("%Y-%m-%d")}
 
 
 def _is_sim(arm: str) -> bool:
@@ -397,13 +387,10 @@ def load_runs(out: Path, size: str, steps: int) -> list[dict]:
 def summarize(runs: list[dict]) -> list[dict]:
     """Per arm: final validation loss (mean, std), the paired gap to fp32 AdamW of the same seed, staleness.
     The bf16-master arms are paired with ``adamw_bf16m`` where it ran (the same bf16 parameters)."""
-    by: dict[str, list[dict]] = {}
-    for r in runs:
-        by.setdefault(r["arm"], []).append(r)
+    by = harness.by_arm(runs, ARMS)
     ref = {r["seed"]: r["val_loss"] for r in by.get("adamw", [])}
     rows = []
-    for arm in [a for a in ARMS if a in by] + sorted(a for a in by if a not in ARMS):
-        rs = sorted(by[arm], key=lambda r: r["seed"])
+    for arm, rs in by.items():
         vals = [r["val_loss"] for r in rs if math.isfinite(r["val_loss"])]
         paired = [100 * (r["val_loss"] - ref[r["seed"]]) / ref[r["seed"]] for r in rs
                   if r["seed"] in ref and math.isfinite(r["val_loss"])]

@@ -13,7 +13,7 @@ round-robin, one timing of each per round, because memory bandwidth drifts on a 
 median of the rounds is reported. GB/s counts the bytes of the source tensor (the decoded output for
 decode), Gelem/s its elements.
 
-The targets of the codec issue are checked at the end (CPU extension, fp32 source, NVFP4 1x16):
+The codec's speed targets are checked at the end (CPU extension, fp32 source, NVFP4 1x16):
 encode >= 0.5x clone, decode >= 0.7x clone, and >= 5x the torch reference.
 """
 

@@ -54,7 +54,7 @@ ARMS = {
     "ds_z3": ("deepspeed", "zero3-params-cpu", "ZeRO-3, offload_param + offload_optimizer cpu"),
     "ds_z3_block": ("deepspeed", "zero3-params-cpu-fp4", "ZeRO-3 offload, the block (states and weights)"),
 }
-# What each arm is measured against in the summary: (peer arm, what the issue asks of the ratio)
+# What each arm is measured against in the summary: (peer arm, the target for the ratio)
 PEERS = {
     "fp4adamw": ("baseline", "GPU peak >= 20% below, tokens/s within 5%"),
     "act_nvfp4": ("baseline", "GPU peak >= 20% below, tokens/s within 5%"),

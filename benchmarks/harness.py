@@ -125,3 +125,24 @@ def evaluate(model, data: torch.Tensor, *, batch_size: int = 16, seq_len: int = 
     losses = [float(lm_loss(model, batch(data, batch_size, seq_len, g))) for _ in range(batches)]
     model.train(was)
     return sum(losses) / len(losses)
+
+
+def by_arm(runs: list[dict], arms) -> dict[str, list[dict]]:
+    """Runs grouped by ``run["arm"]``, each group sorted by seed; the arms in the order of ``arms``, then any
+    others by name."""
+    by: dict[str, list[dict]] = {}
+    for r in runs:
+        by.setdefault(r["arm"], []).append(r)
+    order = [a for a in arms if a in by] + sorted(a for a in by if a not in arms)
+    return {a: sorted(by[a], key=lambda r: r["seed"]) for a in order}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the machine line of a result."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

@@ -100,8 +100,10 @@ def install(fraction: float | None = None, *, floor_bytes: int = DEFAULT_FLOOR, 
     out = dict(ext.stats())
     out["reason"] = "installed" if ok else "a higher-priority CPU allocator is registered"
     if ok:
-        log.info("fp4offload: host allocator cache installed (keeps freed blocks up to %.3g of the bytes in "
-                 "use; %s=off to leave torch's allocator alone)", fraction, ENV)
+        from fp4offload._announce import announce
+
+        announce(f"process: host allocator cache placed ahead of torch's CPU allocator (keeps freed blocks up to "
+                 f"{fraction:.3g} of the bytes in use; {ENV}=off leaves torch's allocator alone)")
     return out
 
 

@@ -1,6 +1,6 @@
 // One chunk of the fused FP4AdamW step on the host, without torch: the argument block, the scalar path, the
 // portable vector path, and the compact masters' rebuild and write-back. csrc/cpu/adam_cpu.cpp drives these
-// over a tensor with at::parallel_for; tests/isa_driver/driver.cpp drives the same code standalone, cross-built
+// over a tensor with at::parallel_for; tests/emulation/isa_driver/driver.cpp drives the same code standalone, cross-built
 // for aarch64 and run under qemu.
 //
 // Two paths, one rule set (csrc/fp4_codec.h, csrc/master_bits.h):

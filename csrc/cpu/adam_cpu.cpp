@@ -53,6 +53,38 @@ uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
   return t.data_ptr<uint8_t>();
 }
 
+// The packed states and the step's scalars of an n-element step, checked; no parameter, bf16 copy or gradient
+// scale yet (the caller sets those).
+ChunkArgs state_args(int64_t n, torch::Tensor& m_codes, torch::Tensor& m_scales, torch::Tensor& m_ts,
+                     torch::Tensor& v_codes, torch::Tensor& v_scales, torch::Tensor& v_ts, double b1, double omb1,
+                     double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
+                     bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, bool v_stochastic,
+                     int64_t seed, int64_t stream0) {
+  const int64_t nb = (n + 15) / 16, nchunks = (n + kChunk - 1) / kChunk;
+  ChunkArgs a;
+  a.n = n;
+  a.param = nullptr;
+  a.m_codes = u8ptr(m_codes, "m_codes", nb * 8);
+  a.m_scales = u8ptr(m_scales, "m_scales", nb);
+  a.m_ts = reinterpret_cast<float*>(u8ptr(m_ts, "m_tscale", nchunks * 4));
+  a.v_codes = u8ptr(v_codes, "v_codes", nb * 8);
+  a.v_scales = u8ptr(v_scales, "v_scales", nb);
+  a.v_ts = reinterpret_cast<float*>(u8ptr(v_ts, "v_tscale", nchunks * 4));
+  a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
+                (float)rsbc2, weight_decay};
+  a.maximize = maximize;
+  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step: v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2), got ", v_kind);
+  a.v_kind = (int)v_kind;
+  a.m_stochastic = m_stochastic;
+  a.v_stochastic = v_stochastic;
+  a.seed = (uint32_t)seed;
+  a.stream0 = (uint32_t)stream0;
+  a.bf16_out = nullptr;
+  a.gscaled = false;
+  a.gscale = 1.0f;
+  return a;
+}
+
 // One AdamW step over a flat fp32 tensor (a whole parameter or a segment of one that starts at a segment
 // boundary) with packed states; everything is updated in place.
 //
@@ -78,25 +110,10 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   const int64_t n = param.numel();
   TORCH_CHECK(grad.numel() == n, "fused_step: grad has ", grad.numel(), " elements, param ", n);
   if (n == 0) return std::vector<double>(2 * w_data.size(), 0.0);
-  const int64_t nb = (n + 15) / 16, nchunks = (n + kChunk - 1) / kChunk;
-  ChunkArgs a;
-  a.n = n;
+  ChunkArgs a = state_args(n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, b1, omb1, b2, omb2, eps, decay,
+                           step_size, rsbc2, weight_decay, maximize, v_kind, m_stochastic, v_stochastic, seed, stream0);
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
   a.param = param.data_ptr<float>();
-  a.m_codes = u8ptr(m_codes, "m_codes", nb * 8);
-  a.m_scales = u8ptr(m_scales, "m_scales", nb);
-  a.m_ts = reinterpret_cast<float*>(u8ptr(m_ts, "m_tscale", nchunks * 4));
-  a.v_codes = u8ptr(v_codes, "v_codes", nb * 8);
-  a.v_scales = u8ptr(v_scales, "v_scales", nb);
-  a.v_ts = reinterpret_cast<float*>(u8ptr(v_ts, "v_tscale", nchunks * 4));
-  a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
-                (float)rsbc2, weight_decay};
-  a.maximize = maximize;
-  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step: v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2), got ", v_kind);
-  a.v_kind = (int)v_kind;
-  a.m_stochastic = m_stochastic;
-  a.v_stochastic = v_stochastic;
-  a.seed = (uint32_t)seed;
-  a.stream0 = (uint32_t)stream0;
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "fused_step: grad_scale must be finite and > 0");
   a.gscale = (float)grad_scale;
   a.gscaled = grad_scale != 1.0;
@@ -245,26 +262,9 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
     TORCH_CHECK(op[k] >= 0 && op[k] < n && (k == 0 || op[k] > op[k - 1]),
                 "fused_step_master: odd must hold increasing positions inside the parameter");
   if (n == 0) return torch::empty({0}, torch::kInt64);
-  const int64_t nb = (n + 15) / 16, nchunks = (n + kChunk - 1) / kChunk;
-  ChunkArgs a;
-  a.n = n;
-  a.m_codes = u8ptr(m_codes, "m_codes", nb * 8);
-  a.m_scales = u8ptr(m_scales, "m_scales", nb);
-  a.m_ts = reinterpret_cast<float*>(u8ptr(m_ts, "m_tscale", nchunks * 4));
-  a.v_codes = u8ptr(v_codes, "v_codes", nb * 8);
-  a.v_scales = u8ptr(v_scales, "v_scales", nb);
-  a.v_ts = reinterpret_cast<float*>(u8ptr(v_ts, "v_tscale", nchunks * 4));
-  a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
-                (float)rsbc2, weight_decay};
-  a.maximize = maximize;
-  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step: v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2), got ", v_kind);
-  a.v_kind = (int)v_kind;
-  a.m_stochastic = m_stochastic;
-  a.v_stochastic = v_stochastic;
-  a.seed = (uint32_t)seed;
-  a.stream0 = (uint32_t)stream0;
-  a.gscaled = false;
-  a.gscale = 1.0f;
+  ChunkArgs a = state_args(n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, b1, omb1, b2, omb2, eps, decay,
+                           step_size, rsbc2, weight_decay, maximize, v_kind, m_stochastic, v_stochastic, seed, stream0);
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
   uint16_t* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
   a.bf16_out = mode == 1 ? hp : nullptr;  // split: the step writes rne(new master) into the parameter itself
   const bool simd = fp4cpu::have_simd();

@@ -1,7 +1,7 @@
 // The host codec's loops without torch: NVFP4/ufp4 (1x16 blocks or 16x16 tiles, per-tensor or per-scope scales,
 // nearest or stochastic, an amax override) and MXFP4/MXFP8 encode and decode, parallel over blocks with
 // fp4cpu::parallel_for. csrc/cpu/fp4_cpu.cpp binds them to torch (at::parallel_for, fp32/bf16/fp16 tensors);
-// tests/isa_driver/driver.cpp runs them standalone (FP4_STANDALONE, serial, fp32), cross-built for aarch64.
+// tests/emulation/isa_driver/driver.cpp runs them standalone (FP4_STANDALONE, serial, fp32), cross-built for aarch64.
 // The AVX-512 build adds its vector forms (nvfp4_avx512.h); every other build runs the scalar loops below,
 // compiled for its target.
 #pragma once

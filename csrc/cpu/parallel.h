@@ -1,5 +1,5 @@
 // fp4cpu::parallel_for(begin, end, grain, f): at::parallel_for in the torch extensions (OpenMP in torch's builds);
-// one serial call f(begin, end) in the standalone builds (FP4_STANDALONE: tests/isa_driver).
+// one serial call f(begin, end) in the standalone builds (FP4_STANDALONE: tests/emulation/isa_driver).
 #pragma once
 
 #include <stdint.h>

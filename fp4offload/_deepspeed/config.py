@@ -206,10 +206,7 @@ def prepare_config(config: str | os.PathLike | Mapping[str, Any], *, world_size:
                               "or master_device 'same'")
         if device == "nvme" and nvme_path:
             nvme_path = str(Path(nvme_path) / "optimizer_states")
-        states = ds_optim.StatePlacement(format=st.format, device=device, nvme_path=nvme_path, rounding=st.rounding,
-                                         v_rounding=st.v_rounding, v_format=st.v_format, min_numel=st.min_numel,
-                                         master=st.master,
-                                         master_device=st.master_device)
+        states = replace(st, device=device, nvme_path=nvme_path)
     if world_size is None and os.environ.get("WORLD_SIZE", "").isdigit():
         world_size = int(os.environ["WORLD_SIZE"])
     validate_deepspeed_config(ds, world_size=world_size, check_with_deepspeed=True)

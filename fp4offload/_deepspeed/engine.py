@@ -37,10 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from fp4offload._config import Fp4OffloadConfig
 from fp4offload import _switches as switches
+from fp4offload._announce import announce
+from fp4offload._config import Fp4OffloadConfig
 from fp4offload.errors import ConfigError
-from fp4offload._deepspeed import optim as ds_optim
+
+from . import optim as ds_optim
 
 from . import internals as dsi
 from . import preflight
@@ -113,7 +115,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     prepared = prepare_config(source).checked_paths()  # its folders too, before anything is built
     for note in prepared.rewrites:
-        log.info("fp4offload: %s", note)
+        announce(f"config: {note}")
     dsi.check(features(prepared))  # DeepSpeed's private names: fail before anything is built
     estimate = preflight.check(prepared, model)  # host RAM: fail before DeepSpeed allocates
     block, host, states = prepared.block, prepared.host, prepared.block.optimizer_states is not None
@@ -159,8 +161,9 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if states:
         _norm_source(engine)
         _close_on_destroy(engine)
-    if allocator is not None and allocator.get("mmap_threshold"):
-        release_free_host_memory()  # the model's own tensors, freed when DeepSpeed flattened them
+    if allocator is not None and allocator.get("mmap_threshold") and release_free_host_memory():
+        # the model's own tensors, freed when DeepSpeed flattened them
+        announce("process: glibc malloc_trim(0) after initialize (free heap pages back to the OS)")
     attached = Attached(prepared=prepared, activations=acts, allocator=allocator, staging_shared_bytes=shared,
                         master_shared_bytes=master_shared,
                         bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 import os
 
+from fp4offload._announce import announce
+
 from .config import HostSettings, Setting, resolve
 
 log = logging.getLogger("fp4offload.deepspeed")
@@ -83,7 +85,7 @@ def _fix_mmap_threshold(setting: Setting) -> dict:
     value = int(setting.value)
     if libc.mallopt(_M_MMAP_THRESHOLD, value) != 1:
         return {"mmap_threshold": None, "reason": f"mallopt(M_MMAP_THRESHOLD, {value}) refused"}
-    log.info("fp4offload: glibc mmap threshold fixed at %d bytes (%s)", value, setting.source)
+    announce(f"process: glibc mmap threshold fixed at {value} bytes with mallopt ({setting.source})")
     return {"mmap_threshold": value, "reason": "set"}
 
 

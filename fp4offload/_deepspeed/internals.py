@@ -5,7 +5,7 @@ its bf16 staging buffers, how a ZeRO-3 partition is fetched). The block reaches 
 for those, and this module is the only place that does: the other DeepSpeed modules of fp4offload read,
 write and patch private names through :func:`read`, :func:`require`, :func:`write`, :func:`patch_class` and
 :func:`wrap_instance`, which accept only names listed in :data:`TABLE`. That includes the attributes ZeRO-3
-sets on its parameters (``param.ds_tensor``, ``param.ds_status``, ...): ``tests/test_ds_internals.py`` fails
+sets on its parameters (``param.ds_tensor``, ``param.ds_status``, ...): ``tests/unit/test_ds_internals.py`` fails
 on a read or write of a listed name anywhere else (names too common to search for, such as ``device``, aside).
 
 Each row of the table names the attribute, the class (or module) DeepSpeed defines it in, what the block
@@ -23,7 +23,7 @@ How a name is checked depends on its kind:
   masters' ``ds_id``), checked in the source of the module that sets it the same way.
 
 :data:`SUPPORTED` is the one definition of the DeepSpeed releases the block has been run on (the
-``deepspeed`` bound of pyproject.toml agrees with it; tests/test_ds_internals.py checks that).
+``deepspeed`` bound of pyproject.toml agrees with it; tests/unit/test_ds_internals.py checks that).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from fp4offload._config import V_FORMAT_DEFAULT, V_ROUNDING_DEFAULT, check_adam_hyperparameters
+from fp4offload._config import OptimizerStatesConfig, check_adam_hyperparameters
 from fp4offload.errors import ConfigError
 
 from . import internals as dsi
@@ -53,35 +53,9 @@ class AdamSettings:
         return {"lr": self.lr, "betas": tuple(self.betas), "eps": self.eps, "weight_decay": self.weight_decay}
 
 
-@dataclass(frozen=True)
-class StatePlacement:
-    """Where FP4AdamW keeps its packed states (from ``fp4offload.optimizer_states``).
-
-    Attributes:
-        format: ``"nvfp4"`` or ``"fp32"``.
-        device: ``"same"``, ``"cpu"`` or ``"nvme"``.
-        nvme_path: directory of the state files when device is ``"nvme"``.
-        rounding: rounding of m (``"stochastic"``, the default, or ``"nearest"``).
-        v_rounding: rounding of sqrt(v) (``"nearest"`` or ``"stochastic"``).
-        v_format: the grid of the stored sqrt(v) (``"ue2m2"``, ``"ufp4"``) or ``"nvfp4"``.
-        min_numel: tensors with fewer elements keep fp32 states (elements).
-        master: FP4AdamW's master form (``"fp32"``, ``"split"``, ``"bf16"``); the compact ones step the bf16
-            master partition of DeepSpeed's bf16 master mode.
-        master_device: where split's residual lives (``"same"``: host RAM, ``"nvme"``: in the state files).
-        nvme_io: I/O engine of FP4AdamW's NVMe tier (``"auto"``, ``"aio"``, ``"threads"``; the config block
-            has no key for it yet, so it stays ``"auto"``: DeepSpeed's async_io when it loads).
-    """
-
-    format: str = "nvfp4"
-    device: str = "same"
-    nvme_path: str | None = None
-    rounding: str = "stochastic"
-    v_rounding: str = V_ROUNDING_DEFAULT
-    v_format: str = V_FORMAT_DEFAULT
-    min_numel: int = 4096
-    nvme_io: str = "auto"
-    master: str = "fp32"
-    master_device: str = "same"
+#: where FP4AdamW keeps its packed states: the block's ``optimizer_states`` as prepare_config resolved it (the
+#: device and folder DeepSpeed's own offload settles), checked as the block is
+StatePlacement = OptimizerStatesConfig
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,8 +92,7 @@ def _fp4adamw(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.opt
                     nvme_path=where.nvme_path,
                     state_format=StateFormat(m_rounding=where.rounding, v_rounding=where.v_rounding,
                                              v_format=where.v_format, min_numel=max(1, where.min_numel)),
-                    nvme=NvmeOptions(io=where.nvme_io if where.device == "nvme" else "auto",
-                                     master_device=where.master_device),
+                    nvme=NvmeOptions(master_device=where.master_device),
                     step_options=StepOptions(tensor_key=ds_tensor_key),
                     _defer_master_check=where.master != "fp32")
 
