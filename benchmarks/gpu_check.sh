@@ -22,7 +22,7 @@
 #               steps above run first so the arms cannot squeeze them out of the budget)
 #   planner     the planner's predicted GPU peak of each arm, from live NVML readings, against the measured
 #   plan        `fp4offload plan` for the end-to-end model on this machine
-#   compile     tests/test_cuda_compile.py (nvcc compile checks, sm_90 and sm_100a)
+#   compile     tests/emulation/test_cuda_compile.py (nvcc compile checks, sm_90 and sm_100a)
 #
 # Every JSON line the steps print also lands in results.jsonl. With OUT (or GPU_CHECK_OUT) set, that folder
 # gets at most 7 files: gpu_check.log (everything printed), results.jsonl, summary.md (the step table and the
@@ -195,7 +195,7 @@ sys.exit(subprocess.call([sys.executable, '-m', 'fp4offload.cli', 'plan', '--mod
 EOF
 rc=\$?; cat '$OUTDIR/plan.txt'; exit \$rc"
 if ! cuda_only compile; then
-  step compile 120 '$PY -m pytest tests/test_cuda_compile.py -q -p no:cacheprovider -m "not slow" -o addopts=""'
+  step compile 120 '$PY -m pytest tests/emulation/test_cuda_compile.py -q -p no:cacheprovider -m "not slow" -o addopts=""'
 fi
 
 {

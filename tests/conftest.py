@@ -1,8 +1,17 @@
-import os
+"""Fixtures shared by every folder. tests/ goes on sys.path first, so a test anywhere below imports the shared
+modules as ``from helpers.dist import run_ranks`` (tests/helpers is a package)."""
 
-import pytest
-import torch
-from _extensions import CPU_PATHS, cpu_path, fused_extension
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers.extensions import CPU_PATHS, LIBAIO_FIX, cpu_path, fused_extension, skip_or_fail  # noqa: E402
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
 
@@ -43,22 +52,11 @@ def simd(step_ext):
 @pytest.fixture(params=["cpu", "reference"])
 def backend(request, monkeypatch):
     """Run the public API on the CPU extension, then on the torch reference (FP4OFFLOAD_BACKEND forces it).
-    tests/test_formats_tables.py has its own (AVX-512 on and off)."""
+    tests/unit/test_formats_tables.py has its own (AVX-512 on and off)."""
     if request.param == "cpu":
         request.getfixturevalue("cpu_ext")
     monkeypatch.setenv("FP4OFFLOAD_BACKEND", request.param)
     return request.param
-
-
-LIBAIO_FIX = "apt-get install -y libaio-dev"
-
-
-def skip_or_fail(why: str) -> None:
-    """Skip a test that needs an optional system library, naming the fix; under CI (``CI`` set, as .ci/run
-    does) fail instead, so CI always runs it."""
-    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
-        pytest.fail(f"{why} (CI installs it: see .ci/run)")
-    pytest.skip(why)
 
 
 @pytest.fixture(params=("threads", "aio"))
@@ -71,17 +69,3 @@ def engine(request):
         if op is None:
             skip_or_fail(f"DeepSpeed's async_io op does not load here ({why}); install it: {LIBAIO_FIX}")
     return request.param
-
-
-def require_libaio() -> None:
-    """DeepSpeed's async_io op needs libaio (its NVMe swapper, and FP4AdamW's aio engine)."""
-    try:
-        from deepspeed.ops.op_builder import AsyncIOBuilder
-
-        ok = bool(AsyncIOBuilder().is_compatible(verbose=False))
-    except Exception as e:  # DeepSpeed missing or its builder broken
-        ok, why = False, f"{type(e).__name__}: {e}"
-    else:
-        why = "libaio is not installed"
-    if not ok:
-        skip_or_fail(f"DeepSpeed's async_io op is unavailable ({why}); install it: {LIBAIO_FIX}")

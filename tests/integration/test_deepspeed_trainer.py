@@ -1,0 +1,45 @@
+"""A real Hugging Face Trainer run with ``--deepspeed <config with the block>`` after ``install()``.
+
+The Trainer (through Accelerate) calls a plain ``deepspeed.initialize``; after
+``fp4offload.deepspeed.install()`` that call applies the block: ZeRO's inner optimizer is FP4AdamW and
+the monitor writes the block's counters to DeepSpeed's csv_monitor.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers.deepspeed import launch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hf_trainer_with_deepspeed_flag_honours_the_block(tmp_path):
+    cfg = json.loads((ROOT / "configs" / "deepspeed_zero2_offload_cpu.json").read_text())
+    cfg["fp4offload"]["monitor"] = {"every": 2}
+    cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "fp4"}
+    path = tmp_path / "ds_zero2.json"
+    path.write_text(json.dumps(cfg))
+    # TrainingArguments that agree with the JSON (the Trainer refuses values that disagree)
+    argv = ["--output_dir", str(tmp_path / "out"), "--deepspeed", str(path), "--max_steps", "6",
+            "--per_device_train_batch_size", "4", "--learning_rate", "3e-4", "--weight_decay", "0.1",
+            "--adam_beta2", "0.95", "--max_grad_norm", "1.0", "--bf16", "true", "--logging_steps", "1",
+            "--save_strategy", "no", "--report_to", "none", "--dataloader_num_workers", "0", "--use_cpu", "true"]
+    res = launch({"trainer": True, "argv": argv, "cases": []}, 1, tmp_path, timeout=240)
+    tr = res["trainer"]
+    assert tr["has_block"], "deepspeed.initialize inside the Trainer did not go through fp4offload"
+    assert tr["inner"] == "FP4AdamW"
+    assert tr["global_steps"] == 6 and len(tr["losses"]) == 6
+    assert tr["losses"][-1] < tr["losses"][0]
+    assert tr["monitor_written"] == 3
+    csvs = sorted((tmp_path / "csv").rglob("*.csv"))
+    names = {p.name for p in csvs}
+    assert any("optimizer_host_bytes" in n for n in names), names
+    rows = [line.split(",") for line in next(p for p in csvs if "per_param" in p.name).read_text().split()[1:]]
+    assert [int(float(r[0])) for r in rows] == [2, 4, 6]
+    # fp32 master 4 + bf16 gradient partition 2 (one micro-batch per step) + packed m, v 1.13
+    assert all(abs(float(r[1]) - 7.13) < 0.1 for r in rows), rows
