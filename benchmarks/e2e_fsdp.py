@@ -133,12 +133,8 @@ def _train(rank: int, world: int, args: dict, arm: str) -> dict:
         if step == warm:
             counter.reset()
             ff.reset_stats()
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-        tok = harness.batch(train, args["batch"], args["seq"], g).to(dev)
-        if cuda:
-            torch.cuda.synchronize()
+            harness.reset_device_peak(cuda)
+        tok = harness.device_batch(train, args["batch"], args["seq"], g, dev)
         t0 = time.perf_counter()
         loss = harness.lm_loss(model, tok)
         loss.backward()

@@ -201,12 +201,9 @@ def run_arm(arm: str, dry: bool, steps: int, warmup: int, port: int) -> dict:
     g = torch.Generator().manual_seed(1234)
     times, losses = [], []
     for i in range(warmup + steps):
-        if i == warmup and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        tok = harness.batch(train, d["batch"], d["seq"], g).to(dev)
-        if cuda:
-            torch.cuda.synchronize()
+        if i == warmup:
+            harness.reset_device_peak(cuda)
+        tok = harness.device_batch(train, d["batch"], d["seq"], g, dev)
         t0 = time.perf_counter()
         loss = step(tok)
         if cuda:

@@ -146,3 +146,18 @@ def cpu_name() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def device_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator, dev) -> torch.Tensor:
+    """The next batch on ``dev``, the device idle after the copy (a timer started next measures the step alone)."""
+    tok = batch(data, batch_size, seq_len, generator).to(dev)
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+    return tok
+
+
+def reset_device_peak(cuda: bool) -> None:
+    """Start the GPU's peak-memory count afresh (after the warm-up steps); nothing on the CPU."""
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()

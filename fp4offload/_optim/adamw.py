@@ -236,7 +236,7 @@ class FP4AdamW(Optimizer):
     def close(self) -> None:
         """Release the NVMe tier's files and threads (also done when the optimizer is collected, and the
         store's folder at interpreter exit): the folder is removed, or with ``nvme.keep`` kept with a manifest
-        of each tensor's step (fp4offload._optim.nvme.read_kept reads it back)."""
+        of each tensor's step (fp4offload.read_kept reads it back)."""
         self.placement.close(self.state)
 
     def __del__(self):

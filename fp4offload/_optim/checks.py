@@ -107,7 +107,7 @@ def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_dev
     for key, value, cls in (("state_format", state_format, StateFormat), ("nvme", nvme, NvmeOptions),
                             ("step_options", step_options, StepOptions)):
         if not isinstance(value, cls):
-            raise ConfigError(key, value, f"a fp4offload._optim.{cls.__name__}", f"e.g. {key}={cls.__name__}()")
+            raise ConfigError(key, value, f"a fp4offload.{cls.__name__}", f"e.g. {key}={cls.__name__}()")
     check_choice("state_device", state_device, OPTIMIZER_DEVICES)
     if state_device == "nvme" and nvme_path is None:
         raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
@@ -148,21 +148,15 @@ def check_master(master: str, state_device: str, p, compute_device) -> None:
                           + f" (got {why[0]} of shape {tuple(p.shape)})")
 
 
+#: FP4AdamW's option groups: group keyword -> (its class, {flat keyword the constructor once took: field})
+_GROUPS = {"state_format": ("StateFormat", {k: k for k in ("m_rounding", "v_rounding", "v_format", "min_numel",
+                                                            "seed")}),
+           "nvme": ("NvmeOptions", {"nvme_threads": "threads", "nvme_reserve_bytes": "reserve_bytes",
+                                    "nvme_io": "io", "nvme_keep": "keep", "master_device": "master_device"}),
+           "step_options": ("StepOptions", {k: k for k in ("backend", "working_copy", "skip_nonfinite",
+                                                            "metrics_every", "tensor_key")})}
 #: FP4AdamW's keywords that live in an option group: keyword -> (group keyword, its class, the field)
-GROUPED = {"m_rounding": ("state_format", "StateFormat", "m_rounding"),
-           "v_rounding": ("state_format", "StateFormat", "v_rounding"),
-           "v_format": ("state_format", "StateFormat", "v_format"),
-           "min_numel": ("state_format", "StateFormat", "min_numel"),
-           "seed": ("state_format", "StateFormat", "seed"),
-           "nvme_threads": ("nvme", "NvmeOptions", "threads"),
-           "nvme_reserve_bytes": ("nvme", "NvmeOptions", "reserve_bytes"),
-           "nvme_io": ("nvme", "NvmeOptions", "io"), "nvme_keep": ("nvme", "NvmeOptions", "keep"),
-           "master_device": ("nvme", "NvmeOptions", "master_device"),
-           "backend": ("step_options", "StepOptions", "backend"),
-           "working_copy": ("step_options", "StepOptions", "working_copy"),
-           "skip_nonfinite": ("step_options", "StepOptions", "skip_nonfinite"),
-           "metrics_every": ("step_options", "StepOptions", "metrics_every"),
-           "tensor_key": ("step_options", "StepOptions", "tensor_key")}
+GROUPED = {flat: (group, cls, field) for group, (cls, fields) in _GROUPS.items() for flat, field in fields.items()}
 
 
 def check_extra_keywords(extra: dict) -> None:
@@ -173,7 +167,7 @@ def check_extra_keywords(extra: dict) -> None:
         if key in GROUPED:
             group, cls, field = GROUPED[key]
             raise ConfigError(key, value, f"{group}={cls}({field}=...)", f"FP4AdamW takes {key} inside its "
-                              f"{group} group (fp4offload._optim.{cls})")
+                              f"{group} group (fp4offload.{cls})")
         if key not in UNSUPPORTED:
             raise TypeError(f"FP4AdamW.__init__() got an unexpected keyword argument {key!r}")
     check_unsupported(extra)

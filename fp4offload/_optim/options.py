@@ -68,7 +68,7 @@ class NvmeOptions:
         keep: keep the folder when the optimizer closes or the process exits (default None: the environment
             variable ``FP4OFFLOAD_NVME_KEEP``, unset meaning False: the folder is removed). A kept folder is
             marked ``KEEP`` (never swept) and gets a ``manifest.json``; read it back with
-            ``fp4offload._optim.nvme.read_kept(folder)`` and ``load_param_states``. At start the tier removes this
+            ``fp4offload.read_kept(folder)`` and ``load_param_states``. At start the tier removes this
             user's folders under ``nvme_path`` whose process is gone, with a warning in the log.
         master_device: where split's residual lives between steps: ``"same"`` (default: in host RAM, in
             ``optimizer.state``) or ``"nvme"`` (with ``master="split"`` and ``state_device="nvme"`` only: in each
