@@ -2,7 +2,7 @@
 
 ``launch(spec, nranks, tmp)`` starts ``nranks`` processes of tests/scripts/deepspeed_worker.py (gloo over
 localhost, DS_ACCELERATOR=cpu), each training the cases in ``spec`` with real DeepSpeed on a small Llama and
-Shakespeare bytes, and returns rank 0's JSON result. Every process runs in its own session and is killed when the
+Shakespeare bytes, and returns rank 0's JSON result. Every process leads its own process group and is killed when the
 timeout passes; its log and the spec stay in the caller's tmp folder. The worker's docstring describes a case.
 
 Tolerance (stated once, used everywhere): every step's loss within LOSS_ABS of the baseline's, and the mean of the

@@ -137,7 +137,7 @@ def _ds_config(tmp_path: Path, *, trainer: bool = False) -> Path:
 
 
 def _launch(argv: list[str], port: int, tmp_path: Path, out: Path, timeout: float = 300, **env) -> dict:
-    """Run a launcher command line in its own session; kill the whole group if it outlives ``timeout``."""
+    """Run a launcher command line as its own process group; kill the whole group if it outlives ``timeout``."""
     full = {k: v for k, v in os.environ.items() if k != "FP4OFFLOAD_AUTO"}
     full.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", **env)
     full.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
