@@ -143,7 +143,7 @@ def test_no_gpu_here_and_no_arguments_plans_the_default_target(capsys):
     rc, out, _ = run(capsys, "plan")
     assert rc == 0
     assert DEFAULT_MODEL in out and f"planning for a {DEFAULT_GPU} node" in out and "--gpu PRESET" in out
-    assert f"no --model given: planning for {DEFAULT_MODEL}" in out  # the fallback model is named, never silent
+    assert f"no --model given: planning for {DEFAULT_MODEL}" in out  # the fallback model is always named
     rc, out, _ = run(capsys, "plan", "--model", "llama-3.2-1b", "--gpu", "h100-80gb")
     assert rc == 0 and "no --model given" not in out
     assert "winner" in out.lower() or " 1  " in out
