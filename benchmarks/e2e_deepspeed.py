@@ -353,6 +353,20 @@ def child(args) -> dict:
         estimate = ds_preflight.estimate(prepared.ds_config, model, prepared.host, states=prepared.states)
     else:
         estimate = ds_preflight.estimate(cfg, model, None)
+    import threading
+
+    import psutil
+
+    proc, peak_train, peak_from_init, stop = psutil.Process(), [0], [0], threading.Event()
+
+    def sample() -> None:  # RSS peaks from initialize on, and while training (ru_maxrss also holds the build)
+        while not stop.is_set():
+            rss = proc.memory_info().rss
+            peak_train[0], peak_from_init[0] = max(peak_train[0], rss), max(peak_from_init[0], rss)
+            stop.wait(0.005)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     init = fds.initialize if args.fp4 else deepspeed.initialize  # without the block: DeepSpeed untouched
     engine, _, _, _ = init(model=model, config=cfg)
     shared = 0
@@ -370,19 +384,7 @@ def child(args) -> dict:
     init_s = time.perf_counter() - t0
     train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(0)
-    import threading
-
-    import psutil
-
-    proc, peak_train, stop = psutil.Process(), [0], threading.Event()
-
-    def sample() -> None:  # RSS peak while training (ru_maxrss also holds the initialization transient)
-        while not stop.is_set():
-            peak_train[0] = max(peak_train[0], proc.memory_info().rss)
-            stop.wait(0.005)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    peak_train[0] = 0  # from here: the peak while training
     times, ios, losses, faults = [], [], [], []
     metrics.reset() if hasattr(metrics, "reset") else None
     for step in range(args.steps + 1):
@@ -438,7 +440,8 @@ def child(args) -> dict:
             "mmap_threshold": (allocator or {}).get("mmap_threshold"), "host_cache": _host_cache_stats(),
             "s_per_step": statistics.median(times), "step_times": times,
             "page_faults_per_step": statistics.median(faults), "peak_rss": peak_train[0],
-            "estimate_peak_rss": estimate.per_rank, "estimate_error": estimate.per_rank / peak_train[0] - 1,
+            "peak_rss_from_init": peak_from_init[0],
+            "estimate_peak_rss": estimate.per_rank, "estimate_error": estimate.per_rank / peak_from_init[0] - 1,
             "estimate_consumers": estimate.consumers, "estimate_runtime": estimate.runtime,
             "peak_rss_incl_init": peak_all, "rss_end": proc.memory_info().rss,
             "malloc_end": {} if jemalloc else _rss_ladder(),  # glibc's counters: meaningless under jemalloc

@@ -14,30 +14,22 @@ _GENERATIONS = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper", 10: "Blackwell"
 
 
 def gpu_report() -> dict:
-    """GPUs through NVML (nvidia-ml-py): name, memory, compute capability, generation, FP4 hardware."""
-    try:
-        import pynvml
-    except ImportError:
-        return {"available": False, "why": "nvidia-ml-py is not installed"}
-    try:
-        pynvml.nvmlInit()
-    except Exception as e:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return {"available": False, "why": f"NVML not usable ({type(e).__name__}): no NVIDIA driver on this machine"}
-    try:
-        gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-            gpus.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                         "total_gib": round(mem.total / 2**30, 1), "free_gib": round(mem.free / 2**30, 1),
-                         "compute_capability": f"{major}.{minor}", "generation": _GENERATIONS.get(major, "unknown"),
-                         "fp4_hardware": major >= 10})
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        return {"available": True, "driver": driver.decode() if isinstance(driver, bytes) else driver, "gpus": gpus}
-    finally:
-        pynvml.nvmlShutdown()
+    """GPUs through NVML (:func:`fp4offload._machine.gpus`): name, memory, compute capability, generation, FP4
+    hardware, and the source of the memory figures."""
+    from ._machine import gpus
+
+    got = gpus()
+    if not got.devices:
+        return {"available": False, "why": got.note, "source": got.source}
+    out = []
+    for d in got.devices:
+        cc = d.compute_capability
+        out.append({"index": d.index, "name": d.name, "total_gib": round(d.total / 2**30, 1),
+                    "free_gib": round(d.free / 2**30, 1), "total_bytes": d.total, "free_bytes": d.free,
+                    "source": d.source, "compute_capability": f"{cc[0]}.{cc[1]}" if cc else None,
+                    "generation": _GENERATIONS.get(cc[0], "unknown") if cc else "unknown",
+                    "fp4_hardware": bool(cc and cc[0] >= 10)})
+    return {"available": True, "driver": got.driver, "gpus": out, "source": got.source}
 
 
 def _try_backend(name: str) -> dict:
@@ -123,9 +115,31 @@ def settings_in_effect(config=None, isa: str | None = None) -> dict:
     return rows
 
 
+def memory_report() -> dict:
+    """The host memory this process may use, bytes, with its source (:func:`fp4offload._machine.limits`: the
+    tightest cgroup's path, limit, usage and reclaimable page cache, or the machine's MemAvailable)."""
+    from ._machine import limits
+
+    lim = limits()
+    return {"free_bytes": lim.free, "total_bytes": lim.total, "machine_available_bytes": lim.available,
+            "cgroup": lim.cgroup or None, "cgroup_limit_bytes": lim.cgroup_limit,
+            "cgroup_usage_bytes": lim.cgroup_usage, "reclaimable_bytes": lim.reclaimable, "source": lim.source,
+            "describe": lim.describe()}
+
+
+def ranks_report() -> dict:
+    """World size and ranks on this node from the launcher's environment, with the variable they came from
+    (:func:`fp4offload._machine.launcher_ranks`)."""
+    from ._machine import launcher_ranks
+
+    r = launcher_ranks()
+    return {"world": r.world, "local": r.local, "source": r.source}
+
+
 def host_report(config=None) -> dict:
-    """What the DeepSpeed block's host settings will find: glibc, transparent huge pages, the allocator cache,
-    and the settings themselves (:func:`host_settings`)."""
+    """What the DeepSpeed block's host settings will find: the memory this process may use and the ranks on this
+    node (each with its source), glibc, transparent huge pages, the allocator cache, and the settings themselves
+    (:func:`host_settings`)."""
     thp = None
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -134,7 +148,7 @@ def host_report(config=None) -> dict:
         pass
     libc = platform.libc_ver()
     out = {"libc": " ".join(x for x in libc if x) or "unknown", "transparent_hugepages": thp or "unknown",
-           "settings": host_settings(config)}
+           "memory": memory_report(), "local_ranks": ranks_report(), "settings": host_settings(config)}
     if platform.system() != "Linux":
         out["host_cache"] = {"builds": False, "why": "Linux only"}
         return out
@@ -212,11 +226,13 @@ def render(r: dict) -> str:
              f"(CUDA {r['torch_cuda'] or 'none'})"]
     g = r["gpu"]
     if g["available"]:
-        lines.append(f"GPUs (driver {g['driver']}):")
+        lines.append(f"GPUs (driver {g['driver'] or 'unknown'}; memory from {g['source']}):")
         for d in g["gpus"]:
             fp4 = "hardware FP4" if d["fp4_hardware"] else "FP4 as storage/transfer format"
-            lines.append(f"  [{d['index']}] {d['name']}  {d['total_gib']} GiB ({d['free_gib']} free)  "
-                         f"sm_{d['compute_capability'].replace('.', '')} {d['generation']}: {fp4}")
+            cc = d["compute_capability"]
+            sm = f"sm_{cc.replace('.', '')}" if cc else "compute capability unknown"
+            lines.append(f"  [{d['index']}] {d['name']}  {d['total_gib']} GiB ({d['free_gib']} free, {d['source']})  "
+                         f"{sm} {d['generation']}: {fp4}")
     else:
         lines.append(f"GPU: none ({g['why']})")
     lines.append(f"nvcc: {r['nvcc_version'] or 'not found'}")
@@ -252,6 +268,12 @@ def render(r: dict) -> str:
     hint = "" if h["transparent_hugepages"] in ("always", "madvise") else " (large host blocks fault 4 KiB at a time)"
     lines.append(f"host: {h['libc']}; transparent huge pages: {h['transparent_hugepages']}{hint}; "
                  f"allocator cache: {cache_txt}")
+    m, ranks = h["memory"], h["local_ranks"]
+    total = f" of {m['total_bytes'] / 2**30:.2f} GiB" if m["total_bytes"] else ""
+    lines.append(f"host memory: {m['free_bytes'] / 2**30:.2f} GiB free{total}, from {m['source']}")
+    if m["cgroup"] and not m["source"].startswith("cgroup"):
+        lines.append(f"  cgroup {m['cgroup']} leaves more: {m['describe']}")
+    lines.append(f"local ranks: {ranks['local']} ({ranks['source']}); world size {ranks['world']}")
     lines.append("settings in effect (value, from: an FP4OFFLOAD_* variable, a JSON key of --config, or the default):")
     for name, st in r["settings"].items():
         value = ("on" if st["value"] else "off") if isinstance(st["value"], bool) else st["value"]

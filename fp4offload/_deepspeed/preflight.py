@@ -4,8 +4,9 @@
 It estimates the host RAM this rank will hold (:mod:`fp4offload._planner.host_model`, fed with the model's
 parameter count, the ZeRO stage, the offload targets, the block and the accelerator) and the node's total
 across its local ranks, and compares what initialize and training will add with what the process may still
-take: the smaller of the machine's available memory and, inside a memory cgroup (v1 or v2, the tightest
-limit on the way up the hierarchy), the limit less the cgroup's usage. When it does not fit, ``host.preflight``
+take (:func:`fp4offload._machine.limits`): the smaller of the machine's available memory and, inside a memory
+cgroup (v1 or v2, the tightest limit on the way up the hierarchy), the limit less the cgroup's usage without
+its reclaimable page cache. When it does not fit, ``host.preflight``
 decides: ``error`` (default) raises CapacityError naming the estimate, the limit, the three largest
 consumers and the changes that would fit (computed by the same model), ``warn`` logs that and goes on,
 ``off`` skips the check.
@@ -19,12 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fp4offload.errors import CapacityError
 from fp4offload._planner import host_model
+from fp4offload._machine import Limits, cgroup_limit, launcher_ranks, limits
 
 from . import internals as dsi
 
@@ -37,87 +37,6 @@ GiB = float(1 << 30)
 
 def _size(n: float) -> str:
     return f"{n / GiB:.2f} GiB" if abs(n) >= GiB else f"{n / (1 << 20):.0f} MiB"
-_UNLIMITED = 1 << 60  # cgroup v1 writes a page-aligned 2**63-1 for "no limit"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the process may still allocate. ``free`` = min(available, cgroup limit - cgroup usage)."""
-
-    available: int
-    cgroup_limit: int | None = None
-    cgroup_usage: int | None = None
-    cgroup: str = ""  # "v1:/path" or "v2:/path" of the cgroup whose limit is the tightest
-
-    @property
-    def free(self) -> int:
-        if self.cgroup_limit is None:
-            return self.available
-        return max(0, min(self.available, self.cgroup_limit - (self.cgroup_usage or 0)))
-
-    def describe(self) -> str:
-        text = f"{_size(self.free)} (machine available {_size(self.available)}"
-        if self.cgroup_limit is not None:
-            text += f"; cgroup {self.cgroup} limit {_size(self.cgroup_limit)}, using {_size(self.cgroup_usage or 0)}"
-        return text + ")"
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    if text == "max" or not text.lstrip("-").isdigit():
-        return None
-    v = int(text)
-    return v if 0 <= v < _UNLIMITED else None
-
-
-def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, int, str] | None:
-    """(limit, usage, which) of the tightest memory limit on this process's cgroup path, or None.
-
-    cgroup v2 (a ``0::/path`` line): ``memory.max`` and ``memory.current`` under ``root``/path and each
-    parent. v1 (a line whose controllers include ``memory``): ``memory.limit_in_bytes`` and
-    ``memory.usage_in_bytes`` under ``root``/memory/path and each parent."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
-    best: tuple[int, int, str] | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        if controllers == "":
-            base, lim_name, use_name, tag = Path(root), "memory.max", "memory.current", "v2"
-        elif "memory" in controllers.split(","):
-            base, tag = Path(root) / "memory", "v1"
-            lim_name, use_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
-        else:
-            continue
-        d = base / rel.lstrip("/")
-        while True:
-            lim = _read_int(d / lim_name)
-            if lim is not None:
-                use = _read_int(d / use_name) or 0
-                if best is None or lim - use < best[0] - best[1]:
-                    best = (lim, use, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/")
-            if d == base or base not in d.parents:
-                break
-            d = d.parent
-    return best
-
-
-def limits() -> Limits:
-    """The machine's available memory and the cgroup limit that applies to this process."""
-    import psutil
-
-    avail = int(psutil.virtual_memory().available)
-    cg = cgroup_limit()
-    if cg is None:
-        return Limits(available=avail)
-    return Limits(available=avail, cgroup_limit=cg[0], cgroup_usage=cg[1], cgroup=cg[2])
 
 
 def model_bytes(model: Any) -> tuple[int, int]:
@@ -135,17 +54,6 @@ def model_bytes(model: Any) -> tuple[int, int]:
         if local.device.type == "cpu":
             host += local.numel() * local.element_size()
     return params, host
-
-
-def _world() -> tuple[int, int]:
-    """(world size, ranks on this node), from the launcher's environment; one rank when unset."""
-    ws = os.environ.get("WORLD_SIZE", "")
-    world = int(ws) if ws.isdigit() and int(ws) > 0 else 1
-    for var in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        v = os.environ.get(var, "")
-        if v.isdigit() and int(v) > 0:
-            return world, int(v)
-    return world, 1
 
 
 def accelerator_kind() -> str:
@@ -168,7 +76,7 @@ def estimate(ds_config: dict, model: Any, host_settings: Any = None, *, rss: int
     import psutil
 
     params, held = model if isinstance(model, tuple) else model_bytes(model)
-    w, local = _world()
+    w, local, _ = launcher_ranks()
     rss = psutil.Process().memory_info().rss if rss is None else rss
     x = host_model.inputs_from_config(ds_config, params, world=world or w, local_ranks=local_ranks or local,
                                       accelerator=accelerator or accelerator_kind(), host=host_settings,

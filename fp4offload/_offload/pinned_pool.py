@@ -168,31 +168,20 @@ _SHARED_LOCK = threading.Lock()
 
 
 def local_ranks() -> int:
-    """The ranks on this node (``LOCAL_WORLD_SIZE``, set by torchrun and the DeepSpeed launcher; 1 without)."""
-    import os
+    """The ranks on this node (:func:`fp4offload._machine.launcher_ranks`: ``LOCAL_WORLD_SIZE``, set by torchrun and
+    the DeepSpeed launcher, ``LOCAL_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``; 1 without)."""
+    from fp4offload._machine import launcher_ranks
 
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
+    return launcher_ranks().local
 
 
 def default_max_host_bytes() -> int:
     """The default cap of the shared pools: half of the RAM this process may use right now (what the machine has
-    available, within its cgroup's limit), shared by the node's local ranks, so 8 ranks of a node do not each try
-    to pin half of it."""
-    import psutil
+    available, within its cgroup's limit: :func:`fp4offload._machine.limits`), shared by the node's local ranks,
+    so 8 ranks of a node do not each try to pin half of it."""
+    from fp4offload._machine import limits
 
-    free = int(psutil.virtual_memory().available)
-    try:
-        from fp4offload._deepspeed.preflight import cgroup_limit
-
-        cg = cgroup_limit()
-        if cg is not None:
-            free = min(free, max(0, cg[0] - cg[1]))
-    except Exception:  # no cgroup information: the machine's figure
-        pass
-    return free // 2 // local_ranks()
+    return limits().free // 2 // local_ranks()
 
 
 def shared_pool(max_bytes: int | None, slab_bytes: int = 1 << 25, pin: bool | None = None) -> HostSlabPool:

@@ -239,6 +239,8 @@ def format_table(plan) -> str:
     """The human-readable plan."""
     c, t = plan.cluster, plan.setup
     lines = [f"model:   {plan.model.describe()}", f"machine: {c.describe()}",
+             f"sources: host RAM from {c.host_ram_source or 'unknown'}; GPU memory from "
+             f"{c.gpu_memory_source or 'unknown'}",
              f"step:    micro batch {t.micro_batch} x seq {t.seq_len} x accum {t.grad_accum} on {c.world} GPU(s) "
              f"= {t.tokens * t.grad_accum * c.world:,} tokens"]
     lines += [f"note:    {n}" for n in plan.notes]
@@ -312,7 +314,8 @@ def plan_to_json(plan) -> dict[str, Any]:
         "machine": {"gpu": c.gpu.key, "gpu_name": c.gpu.name, "gpu_memory_bytes": c.gpu_memory,
                     "gpus_per_node": c.gpus_per_node, "nodes": c.nodes, "host_ram_bytes": c.host_ram,
                     "host_cores": c.host_cores, "nvme_path": c.nvme_path, "nvme_free_bytes": c.nvme_free,
-                    "h2d_bps": c.h2d_bps, "cpu_adam_params_per_s": dict(c.cpu_adam), "source": c.source},
+                    "h2d_bps": c.h2d_bps, "cpu_adam_params_per_s": dict(c.cpu_adam), "source": c.source,
+                    "host_ram_source": c.host_ram_source, "gpu_memory_source": c.gpu_memory_source},
         "setup": {"micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum},
         "winner": plan.winner.name if plan.winner else None,
         "runner_ups": [r.name for r in plan.runner_ups],

@@ -156,6 +156,7 @@ class Cluster:
     """The machine a plan is for. Per-GPU figures unless named per node; bytes and bytes/s.
 
     ``cpu_adam`` holds the CPU optimizer step rate per node, parameters/s, per state format.
+    ``host_ram_source`` and ``gpu_memory_source`` say where ``host_ram`` and ``gpu_memory`` came from.
     """
 
     gpu: GpuSpec
@@ -176,6 +177,8 @@ class Cluster:
     mfu: float = DEFAULT_MFU
     source: str = "preset"
     notes: tuple[str, ...] = ()
+    host_ram_source: str = ""
+    gpu_memory_source: str = ""
 
     @property
     def world(self) -> int:
@@ -250,6 +253,7 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
         spec = GPU_PRESETS[key]
         memory = spec.memory_bytes
         source = "preset"
+        gpu_src = f"GPU preset {key}"
         if seen:
             notes.append(f"--gpu {key} overrides the {len(seen)} GPU(s) in the readings")
     elif seen:
@@ -263,6 +267,7 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
             notes.append(f"{first.name} matches no preset; assuming {tflops} dense bf16 TFLOPS")
         memory = min(g.memory_total for g in seen)
         source = "measured"
+        gpu_src = "pynvml"
     node = NODE_PRESETS.get(spec.key, NodeSpec(gpus or 1, 256 * GiB, 32, 2 * TB, 5, 3, 150))
     n_gpus = gpus or (len(seen) if seen and gpu is None else node.gpus)
 
@@ -272,9 +277,13 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
     host = readings.host if target and readings else None
     same_host = host is not None and host_cores is None
     ram = host.ram_available if host else node.host_ram * 0.9
+    if host is not None:
+        ram_src = host.memory_source or "readings (source not recorded)"
+    else:
+        ram_src = f"node preset {spec.key}: 90% of {node.host_ram / GiB:.0f} GiB"
     cores = host.cores_physical if host else node.cores
     if host_ram_gb is not None:
-        ram = host_ram_gb * GiB
+        ram, ram_src = host_ram_gb * GiB, "--host-ram-gb"
     if host_cores is not None:
         cores = host_cores
     mem_gbps = node.host_mem_gbps
@@ -320,4 +329,5 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
     return Cluster(gpu=spec, gpu_memory=int(memory), gpus_per_node=n_gpus, nodes=nodes, host_ram=int(ram),
                    host_cores=int(cores), host_mem_bps=mem_gbps * 1e9, nvme_path=path, nvme_free=nv_free,
                    nvme_read_bps=rd, nvme_write_bps=wr, h2d_bps=h2d, d2h_bps=d2h, cpu_adam=rates, cpu_isa=isa,
-                   mfu=mfu or DEFAULT_MFU, source=source, notes=tuple(notes))
+                   mfu=mfu or DEFAULT_MFU, source=source, notes=tuple(notes), host_ram_source=ram_src,
+                   gpu_memory_source=gpu_src)

@@ -1,5 +1,6 @@
-"""Read the machine: GPUs through NVML (pynvml), host RAM and cores through psutil, free space at
-the NVMe path, and on request short bandwidth measurements (NVMe read/write, host<->device).
+"""Read the machine: GPUs through NVML (pynvml), the host RAM this process may use (the machine's and its
+cgroups' limits) and free space at the NVMe path through :mod:`fp4offload._machine`, cores through psutil, and on
+request short bandwidth measurements (NVMe read/write, host<->device).
 
 Nothing here needs a GPU: without NVML the GPU list is empty and a one-line note says why.
 """
@@ -14,8 +15,8 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
+from fp4offload import _machine as machine
 from fp4offload.errors import ConfigError
 from fp4offload._planner.readings import DiskReading, GpuReading, HostReading, Readings
 
@@ -29,70 +30,41 @@ DEFAULT_MEASURE_SECONDS = 5.0
 _CHUNK = 8 << 20
 
 
-def _text(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
-def _nvml_call(fn, *args):
-    try:
-        return fn(*args)
-    except Exception:
-        return None
+_PLAN_FROM_PRESETS = "planning from --gpu PRESET, --gpus N, --nodes N"
 
 
 def probe_gpus() -> tuple[list[GpuReading], str | None, str | None, str | None]:
-    """(GPUs, driver version, CUDA driver version, note). The note is None when NVML answered."""
-    try:
-        import pynvml
-    except ImportError:
-        return [], None, None, "pynvml (nvidia-ml-py) is not installed: no GPU readings; plan with --gpu PRESET"
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:
-        msg = str(exc) or type(exc).__name__
-        return [], None, None, f"no NVIDIA driver/NVML here ({msg}): planning from --gpu PRESET, --gpus N, --nodes N"
-    try:
-        driver = _nvml_call(pynvml.nvmlSystemGetDriverVersion)
-        cuda = _nvml_call(pynvml.nvmlSystemGetCudaDriverVersion)
-        cuda_s = f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None
-        out: list[GpuReading] = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            cc = _nvml_call(pynvml.nvmlDeviceGetCudaComputeCapability, h)
-            out.append(GpuReading(
-                index=i, name=_text(pynvml.nvmlDeviceGetName(h)), memory_total=int(mem.total),
-                memory_free=int(mem.free), memory_used=int(mem.used),
-                compute_capability=tuple(int(c) for c in cc) if cc else None,
-                pcie_gen=_nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
-                pcie_width=_nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h),
-                pcie_gen_current=_nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, h),
-                pcie_width_current=_nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, h),
-            ))
-        note = None if out else "NVML found no GPU: planning from --gpu PRESET, --gpus N, --nodes N"
-        return out, _text(driver) if driver else None, cuda_s, note
-    finally:
-        _nvml_call(pynvml.nvmlShutdown)
+    """(GPUs, driver version, CUDA driver version, note), read by :func:`fp4offload._machine.gpus` (pynvml). The
+    note is None when NVML answered with at least one GPU."""
+    got = machine.gpus()
+    out = [GpuReading(index=g.index, name=g.name, memory_total=g.total, memory_free=g.free, memory_used=g.used,
+                      compute_capability=g.compute_capability, pcie_gen=g.pcie_gen, pcie_width=g.pcie_width,
+                      pcie_gen_current=g.pcie_gen_current, pcie_width_current=g.pcie_width_current)
+           for g in got.devices]
+    note = f"{got.note}: {_PLAN_FROM_PRESETS}" if got.note else None
+    return out, got.driver, got.cuda, note
 
 
-def probe_host() -> HostReading:
-    """Host RAM and cores (psutil)."""
+def probe_host(*, proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> HostReading:
+    """Host RAM this process may use and cores. RAM (:func:`fp4offload._machine.limits`): ``ram_available`` the
+    smaller of the machine's MemAvailable and the tightest cgroup limit less its working set, ``ram_total`` the
+    smaller of the machine's RAM and the smallest cgroup limit, ``memory_source`` which of them it is. Cores:
+    psutil."""
     import psutil
 
-    vm = psutil.virtual_memory()
+    lim = machine.limits(proc_cgroup, root)
     logical = psutil.cpu_count(logical=True) or os.cpu_count() or 1
     physical = psutil.cpu_count(logical=False) or logical
-    return HostReading(ram_total=int(vm.total), ram_available=int(vm.available), cores_physical=int(physical),
-                       cores_logical=int(logical), cpu_model=platform.processor() or platform.machine())
+    total = lim.total or int(psutil.virtual_memory().total)
+    return HostReading(ram_total=int(total), ram_available=min(int(lim.free), int(total)),
+                       cores_physical=int(physical), cores_logical=int(logical),
+                       cpu_model=platform.processor() or platform.machine(), memory_source=lim.source)
 
 
 def probe_disk(path: str | os.PathLike) -> DiskReading:
-    """Space at ``path`` (which must exist and be a directory)."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ConfigError("--nvme-path", str(path), "an existing directory", "create it or point at the NVMe mount")
-    usage = shutil.disk_usage(p)
-    return DiskReading(path=str(p), total=int(usage.total), free=int(usage.free))
+    """Space at ``path`` (which must exist and be a directory; :func:`fp4offload._machine.disk_space`)."""
+    d = machine.disk_space(path, "--nvme-path")
+    return DiskReading(path=d.path, total=d.total, free=d.free)
 
 
 def measure_disk(path: str | os.PathLike, max_bytes: int = DEFAULT_MEASURE_BYTES,

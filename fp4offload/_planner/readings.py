@@ -39,13 +39,15 @@ class GpuReading:
 
 @dataclass(frozen=True)
 class HostReading:
-    """Host RAM (bytes) and CPU cores."""
+    """Host RAM (bytes) and CPU cores. ``memory_source``: where the RAM figures came from (a cgroup's limit and
+    usage, or the machine's MemAvailable; empty in readings written before it was recorded)."""
 
     ram_total: int
     ram_available: int
     cores_physical: int
     cores_logical: int
     cpu_model: str = ""
+    memory_source: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,346 @@
+"""The machine's memory, read live, each figure with where it came from.
+
+- Host memory (:func:`limits`): the tightest of the machine's available memory (psutil, MemAvailable, which
+  counts reclaimable page cache as available) and every cgroup v1 and v2 memory limit on this process's cgroup
+  path up to the root of the hierarchy, each less that cgroup's working set (its usage less its inactive file
+  cache, as kubelet and docker count it).
+- GPU memory (:func:`gpus`): per device, through NVML (pynvml).
+- Ranks on this node (:func:`launcher_ranks`): from the launcher's environment.
+- Free space at a path (:func:`disk_space`).
+
+The planner's probe, the DeepSpeed preflight, the activation pool's default cap and ``fp4offload doctor`` read
+the machine here and nowhere else. Nothing here needs a GPU or imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, NamedTuple
+
+from fp4offload.errors import ConfigError
+
+__all__ = ["Limits", "CgroupMemory", "cgroups", "cgroup_limit", "limits", "GpuMemory", "Gpus", "gpus", "Ranks",
+           "launcher_ranks", "LOCAL_RANK_VARIABLES", "DiskSpace", "disk_space"]
+
+GiB = float(1 << 30)
+_UNLIMITED = 1 << 60  # cgroup v1 writes a page-aligned 2**63-1 for "no limit"
+MACHINE_SOURCE = "machine MemAvailable (psutil)"
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# -- host memory --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """One memory limit on this process's cgroup path, bytes. ``usage``: what the kernel charges the cgroup,
+    page cache included; ``reclaimable``: its inactive file cache (v1 ``total_inactive_file``, v2
+    ``inactive_file`` of ``memory.stat``); ``path``: ``"v1:/docker/abc"`` or ``"v2:/pod"``."""
+
+    limit: int
+    usage: int
+    reclaimable: int
+    path: str
+
+    @property
+    def working_set(self) -> int:
+        """Usage less the reclaimable page cache."""
+        return max(0, self.usage - self.reclaimable)
+
+    @property
+    def free(self) -> int:
+        """The limit less the working set, never negative."""
+        return max(0, self.limit - self.working_set)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this process may still allocate, bytes, and where the figure came from.
+
+    ``available``: the machine's MemAvailable. ``cgroup_limit``, ``cgroup_usage``, ``reclaimable``, ``cgroup``:
+    the limit, usage (page cache included), inactive file cache and path (``"v1:/path"``, ``"v2:/path"``) of the
+    cgroup that leaves the least, or None/0/"" outside a memory cgroup. ``total``: the smaller of the machine's
+    RAM and the smallest cgroup limit (None when not read).
+    ``free`` = min(available, cgroup_limit - (cgroup_usage - reclaimable)), never negative."""
+
+    available: int
+    cgroup_limit: int | None = None
+    cgroup_usage: int | None = None
+    cgroup: str = ""
+    reclaimable: int = 0
+    total: int | None = None
+
+    @property
+    def cgroup_free(self) -> int | None:
+        """The cgroup's limit less its working set; None outside a memory cgroup."""
+        if self.cgroup_limit is None:
+            return None
+        return max(0, self.cgroup_limit - max(0, (self.cgroup_usage or 0) - self.reclaimable))
+
+    @property
+    def free(self) -> int:
+        cg = self.cgroup_free
+        return self.available if cg is None else max(0, min(self.available, cg))
+
+    @property
+    def source(self) -> str:
+        """Which figure ``free`` is: the cgroup's (path, limit, usage, reclaimable cache) or the machine's."""
+        cg = self.cgroup_free
+        if cg is None or cg >= self.available:
+            return MACHINE_SOURCE
+        return (f"cgroup {self.cgroup} limit {_gib(self.cgroup_limit or 0)}, using {_gib(self.cgroup_usage or 0)} "
+                f"({_gib(self.reclaimable)} page cache reclaimable)")
+
+    def describe(self) -> str:
+        """``free`` with both figures it is the smaller of."""
+        text = f"{_size(self.free)} (machine available {_size(self.available)}"
+        if self.cgroup_limit is not None:
+            text += f"; cgroup {self.cgroup} limit {_size(self.cgroup_limit)}, using {_size(self.cgroup_usage or 0)}"
+            if self.reclaimable:
+                text += f", {_size(self.reclaimable)} of it reclaimable page cache"
+        return text + ")"
+
+
+def _size(n: float) -> str:
+    return _gib(n) if abs(n) >= GiB else f"{n / (1 << 20):.0f} MiB"
+
+
+def _read_int(path: Path) -> int | None:
+    """The integer in a cgroup file; None when missing, "max", unlimited or not a number."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max" or not text.lstrip("-").isdigit():
+        return None
+    v = int(text)
+    return v if 0 <= v < _UNLIMITED else None
+
+
+def _stat(path: Path, key: str) -> int:
+    """The value of ``key`` in a ``memory.stat`` file; 0 when missing."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return 0
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[CgroupMemory]:
+    """Every memory limit on this process's cgroup path, innermost first, v2 and v1.
+
+    cgroup v2 (the ``0::/path`` line of ``proc_cgroup``): ``memory.max``, ``memory.current`` and ``inactive_file``
+    of ``memory.stat`` under ``root``/path and each parent. v1 (the line whose controllers include ``memory``):
+    ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and ``total_inactive_file`` under ``root``/memory/path and
+    each parent. A path with ``..`` (a cgroup outside this namespace) starts at the root of the hierarchy."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return []
+    out: list[CgroupMemory] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            base, tag = Path(root), "v2"
+            lim_name, use_name, cache_key = "memory.max", "memory.current", "inactive_file"
+        elif "memory" in controllers.split(","):
+            base, tag = Path(root) / "memory", "v1"
+            lim_name, use_name, cache_key = "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+        else:
+            continue
+        names = [p for p in rel.split("/") if p and p != "."]
+        d = base if ".." in names else base.joinpath(*names)
+        while True:
+            lim = _read_int(d / lim_name)
+            if lim is not None:
+                use = _read_int(d / use_name) or 0
+                cache = min(use, _stat(d / "memory.stat", cache_key))
+                out.append(CgroupMemory(lim, use, cache, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/"))
+            if d == base:
+                break
+            d = d.parent
+    return out
+
+
+def _tightest(found: list[CgroupMemory]) -> CgroupMemory | None:
+    best = None
+    for c in found:
+        if best is None or c.free < best.free:
+            best = c
+    return best
+
+
+def cgroup_limit(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[int, int, str] | None:
+    """(limit, working set, path) of the memory cgroup on this process's path that leaves the least, or None
+    outside one (:func:`cgroups`; the working set is the usage less the reclaimable page cache)."""
+    best = _tightest(cgroups(proc_cgroup, root))
+    return None if best is None else (best.limit, best.working_set, best.path)
+
+
+def limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup",
+           virtual_memory: Callable[[], Any] | None = None) -> Limits:
+    """What this process may allocate now: the machine's MemAvailable (``virtual_memory``, default
+    ``psutil.virtual_memory``) and the tightest cgroup limit of :func:`cgroups`."""
+    if virtual_memory is None:
+        import psutil
+
+        virtual_memory = psutil.virtual_memory
+    vm = virtual_memory()
+    avail = int(vm.available)
+    machine_total = getattr(vm, "total", None)
+    found = cgroups(proc_cgroup, root)
+    caps = [c.limit for c in found] + ([int(machine_total)] if machine_total else [])
+    total = min(caps) if caps else None
+    best = _tightest(found)
+    if best is None:
+        return Limits(available=avail, total=total)
+    return Limits(available=avail, cgroup_limit=best.limit, cgroup_usage=best.usage, cgroup=best.path,
+                  reclaimable=best.reclaimable, total=total)
+
+
+# -- GPU memory ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One GPU as NVML reports it: memory in bytes; compute capability and PCIe link (the maximum it trains to,
+    and the current one) where NVML answered, else None."""
+
+    index: int
+    name: str
+    total: int
+    free: int
+    used: int
+    compute_capability: tuple[int, int] | None = None
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+    pcie_gen_current: int | None = None
+    pcie_width_current: int | None = None
+    source: str = "pynvml"
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs NVML sees, the driver and CUDA driver versions, and ``note``: why the list is empty (None when
+    NVML answered with at least one GPU)."""
+
+    devices: tuple[GpuMemory, ...] = ()
+    driver: str | None = None
+    cuda: str | None = None
+    note: str | None = None
+    source: str = "pynvml"
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _nvml(mod: Any, name: str, *args: Any) -> Any:
+    """``mod.name(*args)``, or None when the call is missing or fails (not supported on this GPU)."""
+    try:
+        return getattr(mod, name)(*args)
+    except Exception:
+        return None
+
+
+def gpus() -> Gpus:
+    """Every GPU's memory, name, compute capability and link, through NVML (the ``pynvml`` module)."""
+    try:
+        import pynvml
+    except ImportError:
+        return Gpus(note="pynvml (nvidia-ml-py) is not installed")
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        msg = str(exc) or type(exc).__name__
+        return Gpus(note=f"no NVIDIA driver/NVML here ({msg})")
+    try:
+        driver = _nvml(pynvml, "nvmlSystemGetDriverVersion")
+        cuda = _nvml(pynvml, "nvmlSystemGetCudaDriverVersion")
+        out: list[GpuMemory] = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            cc = _nvml(pynvml, "nvmlDeviceGetCudaComputeCapability", h)
+            out.append(GpuMemory(
+                index=i, name=_text(pynvml.nvmlDeviceGetName(h)), total=int(mem.total), free=int(mem.free),
+                used=int(mem.used), compute_capability=(int(cc[0]), int(cc[1])) if cc else None,
+                pcie_gen=_nvml(pynvml, "nvmlDeviceGetMaxPcieLinkGeneration", h),
+                pcie_width=_nvml(pynvml, "nvmlDeviceGetMaxPcieLinkWidth", h),
+                pcie_gen_current=_nvml(pynvml, "nvmlDeviceGetCurrPcieLinkGeneration", h),
+                pcie_width_current=_nvml(pynvml, "nvmlDeviceGetCurrPcieLinkWidth", h)))
+        return Gpus(devices=tuple(out), driver=_text(driver) if driver else None,
+                    cuda=f"{cuda // 1000}.{cuda % 1000 // 10}" if isinstance(cuda, int) else None,
+                    note=None if out else "NVML found no GPU")
+    finally:
+        _nvml(pynvml, "nvmlShutdown")
+
+
+# -- ranks on this node -------------------------------------------------------------------------
+
+#: the launchers' variables for the ranks on this node, in the order read: torchrun and DeepSpeed's launcher,
+#: DeepSpeed's MPI discovery, Open MPI
+LOCAL_RANK_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+class Ranks(NamedTuple):
+    """World size, ranks on this node, and the variable the ranks on this node came from."""
+
+    world: int
+    local: int
+    source: str
+
+
+def launcher_ranks(environ: Mapping[str, str] | None = None) -> Ranks:
+    """(world size, ranks on this node, source) from ``environ`` (default ``os.environ``): WORLD_SIZE, and the
+    first of :data:`LOCAL_RANK_VARIABLES` that is a positive integer. One rank each when unset; the source then
+    says so, naming a variable whose value was not a positive integer."""
+    env = os.environ if environ is None else environ
+    ws = env.get("WORLD_SIZE", "")
+    world = int(ws) if ws.isdigit() and int(ws) > 0 else 1
+    ignored = []
+    for var in LOCAL_RANK_VARIABLES:
+        v = env.get(var)
+        if v is None:
+            continue
+        if v.isdigit() and int(v) > 0:
+            return Ranks(world, int(v), var)
+        ignored.append(f"{var}={v!r} is not a positive integer")
+    why = "; ".join(ignored) if ignored else "none of " + ", ".join(LOCAL_RANK_VARIABLES) + " is set"
+    return Ranks(world, 1, f"default: {why}")
+
+
+# -- disk space ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DiskSpace:
+    """The filesystem holding ``path``: its size and free space, bytes."""
+
+    path: str
+    total: int
+    free: int
+    source: str = "shutil.disk_usage"
+
+
+def disk_space(path: str | os.PathLike, key: str = "path") -> DiskSpace:
+    """Size and free space of the filesystem at ``path``, an existing directory (else a ConfigError naming
+    ``key``, the flag or setting that gave the path)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(key, str(path), "an existing directory", "create it or point at the NVMe mount")
+    usage = shutil.disk_usage(p)
+    return DiskSpace(path=str(p), total=int(usage.total), free=int(usage.free))
