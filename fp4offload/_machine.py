@@ -2,8 +2,9 @@
 
 - Host memory (:func:`limits`): the tightest of the machine's available memory (psutil, MemAvailable, which
   counts reclaimable page cache as available) and every cgroup v1 and v2 memory limit on this process's cgroup
-  path up to the root of the hierarchy, each less that cgroup's working set (its usage less its inactive file
-  cache, as kubelet and docker count it).
+  path up to the root of the hierarchy, each less that cgroup's working set (its usage less the inactive file
+  cache that no process maps; kubelet and docker take off all of the inactive file cache, but the mapped part is
+  running code, reclaimed only to be faulted back).
 - GPU memory (:func:`gpus`): per device, through NVML (pynvml).
 - Ranks on this node (:func:`launcher_ranks`): from the launcher's environment.
 - Free space at a path (:func:`disk_space`).
@@ -40,8 +41,9 @@ def _gib(n: float) -> str:
 @dataclass(frozen=True)
 class CgroupMemory:
     """One memory limit on this process's cgroup path, bytes. ``usage``: what the kernel charges the cgroup,
-    page cache included; ``reclaimable``: its inactive file cache (v1 ``total_inactive_file``, v2
-    ``inactive_file`` of ``memory.stat``); ``path``: ``"v1:/docker/abc"`` or ``"v2:/pod"``."""
+    page cache included; ``reclaimable``: its inactive file cache less the mapped file pages (v1
+    ``total_inactive_file - total_mapped_file``, v2 ``inactive_file - file_mapped`` of ``memory.stat``);
+    ``path``: ``"v1:/docker/abc"`` or ``"v2:/pod"``."""
 
     limit: int
     usage: int
@@ -64,9 +66,9 @@ class Limits:
     """What this process may still allocate, bytes, and where the figure came from.
 
     ``available``: the machine's MemAvailable. ``cgroup_limit``, ``cgroup_usage``, ``reclaimable``, ``cgroup``:
-    the limit, usage (page cache included), inactive file cache and path (``"v1:/path"``, ``"v2:/path"``) of the
-    cgroup that leaves the least, or None/0/"" outside a memory cgroup. ``total``: the smaller of the machine's
-    RAM and the smallest cgroup limit (None when not read).
+    the limit, usage (page cache included), reclaimable (unmapped inactive) file cache and path (``"v1:/path"``,
+    ``"v2:/path"``) of the cgroup that leaves the least, or None/0/"" outside a memory cgroup. ``total``: the
+    smaller of the machine's RAM and the smallest cgroup limit (None when not read).
     ``free`` = min(available, cgroup_limit - (cgroup_usage - reclaimable)), never negative."""
 
     available: int
@@ -140,9 +142,10 @@ def cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
     """Every memory limit on this process's cgroup path, innermost first, v2 and v1.
 
     cgroup v2 (the ``0::/path`` line of ``proc_cgroup``): ``memory.max``, ``memory.current`` and ``inactive_file``
-    of ``memory.stat`` under ``root``/path and each parent. v1 (the line whose controllers include ``memory``):
-    ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and ``total_inactive_file`` under ``root``/memory/path and
-    each parent. A path with ``..`` (a cgroup outside this namespace) starts at the root of the hierarchy."""
+    less ``file_mapped`` of ``memory.stat`` under ``root``/path and each parent. v1 (the line whose controllers
+    include ``memory``): ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and ``total_inactive_file`` less
+    ``total_mapped_file`` under ``root``/memory/path and each parent. A path with ``..`` (a cgroup outside this
+    namespace) starts at the root of the hierarchy."""
     try:
         lines = Path(proc_cgroup).read_text().splitlines()
     except OSError:
@@ -155,10 +158,11 @@ def cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
         _, controllers, rel = parts
         if controllers == "":
             base, tag = Path(root), "v2"
-            lim_name, use_name, cache_key = "memory.max", "memory.current", "inactive_file"
+            lim_name, use_name, cache_key, mapped_key = "memory.max", "memory.current", "inactive_file", "file_mapped"
         elif "memory" in controllers.split(","):
             base, tag = Path(root) / "memory", "v1"
-            lim_name, use_name, cache_key = "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
+            lim_name, use_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
+            cache_key, mapped_key = "total_inactive_file", "total_mapped_file"
         else:
             continue
         names = [p for p in rel.split("/") if p and p != "."]
@@ -167,7 +171,10 @@ def cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
             lim = _read_int(d / lim_name)
             if lim is not None:
                 use = _read_int(d / use_name) or 0
-                cache = min(use, _stat(d / "memory.stat", cache_key))
+                # inactive page cache that no process maps: the code pages of the running processes are
+                # reclaimable only by faulting them back in, so they count as used (the safe side)
+                stat = d / "memory.stat"
+                cache = min(use, max(0, _stat(stat, cache_key) - _stat(stat, mapped_key)))
                 out.append(CgroupMemory(lim, use, cache, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/"))
             if d == base:
                 break

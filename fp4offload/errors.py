@@ -4,7 +4,20 @@ from __future__ import annotations
 
 
 class FP4OffloadError(Exception):
-    """Base class of every error fp4offload raises on purpose."""
+    """Base class of every error fp4offload raises on purpose.
+
+    Each pickles as its message (``__reduce__``), so it crosses process boundaries (a broadcast from rank 0, a
+    multiprocessing pool) with its class and its text."""
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls: type, message: str, attrs: dict) -> "FP4OffloadError":
+    err = cls.__new__(cls)
+    BaseException.__init__(err, message)
+    err.__dict__.update(attrs)
+    return err
 
 
 class ConfigError(FP4OffloadError, ValueError):

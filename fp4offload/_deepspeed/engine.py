@@ -31,6 +31,7 @@ hand. A config without the block is passed through untouched.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ from fp4offload.errors import ConfigError
 from . import optim as ds_optim
 
 from . import internals as dsi
-from . import preflight
+from . import auto, preflight
+from .auto import is_auto
 from .at_init import compact_master_at_init
 from .config import BLOCK_KEY, Prepared, _zero, features, prepare_config, read_config
 from .host import control_host_allocator, release_free_host_memory
@@ -96,6 +98,23 @@ def _has_block(config: Any) -> bool:
         return False  # let DeepSpeed report its own error
 
 
+def _block_of(config: Any) -> Any:
+    return (config if isinstance(config, Mapping) else read_config(config)).get(BLOCK_KEY)
+
+
+def _init_distributed_for_auto(port: int, required: bool | None) -> None:
+    """Start the process group as deepspeed.initialize would, so rank 0's choice can reach every rank."""
+    import torch.distributed as dist
+
+    ws = os.environ.get("WORLD_SIZE", "1")
+    if required is False or dist.is_initialized() or not (ws.isdigit() and int(ws) > 1):
+        return
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.init_distributed(dist_backend=get_accelerator().communication_backend_name(), distributed_port=port)
+
+
 def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model_parameters: Any = None,
                training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = _TORCH_DISTRIBUTED_DEFAULT_PORT, mpu: Any = None,
@@ -113,6 +132,14 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     if not _has_block(source):
         return _original_initialize()(config=config, config_params=config_params, **kwargs)
 
+    decision = None
+    if is_auto(_block_of(source)):  # choose the block from the live readings and the model (rank 0 decides)
+        if model is None or not hasattr(model, "parameters"):
+            raise ConfigError(BLOCK_KEY, "auto", "a model passed to initialize",
+                              "auto sizes the block by the model's parameters; pass model=..., or write the block")
+        _init_distributed_for_auto(distributed_port, dist_init_required)
+        source, decision = auto.decide(read_config(source), model)
+        announce(decision.line())
     prepared = prepare_config(source).checked_paths()  # its folders too, before anything is built
     for note in prepared.rewrites:
         announce(f"config: {note}")
@@ -168,7 +195,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
                         master_shared_bytes=master_shared,
                         bf16_grad_bytes_saved=bf16_grads, bf16_grads_at_init=at_init.applied > 0,
                         zero3_grads_at_init=at_init3.applied > 0,
-                        preflight=estimate)
+                        preflight=estimate, auto=decision, block=copy.deepcopy(_block_of(source)))
     if block.weights is not None and block.weights.format == "nvfp4":
         from . import weights
 
@@ -239,6 +266,8 @@ class Attached:
     bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (zero12.bf16_grads_at_init)
     zero3_grads_at_init: bool = False  # ZeRO-3's master gradients allocated unfilled (zero3.zero3_grads_at_init)
     preflight: Any = None  # the host-memory estimate (planner.host_model.HostEstimate); None when off
+    auto: Any = None  # with "fp4offload": "auto", what it chose and why (_deepspeed.auto.Decision)
+    block: Any = None  # the block that ran, as JSON (auto's choice in place of "auto")
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):

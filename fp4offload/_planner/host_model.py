@@ -33,6 +33,14 @@ DS_DEFAULTS = {"reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_0
 #: the communicator, the engine's objects, fp4offload's own modules. Measured 74-81 MB on the CPU accelerator
 #: with a 0.1M-parameter model in every configuration of benchmarks/e2e_deepspeed.py (RESULTS.md).
 INIT_BYTES = 80 << 20
+#: What the terms above do not name, kept on top of them so that the estimate bounds the measured peak from above:
+#: the batch's activations and logits, the step's transients (ZeRO-3's gradient sub-group on its way to the
+#: optimizer, initialize's conversions), and the host cache's blocks beyond its modelled bound. Calibrated as
+#: (fixed bytes, bytes per parameter of this rank's partition) per ZeRO family against the peak RSS from
+#: initialize on, measured with benchmarks/e2e_deepspeed.py (26M and 77M, every master form) and the cgroup peak
+#: of benchmarks/preflight_cgroup.py (134M): the largest shortfall of the named terms, rounded up
+#: (docs/design.md section 9 has the table).
+UNMODELLED = {"zero3": (128 << 20, 2.75), "zero12": (64 << 20, 1.0)}
 #: elements per segment of FP4AdamW's NVMe tier (fp4offload._optim.nvme), and segments in flight
 NVME_SEGMENT = 1 << 20
 NVME_SEGMENTS_IN_FLIGHT = 3
@@ -328,6 +336,8 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
         put("freed, kept in glibc's heap", built_bytes + e * P + (FP32_BYTES * sub if x.stage == 3 else 0))
     elif x.cache_fraction > 0:
         put("host allocator cache (bound)", x.cache_fraction * (sum(host.values()) - INIT_BYTES))
+    fixed, per_param = UNMODELLED["zero3" if x.stage == 3 else "zero12"]  # last: the other terms as calibrated
+    put("unnamed: activations, step transients (calibrated)", fixed + per_param * part)
     return HostEstimate(consumers={k: int(v) for k, v in host.items()}, runtime=int(runtime_bytes),
                         nvme={k: int(v) for k, v in nvme.items()}, local_ranks=x.local_ranks, inputs=x)
 

@@ -63,6 +63,16 @@ def test_reclaimable_page_cache_raises_free_by_exactly_its_size(tmp_path):
     assert with_stat.free - without.free == CACHE
 
 
+def test_mapped_file_pages_stay_counted_as_used(tmp_path):
+    proc, root = _v1(tmp_path)
+    stat = Path(root) / "memory/fp4t/memory.stat"
+    stat.write_text(stat.read_text() + f"total_mapped_file {CACHE // 4}\n")
+    lim = machine.limits(proc, root, _vm())
+    assert lim.reclaimable == CACHE - CACHE // 4 and lim.free == 2 * GiB - (USAGE - CACHE + CACHE // 4)
+    stat.write_text(f"total_inactive_file {CACHE}\ntotal_mapped_file {2 * CACHE}\n")  # more mapped than inactive
+    assert machine.limits(proc, root, _vm()).reclaimable == 0
+
+
 def test_v2_parent_tighter_than_the_child_wins(tmp_path):
     proc, root = _tree(tmp_path, {
         "proc": "0::/pod/job\n",

@@ -1,0 +1,191 @@
+"""``"fp4offload": "auto"``: the block picks itself from the live readings and the model.
+
+At ``initialize``, with the model in hand, :func:`choose` walks the candidates from the least lossy to the most,
+and, within one master form, from the fastest to the slowest (host RAM before NVMe):
+
+1. the fp32 master with NVFP4 states;
+2. the split master (a bf16 partition and a 16-bit residual: bit-exact with fp32) with NVFP4 states;
+3. split with the states and its residual on NVMe, when an NVMe folder is known (DeepSpeed's
+   ``offload_optimizer.nvme_path`` or the block's ``nvme_path``);
+4. the bf16 master with NVFP4 states;
+5. the bf16 master with the states on NVMe, when a folder is known.
+
+Each candidate is the block a user would write; it goes through the same ``prepare_config`` and the same
+host-memory model as the preflight (:mod:`fp4offload._deepspeed.preflight`), against the same limit
+(:func:`fp4offload._machine.limits`). The first that fits is the choice. One line names it, its estimate, the
+limit, and each candidate before it with why it did not fit; ``engine.fp4offload.auto`` keeps the
+:class:`Decision` and ``engine.fp4offload.block`` the block that ran. When none fits, CapacityError names the
+smallest estimate and the limit. Rank 0 decides and broadcasts its choice, so every rank builds the same block.
+
+The block may be the string ``"auto"`` or an object ``{"auto": true, "nvme_path": ..., "host": {...},
+"monitor": {...}}``: ``nvme_path`` lets the NVMe candidates run, ``host`` and ``monitor`` are kept in the
+chosen block as written.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from fp4offload.errors import CapacityError, ConfigError
+
+from .config import BLOCK_KEY, _zero, prepare_config
+
+__all__ = ["is_auto", "Candidate", "Decision", "candidates", "choose", "decide", "AUTO_KEYS"]
+
+#: keys the object form of an auto block takes
+AUTO_KEYS = ("auto", "nvme_path", "host", "monitor")
+GiB = float(1 << 30)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def is_auto(block: Any) -> bool:
+    """Whether a config's ``"fp4offload"`` value asks for the automatic choice."""
+    return block == "auto" or (isinstance(block, Mapping) and "auto" in block)
+
+
+def _auto_options(block: Any) -> dict:
+    """The object form's keys, checked (the string form has none)."""
+    if block == "auto":
+        return {}
+    opts = dict(block)
+    if opts.get("auto") is not True:
+        raise ConfigError(f"{BLOCK_KEY}.auto", opts.get("auto"), "true",
+                          'write "fp4offload": "auto", or {"auto": true, ...}; to choose by hand drop "auto" and '
+                          "name optimizer_states")
+    extra = sorted(set(opts) - set(AUTO_KEYS))
+    if extra:
+        raise ConfigError(f"{BLOCK_KEY}.{extra[0]}", opts[extra[0]], "one of " + ", ".join(AUTO_KEYS) + " with auto",
+                          "auto chooses optimizer_states itself; write the block by hand to set other keys")
+    path = opts.get("nvme_path")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ConfigError(f"{BLOCK_KEY}.nvme_path", path, "a folder path (a non-empty string)",
+                          "the NVMe folder the NVMe candidates put the states in")
+    return opts
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One block auto may choose: its name and the block as a user would write it."""
+
+    name: str
+    block: dict
+
+
+@dataclass
+class Decision:
+    """What auto chose and why. ``estimate``: the choice's host RAM per rank; ``need``: what it adds on this
+    node; ``free``: what the node's processes may still take, from ``source``. ``tried``: (candidate name, what
+    it would add on the node or None, why it was not taken), in order, the choice last (its reason ``""``)."""
+
+    choice: Candidate | None
+    estimate: int = 0
+    need: int = 0
+    free: int = 0
+    source: str = ""
+    tried: list[tuple[str, int | None, str]] = field(default_factory=list)
+
+    def line(self) -> str:
+        """The one line the log gets."""
+        rest = [f"{n} ({why})" for n, _, why in self.tried if why]
+        head = f"auto: chose {self.choice.name}" if self.choice is not None else "auto: nothing fits"
+        return (f"{head}: adds {_gib(self.need)} on this node ({_gib(self.estimate)} per rank), may use "
+                f"{self.source}" + ("; not taken: " + "; ".join(rest) if rest else ""))
+
+
+def candidates(ds: Mapping[str, Any], opts: Mapping[str, Any]) -> list[Candidate]:
+    """The candidates for DeepSpeed config ``ds`` (without the block), in the order of preference."""
+    off = _zero(copy.deepcopy(dict(ds))).get("offload_optimizer")
+    off = off if isinstance(off, Mapping) else {}
+    offloaded = off.get("device") in ("cpu", "nvme")
+    nvme_path = opts.get("nvme_path") or (off.get("nvme_path") if off.get("device") == "nvme" else None)
+    ram = "cpu" if offloaded else "same"
+
+    def states(master: str, device: str, **kw: Any) -> dict:
+        st = {"format": "nvfp4", "device": device, **kw}
+        if master != "fp32":
+            st["master"] = master
+        return st
+
+    out = [Candidate("fp32 master, NVFP4 states" + (" in host RAM" if offloaded else ""),
+                     {"optimizer_states": states("fp32", ram)}),
+           Candidate("split master, NVFP4 states in host RAM", {"optimizer_states": states("split", ram)})]
+    if nvme_path:
+        out.append(Candidate("split master, NVFP4 states and the residual on NVMe",
+                             {"optimizer_states": states("split", "nvme", nvme_path=nvme_path, master_device="nvme")}))
+    out.append(Candidate("bf16 master, NVFP4 states in host RAM", {"optimizer_states": states("bf16", ram)}))
+    if nvme_path:
+        out.append(Candidate("bf16 master, NVFP4 states on NVMe",
+                             {"optimizer_states": states("bf16", "nvme", nvme_path=nvme_path)}))
+    for c in out:
+        for key in ("host", "monitor"):
+            if key in opts:
+                c.block[key] = copy.deepcopy(opts[key])
+    return out
+
+
+def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: int | None = None,
+           world: int | None = None, local_ranks: int | None = None, accelerator: str | None = None
+           ) -> tuple[dict, Decision]:
+    """The config with the chosen block in place of ``"auto"``, and the decision, on this process alone.
+
+    ``model``: a torch module, or ``(parameters, bytes of them in host RAM)``. The other arguments default to
+    the live readings (:mod:`fp4offload._machine`) and the launcher's environment."""
+    from . import preflight
+
+    raw = copy.deepcopy(dict(ds_config))
+    opts = _auto_options(raw.get(BLOCK_KEY))
+    raw.pop(BLOCK_KEY, None)
+    params, held = model if isinstance(model, tuple) else preflight.model_bytes(model)
+    lim = preflight.limits() if lim is None else lim
+    decision = Decision(choice=None, free=lim.free, source=lim.describe())
+    best: tuple[int, str] | None = None
+    for cand in candidates(raw, opts):
+        cfg = copy.deepcopy(raw)
+        cfg[BLOCK_KEY] = copy.deepcopy(cand.block)
+        try:
+            prepared = prepare_config(cfg)
+        except ConfigError as exc:
+            decision.tried.append((cand.name, None, f"not for this config: {exc}"))
+            continue
+        est = preflight.estimate(prepared.ds_config, (params, held), prepared.host, rss=rss, world=world,
+                                 local_ranks=local_ranks, accelerator=accelerator, states=prepared.states)
+        need = max(0, est.added - held) * est.local_ranks
+        if best is None or need < best[0]:
+            best = (need, cand.name)
+        if preflight.fits(est, lim, held):
+            decision.choice, decision.estimate, decision.need = cand, est.per_rank, need
+            decision.tried.append((cand.name, need, ""))
+            return cfg, decision
+        decision.tried.append((cand.name, need, f"would add {_gib(need)} on this node"))
+    tried = "; ".join(f"{n}: {why}" for n, _, why in decision.tried)
+    if best is None:
+        raise ConfigError(BLOCK_KEY, "auto", "a DeepSpeed config one of the candidates can run with",
+                          f"no candidate block suits it ({tried}); write the block by hand")
+    raise CapacityError(f'host RAM for {params / 1e6:.1f}M parameters with "fp4offload": "auto"', best[0], lim.free,
+                        f"the smallest candidate is {best[1]}; tried: {tried}. The process may use "
+                        f"{lim.describe()}: more nodes, a smaller model, more RAM or an NVMe folder (nvme_path)")
+
+
+def decide(ds_config: Mapping[str, Any], model: Any) -> tuple[dict, Decision]:
+    """:func:`choose` on rank 0, broadcast to the others (each rank then prepares the same block). Runs
+    ``choose`` locally when the process group is not up or has one rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return choose(ds_config, model)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", choose(ds_config, model))
+        except (ConfigError, CapacityError) as exc:
+            box[0] = ("error", exc)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value

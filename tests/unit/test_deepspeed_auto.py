@@ -1,0 +1,134 @@
+"""``"fp4offload": "auto"``: the candidates, the choice against a given limit, the line it logs, what it refuses,
+and the errors crossing a broadcast (they pickle)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from fp4offload._deepspeed import auto
+from fp4offload._deepspeed import preflight as ds_preflight
+from fp4offload.errors import CapacityError, ConfigError, CorruptionError
+
+P = 200_000_000
+RSS = 600 << 20
+
+
+def _cfg(block="auto", offload="cpu", stage=2, **extra):
+    off = {"device": offload, **({"nvme_path": "/tmp/ds-nvme"} if offload == "nvme" else {})}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+           "zero_optimization": {"stage": stage, "offload_optimizer": off}, **extra}
+    if block is not None:
+        cfg["fp4offload"] = block
+    return cfg
+
+
+def _choose(cfg, free):
+    return auto.choose(cfg, (P, 0), lim=ds_preflight.Limits(available=free), rss=RSS, world=1, local_ranks=1,
+                       accelerator="cpu")
+
+
+def _sizes(cfg):
+    """Each candidate's bytes to add, from the same estimate the choice uses."""
+    opts = auto._auto_options(cfg["fp4offload"])
+    base = {k: v for k, v in cfg.items() if k != "fp4offload"}
+    out = {}
+    for cand in auto.candidates(base, opts):
+        from fp4offload._deepspeed.config import prepare_config
+
+        prepared = prepare_config(dict(base, fp4offload=cand.block))
+        est = ds_preflight.estimate(prepared.ds_config, (P, 0), prepared.host, rss=RSS, world=1, local_ranks=1,
+                                    accelerator="cpu", states=prepared.states)
+        out[cand.name] = est.added
+    return out
+
+
+def test_candidates_in_order_of_preference_and_nvme_only_with_a_folder():
+    names = [c.name for c in auto.candidates(_cfg(None), {})]
+    assert names == ["fp32 master, NVFP4 states in host RAM", "split master, NVFP4 states in host RAM",
+                     "bf16 master, NVFP4 states in host RAM"]
+    with_nvme = auto.candidates(_cfg(None), {"nvme_path": "/x"})
+    assert [c.name for c in with_nvme][2] == "split master, NVFP4 states and the residual on NVMe"
+    assert with_nvme[2].block["optimizer_states"] == {"format": "nvfp4", "device": "nvme", "nvme_path": "/x",
+                                                      "master": "split", "master_device": "nvme"}
+    # DeepSpeed's own NVMe offload gives the folder; the RAM candidates then keep the states in host RAM
+    ds_nvme = auto.candidates(_cfg(None, offload="nvme"), {})
+    assert ds_nvme[0].block["optimizer_states"]["device"] == "cpu"
+    assert any(c.block["optimizer_states"].get("nvme_path") == "/tmp/ds-nvme" for c in ds_nvme)
+
+
+def test_the_least_lossy_candidate_that_fits_is_chosen():
+    sizes = _sizes(_cfg())
+    fp32, split, bf16 = (sizes[n] for n in ("fp32 master, NVFP4 states in host RAM",
+                                            "split master, NVFP4 states in host RAM",
+                                            "bf16 master, NVFP4 states in host RAM"))
+    assert fp32 > split > bf16  # each step down the list saves host RAM
+    cfg, d = _choose(_cfg(), fp32 + (1 << 20))
+    assert d.choice.name.startswith("fp32 master") and cfg["fp4offload"] == {"optimizer_states": {
+        "format": "nvfp4", "device": "cpu"}}
+    cfg, d = _choose(_cfg(), fp32 - (1 << 20))
+    assert d.choice.name.startswith("split master") and cfg["fp4offload"]["optimizer_states"]["master"] == "split"
+    assert [n for n, _, why in d.tried if why] == ["fp32 master, NVFP4 states in host RAM"]
+    line = d.line()
+    assert line.startswith("auto: chose split master") and "not taken: fp32 master" in line and "may use" in line
+    cfg, d = _choose(_cfg(), split - (1 << 20))
+    assert d.choice.name.startswith("bf16 master")
+    assert "bf16_master_weights_and_grads" not in cfg.get("bf16", {})  # the choice is the block, not its rewrite
+
+
+def test_nvme_candidate_comes_between_split_and_bf16_when_a_folder_is_given(tmp_path):
+    block = {"auto": True, "nvme_path": str(tmp_path)}
+    sizes = _sizes(_cfg(block))
+    nvme = sizes["split master, NVFP4 states and the residual on NVMe"]
+    assert nvme < sizes["split master, NVFP4 states in host RAM"]
+    cfg, d = _choose(_cfg(block), nvme + (1 << 20))
+    assert d.choice.name == "split master, NVFP4 states and the residual on NVMe"
+    assert cfg["fp4offload"]["optimizer_states"]["master_device"] == "nvme"
+
+
+def test_nothing_fits_names_the_smallest_estimate_and_the_limit():
+    sizes = _sizes(_cfg())
+    with pytest.raises(CapacityError) as e:
+        _choose(_cfg(), 64 << 20)
+    msg = str(e.value)
+    assert e.value.need == min(sizes.values()) and e.value.have == 64 << 20
+    assert "smallest candidate is bf16 master" in msg and "64 MiB" in msg
+
+
+def test_candidates_this_config_cannot_run_are_named_with_the_reason():
+    # compact masters need bf16 and an offloaded optimizer; the fp32 candidate needs nothing, so it is tried first
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "fp4offload": "auto"}
+    _, d = _choose(cfg, 1 << 50)
+    assert d.choice.name == "fp32 master, NVFP4 states"  # states on the device: no offload in this config
+    with pytest.raises(CapacityError) as e:
+        _choose(cfg, 1 << 20)
+    assert "not for this config" in str(e.value)  # split and bf16 named with the reason they cannot run
+
+
+@pytest.mark.parametrize("block, key", [({"auto": False}, "fp4offload.auto"),
+                                        ({"auto": True, "weights": {}}, "fp4offload.weights"),
+                                        ({"auto": True, "nvme_path": 3}, "fp4offload.nvme_path")])
+def test_the_object_form_is_checked(block, key):
+    with pytest.raises(ConfigError) as e:
+        _choose(_cfg(block), 1 << 50)
+    assert e.value.key == key
+
+
+def test_host_and_monitor_are_kept_in_the_chosen_block():
+    cfg, _ = _choose(_cfg({"auto": True, "host": {"preflight": "warn"}}), 1 << 50)
+    assert cfg["fp4offload"]["host"] == {"preflight": "warn"}
+
+
+def test_decide_without_a_process_group_is_choose(monkeypatch):
+    monkeypatch.setattr(ds_preflight, "limits", lambda: ds_preflight.Limits(available=1 << 50))
+    cfg, d = auto.decide(_cfg(), (P, 0))
+    assert d.choice.name.startswith("fp32 master")
+
+
+@pytest.mark.parametrize("err", [CapacityError("host RAM", 5 << 30, 1 << 30, "hint"),
+                                 ConfigError("fp4offload.auto", "x", "true", "fix"),
+                                 CorruptionError("/f", "bad header", offset=8)])
+def test_errors_pickle_with_class_message_and_fields(err):
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err) and str(back) == str(err) and back.__dict__ == err.__dict__
