@@ -129,7 +129,7 @@ def trainer_zero3_buckets(hidden: int) -> dict:
 
 
 def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None, ds_bf16: bool = False,
-              master: str = "fp32", zero3_buckets: dict | None = None) -> dict:
+              master: str = "fp32", zero3_buckets: dict | None = None, activations: dict | None = None) -> dict:
     """The DeepSpeed config of one arm: plain DeepSpeed, DeepSpeed's bf16 mode (``ds_bf16``) or the block;
     ``zero3_buckets`` (ZeRO-3 configurations): bucket sizes set over DeepSpeed's defaults."""
     if fp4 and ds_bf16:
@@ -161,6 +161,8 @@ def ds_config(name: str, fp4: bool, nvme_dir: str, host: dict | None = None, ds_
         cfg["zero_optimization"].update(zero3_buckets)
     if host:
         block["host"] = host
+    if activations:
+        block["activations"] = dict(activations)
     if master != "fp32":  # "split", "bf16", or "split_nvme" (split with its residual in the NVMe state files)
         form, _, place = master.partition("_")
         block["optimizer_states"]["master"] = form
@@ -340,6 +342,7 @@ def child(args) -> dict:
     nparams = sum(p.numel() for p in model.parameters())
     cfg = ds_config(args.config, args.fp4, args.nvme_dir, json.loads(args.host) if args.host else None,
                     ds_bf16=args.ds_bf16, master=args.master,
+                    activations=json.loads(args.activations) if args.activations else None,
                     zero3_buckets=trainer_zero3_buckets(args.hidden) if args.zero3_buckets == "trainer" else None)
     t0 = time.perf_counter()
     allocator = None
@@ -498,7 +501,7 @@ def _child_port(key: str) -> int:
 
 def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: int | None = None,
               min_available: int = 0, env_extra: dict | None = None, host: dict | None = None,
-              ds_bf16: bool = False, master: str = "fp32") -> dict:
+              ds_bf16: bool = False, master: str = "fp32", activations: dict | None = None) -> dict:
     """One configuration in a child process. With ``budget``, the child (with its children) is killed as soon
     as its RSS passes it, or the machine's available memory falls below ``min_available``: raises Exceeds."""
     import psutil
@@ -514,7 +517,8 @@ def run_child(config: str, fp4: bool, a, *, allocator: str = "default", budget: 
                "--zero3-buckets", getattr(a, "zero3_buckets", "deepspeed"),
                ] + (["--fp4"] if fp4 else []) + (["--ds-bf16"] if ds_bf16 else []) + \
               (["--bf16-build"] if getattr(a, "bf16_build", False) else []) + \
-              (["--host", json.dumps(host)] if host else [])
+              (["--host", json.dumps(host)] if host else []) + \
+              (["--activations", json.dumps(activations)] if activations else [])
         env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=str(ROOT), **(env_extra or {}))
         env.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fp4offload/torch_extensions"))
         p = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=log, stderr=subprocess.STDOUT,
@@ -659,6 +663,9 @@ ARMS = {
     "block": {"variant": "block", "fp4": True},
     "block_split": {"variant": "block, split master", "fp4": True, "master": "split"},
     "block_bf16": {"variant": "block, bf16 master", "fp4": True, "master": "bf16"},
+    # the saved activations packed to NVFP4 in a pinned host pool capped at 64 MiB (the preflight counts the cap)
+    "block_acts": {"variant": "block, NVFP4 activations", "fp4": True,
+                   "activations": {"format": "nvfp4", "device": "cpu", "max_host_bytes": 64 << 20}},
     "block_split_nvme": {"variant": "block, split master, residual on NVMe", "fp4": True, "master": "split_nvme",
                          "configs": ("z3_nvme",)},
     # the fp32-master block as it was before ZeRO-3's master gradient became DeepSpeed's bf16 gradient partition
@@ -685,7 +692,8 @@ def arm_child_args(name: str, config: str, jemalloc: str | None, jemalloc_why: s
         else:
             env.update(LD_PRELOAD=jemalloc, MALLOC_CONF=JEMALLOC_CONF)
     return {"allocator": spec.get("allocator", "default"), "host": spec.get("host"), "env_extra": env or None,
-            "ds_bf16": spec.get("ds_bf16", False), "master": spec.get("master", "fp32")}, why
+            "ds_bf16": spec.get("ds_bf16", False), "master": spec.get("master", "fp32"),
+            "activations": spec.get("activations")}, why
 
 
 def _ran_ds_bf16(r: dict) -> bool:
@@ -865,6 +873,7 @@ def main() -> None:
     ap.add_argument("--allocator", default="default", choices=("default", "fixed"), help=argparse.SUPPRESS)
     ap.add_argument("--bf16-build", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--host", help=argparse.SUPPRESS)
+    ap.add_argument("--activations", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--nvme-dir", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29701, help=argparse.SUPPRESS)

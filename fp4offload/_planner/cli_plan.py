@@ -399,8 +399,11 @@ def run_check(args: argparse.Namespace) -> int:
                                     readable="a readable DeepSpeed JSON file", valid="valid JSON",
                                     detail="line {exc.lineno} column {exc.colno}: {exc.msg}",
                                     top="a JSON object at the top level"))
+        from fp4offload._deepspeed.auto import is_auto
+
         auto = fill_hf_auto(raw, world)
-        prepared = prepare_config(raw, world_size=world) if BLOCK_KEY in raw else None
+        choose_block = is_auto(raw.get(BLOCK_KEY))
+        prepared = prepare_config(raw, world_size=world) if BLOCK_KEY in raw and not choose_block else None
     except ConfigError as exc:
         print(f"fp4offload plan --check: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -414,6 +417,22 @@ def run_check(args: argparse.Namespace) -> int:
     accelerator = ds_preflight.accelerator_kind()
     lim = ds_preflight.limits()
     params = model.param_count()
+    decision = None
+    if choose_block:  # what "fp4offload": "auto" would pick on this machine, by the preflight's own model
+        from fp4offload._deepspeed import auto as ds_auto
+        from fp4offload.errors import CapacityError
+
+        try:
+            chosen, decision = ds_auto.choose(raw, (params, 0), lim=lim, rss=runtime, world=world, local_ranks=local,
+                                              accelerator=accelerator)
+            prepared = prepare_config(chosen, world_size=world)
+        except CapacityError as exc:
+            print(f"fp4offload plan --check: {exc}", file=sys.stderr)
+            return EXIT_NO_FIT
+        except ConfigError as exc:
+            print(f"fp4offload plan --check: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raw = dict(raw, **{BLOCK_KEY: chosen[BLOCK_KEY]})
     arms = []
     plain = copy.deepcopy(raw)
     plain.pop(BLOCK_KEY, None)
@@ -433,10 +452,15 @@ def run_check(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({"config": args.check, "model": model.name, "params": params, "accelerator": accelerator,
                           "world": world, "local_ranks": local, "free_bytes": lim.free, "hf_auto_filled": auto,
+                          "auto": None if decision is None else {
+                              "choice": decision.choice.name, "block": raw[BLOCK_KEY], "line": decision.line(),
+                              "tried": [{"candidate": n, "adds_bytes": b, "why": w} for n, b, w in decision.tried]},
                           "arms": [{k: v for k, v in a.items() if k != "text"} for a in out]}, indent=2))
     else:
         print(f"host RAM of {args.check} for {model.name} ({params / 1e9:.2f}B parameters), {world} rank(s), "
               f"{local} per node, accelerator {accelerator}:")
+        if decision is not None:
+            print(f"fp4offload {decision.line()}\n  block: {json.dumps(raw[BLOCK_KEY])}")
         if auto:
             print("note: the Hugging Face Trainer fills the \"auto\" values; estimated with " + ", ".join(auto))
         for a in out:

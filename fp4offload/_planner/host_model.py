@@ -40,7 +40,7 @@ INIT_BYTES = 80 << 20
 #: initialize on, measured with benchmarks/e2e_deepspeed.py (26M and 77M, every master form) and the cgroup peak
 #: of benchmarks/preflight_cgroup.py (134M): the largest shortfall of the named terms, rounded up
 #: (docs/design.md section 9 has the table).
-UNMODELLED = {"zero3": (128 << 20, 2.75), "zero12": (64 << 20, 1.0)}
+UNMODELLED = {"zero3": (128 << 20, 2.75), "zero12": (64 << 20, 1.25)}
 #: elements per segment of FP4AdamW's NVMe tier (fp4offload._optim.nvme), and segments in flight
 NVME_SEGMENT = 1 << 20
 NVME_SEGMENTS_IN_FLIGHT = 3
@@ -337,7 +337,7 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
     elif x.cache_fraction > 0:
         put("host allocator cache (bound)", x.cache_fraction * (sum(host.values()) - INIT_BYTES))
     fixed, per_param = UNMODELLED["zero3" if x.stage == 3 else "zero12"]  # last: the other terms as calibrated
-    put("unnamed: activations, step transients (calibrated)", fixed + per_param * part)
+    put("unnamed terms (calibrated)", fixed + per_param * part)
     return HostEstimate(consumers={k: int(v) for k, v in host.items()}, runtime=int(runtime_bytes),
                         nvme={k: int(v) for k, v in nvme.items()}, local_ranks=x.local_ranks, inputs=x)
 

@@ -8,7 +8,7 @@ trained with ZeRO-2, ``offload_optimizer`` on the CPU and bf16, on random inputs
 with that master form), or ``auto`` (``"fp4offload": "auto"``). Whatever applies the block is the installed
 package's start-up hook. The last stdout line is ``RESULT {json}``: whether it trained, the error if initialize
 raised, the inner optimizer, the block the engine ran and the preflight's estimate (from ``engine.fp4offload``),
-and the RSS before initialize.
+and the RSS before initialize and its peak from initialize on.
 """
 
 from __future__ import annotations
@@ -55,6 +55,16 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(a.dim, a.dim, bias=False) for _ in range(a.layers)])
+    import threading
+
+    proc, peak, stop = psutil.Process(), [0], threading.Event()
+
+    def sample() -> None:  # the RSS peak from initialize on
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            stop.wait(0.005)
+
+    threading.Thread(target=sample, daemon=True).start()
     out: dict = {"params": sum(p.numel() for p in model.parameters()),
                  "rss_before": psutil.Process().memory_info().rss,
                  "fp4offload_imported_before": "fp4offload" in sys.modules}
@@ -84,6 +94,8 @@ def main() -> None:
     out["losses"] = losses
     out["trained"] = True
     out["rss_after"] = psutil.Process().memory_info().rss
+    stop.set()
+    out["peak_rss"] = max(peak[0], out["rss_after"])
     print("RESULT " + json.dumps(out), flush=True)
 
 

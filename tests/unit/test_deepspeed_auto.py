@@ -132,3 +132,27 @@ def test_decide_without_a_process_group_is_choose(monkeypatch):
 def test_errors_pickle_with_class_message_and_fields(err):
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is type(err) and str(back) == str(err) and back.__dict__ == err.__dict__
+
+
+def test_plan_check_prints_what_auto_would_pick_here(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_cfg()))
+
+    def check(model):
+        return subprocess.run([sys.executable, "-m", "fp4offload.cli", "plan", "--check", str(path), "--model", model,
+                               "--format", "json"], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, DS_ACCELERATOR="cpu"))
+
+    small = check("hidden=512,layers=8,heads=8,kv_heads=8,ffn=1408,vocab=256")
+    assert small.returncode == 0, small.stderr
+    doc = json.loads(small.stdout)
+    assert doc["auto"]["choice"] == "fp32 master, NVFP4 states in host RAM"
+    assert doc["auto"]["block"] == {"optimizer_states": {"format": "nvfp4", "device": "cpu"}}
+    assert [a["arm"] for a in doc["arms"]] == ["without the block", "with the block"]
+    huge = check("llama-3.1-405b")  # nothing fits on one host: exit 1, the smallest candidate named
+    assert huge.returncode == 1 and "smallest candidate is bf16 master" in huge.stderr

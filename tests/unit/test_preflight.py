@@ -24,7 +24,7 @@ from fp4offload._planner.sizes import STATE_BYTES
 ROOT = Path(__file__).resolve().parents[2]
 P = 100_000_000
 INIT = "initialize's own (modules, ops, communicator)"
-UN = "unnamed: activations, step transients (calibrated)"
+UN = "unnamed terms (calibrated)"
 
 
 def _unnamed(stage: int, part: int = P) -> int:
