@@ -329,11 +329,13 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
     else:
         put("activation pool (pinned, at most)", x.activation_pool)
     # Memory freed but still resident. Under glibc's adaptive threshold the heap keeps the model as built
-    # (replaced by DeepSpeed's flat buffers), the parameter gradients freed block by block in backward and,
+    # (replaced by DeepSpeed's flat buffers), the parameter gradients freed block by block in backward (in host RAM
+    # on the CPU accelerator) and,
     # for ZeRO-3, the fp32 gradient buffer that initialize_optimizer_states drops. With the block's fixed
     # threshold those go back to the kernel, and its host cache keeps at most cache_fraction of the bytes in use.
     if x.allocator == "glibc":
-        put("freed, kept in glibc's heap", built_bytes + e * P + (FP32_BYTES * sub if x.stage == 3 else 0))
+        backward = e * P if on_cpu_accel else 0  # the parameter gradients: device memory on a GPU machine
+        put("freed, kept in glibc's heap", built_bytes + backward + (FP32_BYTES * sub if x.stage == 3 else 0))
     elif x.cache_fraction > 0:
         put("host allocator cache (bound)", x.cache_fraction * (sum(host.values()) - INIT_BYTES))
     fixed, per_param = UNMODELLED["zero3" if x.stage == 3 else "zero12"]  # last: the other terms as calibrated

@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 
 from fp4offload.errors import ConfigError
 from fp4offload._planner.hardware import Cluster
+from fp4offload._planner import host_model
 from fp4offload._planner.host_model import NVME_SEGMENT, NVME_SEGMENTS_IN_FLIGHT
 from fp4offload._planner.models import ModelSpec
 from fp4offload._planner.sizes import (ACT_BYTES, BF16_BYTES, MASTER_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES,
                                       WEIGHT_PACKED_BYTES)
 from fp4offload._planner.strategies import Strategy
 
-__all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "ACT_BYTES", "STATE_BYTES", "WEIGHT_PACKED_BYTES",
-           "weight_host_bytes"]
+__all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "deepspeed_inputs", "ACT_BYTES", "STATE_BYTES",
+           "WEIGHT_PACKED_BYTES", "weight_host_bytes"]
 
 GiB = 1 << 30
 
@@ -339,6 +340,37 @@ def _nvme_staging(x: _Shape, led: _Ledger) -> None:
             NVME_SEGMENT, x.P / x.shard_o)
 
 
+def deepspeed_inputs(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup) -> host_model.Inputs:
+    """The preflight model's inputs (:class:`host_model.Inputs`) for a DeepSpeed strategy on a GPU cluster: the
+    ZeRO stage and offload targets the emitted config sets, the block's states, master and default host settings
+    (fixed mmap threshold, the host cache, the bf16 gradient partition), and the setup's bucket sizes."""
+    s, e = strategy, setup.compute_bytes
+    stage = s.zero_stage or 0
+    block = s.optimizer_states.format != "fp32"
+    if s.master.device == "gpu":
+        offload_opt = "none"
+    elif s.optimizer_states.device == "nvme" and not block:
+        offload_opt = "nvme"  # DeepSpeed's swapper
+    else:
+        offload_opt = "cpu"
+    states = None
+    if block:
+        dev = s.optimizer_states.device
+        states = (s.optimizer_states.format, "device" if dev == "gpu" else dev)
+    bf16_grads = block and e == BF16_BYTES and offload_opt != "none" and (
+        (stage in (1, 2) and setup.grad_accum == 1) or (stage == 3 and s.weights.format != "nvfp4"))
+    return host_model.Inputs(
+        params=model.param_count(), world=cluster.world, local_ranks=cluster.gpus_per_node, accelerator="gpu",
+        stage=stage, compute_bytes=e, offload_optimizer=offload_opt,
+        offload_param={"gpu": "none"}.get(s.weights.device, s.weights.device) if stage == 3 else "none",
+        grad_accum=setup.grad_accum, states=states, bf16_grads=bf16_grads, share_staging=False,
+        packed_weights=stage == 3 and s.weights.format == "nvfp4",
+        allocator="fixed" if block else "glibc", cache_fraction=0.125 if block else 0.0,
+        reduce_bucket=setup.reduce_bucket, sub_group=setup.sub_group_size, prefetch_bucket=setup.prefetch_bucket,
+        buffer_count=setup.nvme_buffer_count, master=s.master.format,
+        master_device="nvme" if s.residual_on_nvme else "same")
+
+
 def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup: TrainSetup,
                     checkpointing: bool) -> MemoryEstimate:
     """Bytes per GPU (peak), per node in host RAM and on NVMe, for ``strategy``: the persistent terms, then the
@@ -348,7 +380,9 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
     live = _weights(x, led)
     _master_and_states(x, led)
     g_per_param, fp32_grad_at_step = _gradients(x, led)
+    before = dict(led.host)
     a = _activations(x, led, checkpointing)
+    activation_host = {k: v - before.get(k, 0) for k, v in led.host.items() if v != before.get(k, 0)}
     g_end = g_per_param * x.P
     g_accum = g_end if setup.grad_accum > 1 else 0.0
     phases: dict[str, dict[str, float]] = {
@@ -366,6 +400,12 @@ def estimate_memory(strategy: Strategy, model: ModelSpec, cluster: Cluster, setu
     device["fragmentation"] = setup.fragmentation * sum(device.values())
     device["runtime"] = setup.cuda_runtime_bytes
     _nvme_staging(x, led)
+    if strategy.engine == "deepspeed":  # host RAM and NVMe by the preflight's model, the one the block checks with
+        est = host_model.estimate_host(deepspeed_inputs(strategy, model, cluster, setup), setup.host_runtime_bytes)
+        led.host = {"runtime": float(est.runtime), **{k: float(v) for k, v in est.consumers.items()}}
+        for k, v in activation_host.items():  # the pinned activation pool and its staging, sized by the batch
+            led.host["activations" if k == "activations" else "activation staging"] = v
+        led.nvme = {k: float(v) for k, v in est.nvme.items()}
 
     per_node = cluster.gpus_per_node
     return MemoryEstimate(

@@ -296,11 +296,12 @@ def test_host_gradient_partition_is_bf16_only_where_the_block_makes_it_so():
 
     def grads(name, accum):
         setup = TrainSetup(micro_batch=1, seq_len=64, compute_bytes=2, grad_accum=accum)
-        return estimate_memory(cat[name], spec, cluster, setup, checkpointing=False).host["grads"] / n
+        host = estimate_memory(cat[name], spec, cluster, setup, checkpointing=False).host
+        return {k: round(v / n, 6) for k, v in host.items() if "gradient partition" in k}
 
-    assert grads("zero2-opt-cpu-fp4", 1) == pytest.approx(2.0)
-    assert grads("zero2-opt-cpu-fp4", 2) == pytest.approx(4.0)
-    assert grads("zero2-opt-cpu", 1) == pytest.approx(4.0)
+    assert grads("zero2-opt-cpu-fp4", 1) == {"bf16 gradient partition": 2.0}
+    assert grads("zero2-opt-cpu-fp4", 2) == {"fp32 gradient partition": 4.0}
+    assert grads("zero2-opt-cpu", 1) == {"fp32 gradient partition": 4.0}
 
 
 def test_byte_sizes_are_those_of_the_packed_formats():
@@ -350,14 +351,16 @@ def test_split_master_with_the_residual_on_nvme_bytes_by_hand(name):
     est = estimate_memory(cat[name], spec, cluster, setup, checkpointing=False)
     # three segments of 2**20 elements in flight per rank, each with its m, v and residual
     staging = 8 * 3 * (1.1328125 + 2.125) * 2**20
-    assert est.host == {"master": pytest.approx(2 * P, abs=8), "grads": pytest.approx(2 * P, abs=8),
-                        "staging": pytest.approx(staging, abs=8)}
-    assert est.nvme == {"optimizer_states": pytest.approx(1.1328125 * P, abs=8),
-                        "master_residual": pytest.approx(2.125 * P, abs=8)}
-    # against the fp32-master strategy on the same tier: 4 B/param less host RAM (master 4 -> 2; ZeRO-3's
-    # gradient partition 4 -> 2, ZeRO-2's is bf16 in both), 2.125 more on NVMe
+    grads = "gradient partition" if "zero3" in name else "bf16 gradient partition"
+    assert est.host["bf16 master partition"] == pytest.approx(2 * P, abs=8)
+    assert est.host[grads] == pytest.approx(2 * P, abs=8)
+    assert est.host["NVMe state segments in flight"] == pytest.approx(staging, abs=8)
+    assert not any("residual" in k or "optimizer states" in k for k in est.host)
+    assert est.nvme == {"optimizer states (nvfp4)": pytest.approx(1.1328125 * P, abs=8),
+                        "split master residual": pytest.approx(2.125 * P, abs=8)}
+    # against the fp32-master strategy on the same tier: the master 4 -> 2 B/param, 2.125 more on NVMe
     fp32 = estimate_memory(cat[name.replace("-split", "")], spec, cluster, setup, checkpointing=False)
-    assert fp32.host["master"] - est.host["master"] == pytest.approx(2 * P, abs=8)
+    assert fp32.host["fp32 master partition"] - est.host["bf16 master partition"] == pytest.approx(2 * P, abs=8)
     assert est.nvme_total - fp32.nvme_total == pytest.approx(2.125 * P, abs=8)
     # the step reads and writes the residual with the states: 3.2578125 B/param each way instead of 1.1328125
     t, t32 = (estimate_time(cat[n], spec, cluster, setup, e) for n, e in ((name, est), (name.replace("-split", ""),

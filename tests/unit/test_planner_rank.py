@@ -33,10 +33,16 @@ def test_zero_offload_host_bytes_per_parameter(cat, h100x8):
     P = m.param_count()
     fp32 = estimate_memory(cat["zero3-opt-cpu"], m, h100x8, BARE, False)
     fp4 = estimate_memory(cat["zero3-opt-cpu-fp4"], m, h100x8, BARE, False)
-    assert fp32.host_total == pytest.approx(16 * P, rel=1e-6)  # master 4 + grad 4 + m 4 + v 4
-    # master 4 + its gradient, which is DeepSpeed's bf16 gradient partition (2) + the packed states: about 7.1 B/param
-    assert fp4.host_total == pytest.approx((6 + STATE_BYTES["nvfp4"]) * P, rel=1e-6)
-    assert fp4.host_total == pytest.approx((6 + 2 * (0.5 + 1 / 16 + 4 / 1024)) * P, rel=1e-6)
+    # master 4, bf16 gradient partition 2, m and v 8; the fp32 master's gradient one sub-group at a time
+    assert fp32.host["fp32 master partition"] == fp4.host["fp32 master partition"] == pytest.approx(4 * P, rel=1e-6)
+    assert fp32.host["gradient partition"] == fp4.host["gradient partition"] == pytest.approx(2 * P, rel=1e-6)
+    assert fp32.host["optimizer states (fp32 m, v)"] == pytest.approx(8 * P, rel=1e-6)
+    assert "fp32 master gradient" in fp32.host
+    # the block: the packed states (about 1.13 B/param) and no fp32 copy of the gradient (it steps the bf16 one)
+    assert fp4.host["optimizer states (nvfp4)"] == pytest.approx(STATE_BYTES["nvfp4"] * P, rel=1e-6)
+    assert fp4.host["optimizer states (nvfp4)"] == pytest.approx(2 * (0.5 + 1 / 16 + 4 / 1024) * P, rel=1e-6)
+    assert "fp32 master gradient" not in fp4.host
+    assert fp4.host_total < fp32.host_total - 6 * P
     assert fp32.device_total == fp4.device_total
 
 
