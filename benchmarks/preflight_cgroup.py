@@ -5,9 +5,10 @@
 Each (limit, block) runs tests/scripts/linear_deepspeed_script.py (8 x Linear(4096, 4096), ZeRO-2 with the
 optimizer offloaded to the CPU, bf16; it never imports fp4offload) in a fresh memory cgroup whose limit is
 ``limit`` GB (10^9 bytes), and reports the outcome: ``trained``, ``refused`` (the preflight's CapacityError
-before DeepSpeed allocated) or ``OOM-killed``, the cgroup's peak usage (``memory.max_usage_in_bytes``), and the
-preflight's estimate when the block ran. A good preflight leaves no ``OOM-killed`` row. Needs root and a
-writable cgroup v1 memory hierarchy at /sys/fs/cgroup/memory.
+before DeepSpeed allocated) or ``OOM-killed``; the cgroup's peak usage (``memory.max_usage_in_bytes``, page
+cache included); the process's peak RSS from initialize on; and the preflight's estimate of it when the block
+ran. A good preflight leaves no ``OOM-killed`` row with the block. Needs root and a writable cgroup v1 memory
+hierarchy at /sys/fs/cgroup/memory.
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ def main() -> None:
         sys.exit("needs root and a writable cgroup v1 memory hierarchy at /sys/fs/cgroup/memory")
     prebuild()
     rows = []
-    print("| cgroup limit | block | outcome | cgroup peak | estimate | block run |")
-    print("|---|---|---|---|---|---|")
+    print("| cgroup limit | block | outcome | cgroup peak | peak RSS | estimate | block run |")
+    print("|---|---|---|---|---|---|---|")
     for gb in a.limits:
         for block in a.blocks:
             t0 = time.time()
@@ -122,8 +123,11 @@ def main() -> None:
             rows.append(dict(r, block_asked=block))
             est = r.get("estimate_per_rank")
             ran = r.get("block")
+            rss = r.get("peak_rss")
             print(f"| {gb:.1f} GB | {block} | {r['outcome']} | {r['cgroup_peak'] / 1e9:.2f} GB | "
-                  f"{'-' if est is None else f'{est / 1e9:.2f} GB'} | {ran if ran else '-'} |", flush=True)
+                  f"{'-' if rss is None else f'{rss / 1e9:.2f} GB'} | "
+                  f"{'-' if est is None else f'{est / 1e9:.2f} GB'} | {json.dumps(ran) if ran else '-'} |",
+                  flush=True)
             if r["outcome"].startswith("failed"):
                 print(r["stderr"][-1500:], file=sys.stderr)
     if a.json:

@@ -156,3 +156,29 @@ def test_plan_check_prints_what_auto_would_pick_here(tmp_path):
     assert [a["arm"] for a in doc["arms"]] == ["without the block", "with the block"]
     huge = check("llama-3.1-405b")  # nothing fits on one host: exit 1, the smallest candidate named
     assert huge.returncode == 1 and "smallest candidate is bf16 master" in huge.stderr
+
+
+def _rank_decides(rank, world_size, tmp, tight_rank):
+    """Each rank reads its own limit; ``tight_rank``'s is 1 MiB, which fits no candidate."""
+    from fp4offload._deepspeed import auto as ds_auto
+    from fp4offload._deepspeed import preflight as pf
+    from fp4offload.errors import CapacityError as Cap
+
+    pf.limits = lambda: pf.Limits(available=(1 << 20) if rank == tight_rank else (1 << 50))
+    try:
+        cfg, d = ds_auto.decide(_cfg(), (P, 0))
+    except Cap as exc:
+        return {"error": type(exc).__name__, "need": exc.need, "have": exc.have}
+    return {"block": cfg["fp4offload"], "choice": d.choice.name}
+
+
+@pytest.mark.slow
+def test_rank_0_decides_for_every_rank():
+    from helpers.dist import run_ranks
+
+    # rank 1 alone would find nothing that fits: it takes rank 0's choice
+    r = run_ranks(_rank_decides, world_size=2, args=(1,), timeout=120)
+    assert r[0] == r[1] and r[0]["choice"].startswith("fp32 master"), r
+    # rank 0 finds nothing: every rank raises its CapacityError, with the same figures
+    r = run_ranks(_rank_decides, world_size=2, args=(0,), timeout=120)
+    assert r[0] == r[1] and r[0]["error"] == "CapacityError" and r[0]["have"] == 1 << 20, r
