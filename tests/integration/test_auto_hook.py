@@ -196,6 +196,23 @@ def test_deepspeed_launcher_two_ranks_gets_the_block_and_auto_off_is_plain_deeps
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_two_ranks_with_auto_train_the_block_rank_0_chose(tmp_path):
+    cfg = json.loads(_ds_config(tmp_path).read_text())
+    cfg["fp4offload"] = "auto"
+    path = tmp_path / "ds_auto.json"
+    path.write_text(json.dumps(cfg))
+    port = free_port()
+    out = tmp_path / "auto.json"
+    r = _launch([_which("deepspeed"), "--num_gpus", "2", "--master_port", str(port), str(SCRIPT), "--mode", "engine",
+                 "--steps", "4", "--deepspeed_config", str(path), "--out", str(out)], port, tmp_path, out)
+    _assert_block(r)
+    assert r["world_size"] == 2
+    lines = [x for x in (tmp_path / "auto.log").read_text().splitlines() if "fp4offload: auto: chose" in x]
+    assert len(lines) == 1 and "fp32 master, NVFP4 states in host RAM" in lines[0], lines  # one line, rank 0's
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_hf_trainer_deepspeed_flag_gets_the_block_with_no_fp4offload_import(tmp_path):
     cfg = _ds_config(tmp_path, trainer=True)
     out = tmp_path / "trainer.json"
