@@ -170,7 +170,7 @@ def run_arm(arm: str, dry: bool, steps: int, warmup: int, port: int) -> dict:
             fully_shard(model, mp_policy=mp, offload_policy=off)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         else:
-            policy = ff.Policy(block_classes=["LlamaDecoderLayer"], cpu_offload=True,
+            policy = ff.Policy(weights={}, block_classes=["LlamaDecoderLayer"], cpu_offload=True,
                                optimizer_states={"min_numel": 4096})
             model = ff.apply(model, policy)
             opt = ff.optimizer(model, policy, lr=1e-4, weight_decay=0.01)

@@ -32,7 +32,9 @@ class FsdpPolicyConfig:
         weights: weight shards all-gathered as NVFP4 (the fp32 shard stays the master; with
             ``cpu_offload`` the host-to-device copy carries the packed bytes too). ``weights.device``
             must be ``"cpu"`` (FSDP2 offloads to host RAM only). Default None (off).
-        optimizer_states: packed Adam states, as in the DeepSpeed block. Default None.
+        optimizer_states: packed Adam states, as in the DeepSpeed block. Default ``OptimizerStatesConfig()``
+            (NVFP4 states: the one feature on by default, as in ``fp4offload.fsdp.Policy()``; ``null`` turns
+            it off). Weights and activations change the forward pass's numbers, so they are opted into.
         activations: saved-tensor packing and offload. Default None.
         monitor: metrics interval. Default None.
         cpu_offload: shard parameters, gradients and optimizer states in host RAM
@@ -44,7 +46,7 @@ class FsdpPolicyConfig:
     """
 
     weights: WeightsConfig | None = None
-    optimizer_states: OptimizerStatesConfig | None = None
+    optimizer_states: OptimizerStatesConfig | None = field(default_factory=OptimizerStatesConfig)
     activations: ActivationsConfig | None = None
     monitor: MonitorConfig | None = None
     cpu_offload: bool = False
@@ -66,8 +68,11 @@ class FsdpPolicyConfig:
         check_fsdp_states(self.optimizer_states, self.cpu_offload)
 
     def to_dict(self) -> dict[str, Any]:
-        """The YAML form (absent sub-blocks left out), as ``parse_fsdp_policy`` reads it back."""
+        """The YAML form (absent sub-blocks left out; no optimizer states written as ``null``, since leaving the
+        key out means the default states), as ``parse_fsdp_policy`` reads it back."""
         out: dict[str, Any] = {n: _to_plain(getattr(self, n)) for n in _FSDP_SUBBLOCKS if getattr(self, n) is not None}
+        if self.optimizer_states is None:
+            out["optimizer_states"] = None
         out.update(cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward,
                    block_classes=list(self.block_classes))
         return out
@@ -103,7 +108,8 @@ def parse_fsdp_policy(doc: Mapping[str, Any] | None) -> FsdpPolicyConfig:
     for k in doc:
         if k not in allowed:
             raise _unknown(str(k), doc[k], allowed)
-    kwargs: dict[str, Any] = {n: _parse_sub(n, c, doc.get(n)) for n, c in _FSDP_SUBBLOCKS.items()}
+    # a sub-block left out takes its default (optimizer_states on, the rest off); written as null, it is off
+    kwargs: dict[str, Any] = {n: _parse_sub(n, c, doc[n]) for n, c in _FSDP_SUBBLOCKS.items() if n in doc}
     for k in _FSDP_SCALARS:
         if k in doc:
             v = doc[k]
@@ -121,7 +127,8 @@ def load_fsdp_policy_yaml(path: str | Path) -> FsdpPolicyConfig:
     The file must be a regular file (a FIFO or a device is not opened: it could block or never end) of at most
     1 MiB, UTF-8, valid YAML, one mapping with no key written twice (YAML would keep the last one without a
     word; the error names the key path and both lines), and not empty: an empty document, or one of comments
-    only, is a ConfigError (a truncated or wrong file; write ``{}`` for a policy with every feature off).
+    only, is a ConfigError (a truncated or wrong file; write ``{}`` for the defaults, NVFP4 optimizer states only,
+    and ``optimizer_states: null`` for a policy with every feature off).
     """
     import yaml
 

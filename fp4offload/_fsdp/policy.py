@@ -68,7 +68,8 @@ class Policy:
             ``"lm_head"``, ``"norm"``, ``"bias"``, and ``"first:N"`` / ``"last:N"`` for the first and
             last N blocks). ``format="bf16"`` or ``None``: plain FSDP gathers. ``device`` must be
             ``"cpu"`` (with ``cpu_offload`` the host shard is packed; NVMe weights are DeepSpeed-only).
-            Default ``WeightsConfig()`` (nvfp4; embeddings, head, norms, biases, first and last block kept).
+            Default None: plain gathers (NVFP4 weights change the forward pass's numbers, so they are opted into,
+            ``weights=WeightsConfig()``: embeddings, head, norms, biases, first and last block kept in bf16).
         optimizer_states: Adam's m and v for :func:`fp4offload.fsdp.optimizer`: ``format`` ``"nvfp4"``
             (FP4AdamW) or ``"fp32"``; ``device`` ``"same"`` (next to the shard: the GPU, or host RAM
             with ``cpu_offload``), ``"cpu"`` or ``"nvme"``; ``rounding`` of m, ``v_rounding`` and ``v_format``
@@ -97,7 +98,7 @@ class Policy:
         reduce_dtype: dtype gradients are reduce-scattered in. Default torch.float32.
     """
 
-    weights: WeightsConfig | None = field(default_factory=WeightsConfig)
+    weights: WeightsConfig | None = None
     optimizer_states: OptimizerStatesConfig | None = field(default_factory=OptimizerStatesConfig)
     activations: Any = None
     monitor: MonitorConfig | None = None

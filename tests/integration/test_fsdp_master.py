@@ -81,7 +81,7 @@ def test_compact_master_policy_checks_and_yaml(tmp_path):
     from fp4offload.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"optimizer_states.master.*weights"):
-        ff.Policy(optimizer_states={"master": "split"})  # the default weights block packs from an fp32 master
+        ff.Policy(weights={}, optimizer_states={"master": "split"})  # NVFP4 weights pack from an fp32 master
     with pytest.raises(ConfigError, match="param_dtype"):
         ff.Policy(weights=None, optimizer_states={"master": "bf16"}, param_dtype=torch.float32)
     with pytest.raises(ConfigError, match="master"):

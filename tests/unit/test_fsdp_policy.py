@@ -28,13 +28,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_policy_defaults_are_documented_values():
     p = ff.Policy()
-    assert p.weights == WeightsConfig() and p.weights.format == "nvfp4"
+    # NVFP4 optimizer states only: weights and activations change the forward pass, so they are opted into
+    assert p.weights is None and not p.packs_weights
     assert p.optimizer_states == OptimizerStatesConfig()
     assert p.activations is None and p.cpu_offload is False and p.reshard_after_forward is True
     assert p.param_dtype == torch.bfloat16 and p.reduce_dtype == torch.float32
-    assert p.packs_weights
+    assert ff.Policy(weights=WeightsConfig()).packs_weights
     with pytest.raises(dataclasses.FrozenInstanceError):  # frozen
         p.cpu_offload = True  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("doc", [None, {}, {"block_classes": ["Block"]}])
+def test_an_empty_policy_yaml_means_what_policy_means(doc):
+    from fp4offload._config import parse_fsdp_policy
+
+    cfg = parse_fsdp_policy(doc)
+    p = ff.Policy.from_config(cfg)
+    assert (p.weights, p.optimizer_states, p.activations) == (ff.Policy().weights, ff.Policy().optimizer_states, None)
+    off = parse_fsdp_policy({"optimizer_states": None})  # null turns the states off, and survives a round trip
+    assert off.optimizer_states is None and parse_fsdp_policy(off.to_dict()).optimizer_states is None
+    assert parse_fsdp_policy(cfg.to_dict()) == cfg
 
 
 def test_policy_accepts_mappings_and_names():
