@@ -43,6 +43,8 @@ class FsdpPolicyConfig:
             backward (ZeRO-3 behaviour) rather than keep them (ZeRO-2). Default True.
         block_classes: class names of the modules to wrap with ``fully_shard`` one by one
             (e.g. ``["LlamaDecoderLayer"]``); the root module is always wrapped. Default [].
+        auto: ``apply`` chooses the optimizer's master form and where its states live from the model, the mesh
+            and the live readings (``fp4offload.fsdp.Policy.auto()``). Default False.
     """
 
     weights: WeightsConfig | None = None
@@ -52,6 +54,7 @@ class FsdpPolicyConfig:
     cpu_offload: bool = False
     reshard_after_forward: bool = True
     block_classes: tuple[str, ...] = field(default=())
+    auto: bool = False
 
     def __post_init__(self) -> None:
         for name, cls in _FSDP_SUBBLOCKS.items():
@@ -60,6 +63,7 @@ class FsdpPolicyConfig:
                 raise _error(name, v, f"a {cls.__name__} or None")
         _as_tuple(self, "block_classes")
         _check_bool("cpu_offload", self.cpu_offload)
+        _check_bool("auto", self.auto)
         _check_bool("reshard_after_forward", self.reshard_after_forward)
         _check_names("block_classes", self.block_classes)
         if self.weights is not None and self.weights.device != "cpu":
@@ -75,10 +79,12 @@ class FsdpPolicyConfig:
             out["optimizer_states"] = None
         out.update(cpu_offload=self.cpu_offload, reshard_after_forward=self.reshard_after_forward,
                    block_classes=list(self.block_classes))
+        if self.auto:
+            out["auto"] = True
         return out
 
 
-_FSDP_SCALARS = ("cpu_offload", "reshard_after_forward", "block_classes")
+_FSDP_SCALARS = ("cpu_offload", "reshard_after_forward", "block_classes", "auto")
 
 
 def check_fsdp_states(states: OptimizerStatesConfig | None, cpu_offload: Any = False) -> None:

@@ -25,9 +25,9 @@ chosen block as written.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from fp4offload._autochoice import Candidate, Decision, gib as _gib, on_rank_0
 from fp4offload.errors import CapacityError, ConfigError
 
 from .config import BLOCK_KEY, _zero, prepare_config
@@ -36,13 +36,6 @@ __all__ = ["is_auto", "Candidate", "Decision", "candidates", "choose", "decide",
 
 #: keys the object form of an auto block takes
 AUTO_KEYS = ("auto", "nvme_path", "host", "monitor")
-GiB = float(1 << 30)
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
 def is_auto(block: Any) -> bool:
     """Whether a config's ``"fp4offload"`` value asks for the automatic choice."""
     return block == "auto" or (isinstance(block, Mapping) and "auto" in block)
@@ -66,35 +59,6 @@ def _auto_options(block: Any) -> dict:
         raise ConfigError(f"{BLOCK_KEY}.nvme_path", path, "a folder path (a non-empty string)",
                           "the NVMe folder the NVMe candidates put the states in")
     return opts
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One block auto may choose: its name and the block as a user would write it."""
-
-    name: str
-    block: dict
-
-
-@dataclass
-class Decision:
-    """What auto chose and why. ``estimate``: the choice's host RAM per rank; ``need``: what it adds on this
-    node; ``free``: what the node's processes may still take, from ``source``. ``tried``: (candidate name, what
-    it would add on the node or None, why it was not taken), in order, the choice last (its reason ``""``)."""
-
-    choice: Candidate | None
-    estimate: int = 0
-    need: int = 0
-    free: int = 0
-    source: str = ""
-    tried: list[tuple[str, int | None, str]] = field(default_factory=list)
-
-    def line(self) -> str:
-        """The one line the log gets."""
-        rest = [f"{n} ({why})" for n, _, why in self.tried if why]
-        head = f"auto: chose {self.choice.name}" if self.choice is not None else "auto: nothing fits"
-        return (f"{head}: adds {_gib(self.need)} on this node ({_gib(self.estimate)} per rank), may use "
-                f"{self.source}" + ("; not taken: " + "; ".join(rest) if rest else ""))
 
 
 def candidates(ds: Mapping[str, Any], opts: Mapping[str, Any]) -> list[Candidate]:
@@ -172,20 +136,6 @@ def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: in
 
 
 def decide(ds_config: Mapping[str, Any], model: Any) -> tuple[dict, Decision]:
-    """:func:`choose` on rank 0, broadcast to the others (each rank then prepares the same block). Runs
-    ``choose`` locally when the process group is not up or has one rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return choose(ds_config, model)
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = ("ok", choose(ds_config, model))
-        except (ConfigError, CapacityError) as exc:
-            box[0] = ("error", exc)
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "error":
-        raise value
-    return value
+    """:func:`choose` on rank 0, broadcast to the others (each rank then prepares the same block); ``choose`` on
+    this process alone when the process group is not up or has one rank."""
+    return on_rank_0(lambda: choose(ds_config, model))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._announce import announce
 from ..errors import ConfigError
 from .internals import AllGatherBase, local_tensor, unit_parameters
 from .. import _keep_bf16 as keep_bf16
@@ -116,11 +117,14 @@ def _mesh_world(mesh) -> int:
     return mesh.size()
 
 
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
+
+
 def _default_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
-    dev = "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
-    return init_device_mesh(dev, (dist.get_world_size(),))
+    return init_device_mesh(_default_device_type(), (dist.get_world_size(),))
 
 
 def _wrap(model: nn.Module, params: list[tuple[str, nn.Parameter]], world: int, device: torch.device,
@@ -348,6 +352,13 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
     blocks = _blocks(model, policy.block_classes)
     world = _mesh_world(mesh)
+    decision = None
+    if policy.automatic:  # the master form and the states' place, from the model and the readings (rank 0's)
+        from .auto import decide
+
+        on_gpu = (mesh.device_type if mesh is not None else _default_device_type()) == "cuda"
+        policy, decision = decide(model, policy, blocks, world, on_gpu)
+        announce(decision.line())
     to_pack, why = _plan(model, policy, blocks, world)
     act = _activation_policy(policy.activations)  # validated before anything changes
     if act is not None:
@@ -375,6 +386,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
     _keep_local_residuals(model, residuals, mesh)
     model.register_state_dict_post_hook(_state_dict_hook)
     model._fp4offload_policy = policy
+    model._fp4offload_auto = decision
     model._fp4offload_all_gather = count_all_gathers(model)
     if act is not None:
         from .._offload import wrap_modules

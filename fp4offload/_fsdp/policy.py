@@ -96,6 +96,8 @@ class Policy:
         param_dtype: dtype forward and backward compute in (what gathered weights are decoded to).
             Default torch.bfloat16.
         reduce_dtype: dtype gradients are reduce-scattered in. Default torch.float32.
+        automatic: :meth:`auto`'s mark: ``apply`` chooses ``optimizer_states.master`` and ``.device``. Default
+            False.
     """
 
     weights: WeightsConfig | None = None
@@ -107,6 +109,14 @@ class Policy:
     block_classes: tuple[str | type, ...] | Callable[[torch.nn.Module], bool] = ()
     param_dtype: torch.dtype = torch.bfloat16
     reduce_dtype: torch.dtype = torch.float32
+    automatic: bool = False
+
+    @classmethod
+    def auto(cls, **fields: Any) -> "Policy":
+        """A policy whose optimizer master form and state placement ``apply`` chooses from the model, the mesh
+        and the live readings (:mod:`fp4offload._fsdp.auto`; YAML ``auto: true``); ``fields`` set the rest
+        (``block_classes``, ``cpu_offload``, ``activations``, the states' rounding, ...)."""
+        return cls(automatic=True, **fields)
 
     def __post_init__(self) -> None:
         for key, cls in _SUB.items():
@@ -114,7 +124,7 @@ class Policy:
         if self.weights is not None and self.weights.device != "cpu":
             raise ConfigError("weights.device", self.weights.device, "'cpu' under FSDP2",
                               "FSDP2 offloads to host RAM only; NVMe weights need DeepSpeed ZeRO-3 offload_param")
-        for key in ("cpu_offload", "reshard_after_forward"):
+        for key in ("cpu_offload", "reshard_after_forward", "automatic"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(key, getattr(self, key), "True or False")
         check_fsdp_states(self.optimizer_states, self.cpu_offload)
@@ -184,6 +194,7 @@ class Policy:
             raise ConfigError("cfg", type(cfg).__name__, "an fp4offload._config.FsdpPolicyConfig")
         kw = {k: getattr(cfg, k) for k in ("weights", "optimizer_states", "activations", "monitor", "cpu_offload",
                                            "reshard_after_forward", "block_classes")}
+        kw["automatic"] = cfg.auto
         kw.update(runtime)
         return cls(**kw)
 
@@ -199,7 +210,8 @@ class Policy:
                                      min_numel=acts.min_numel, modules=acts.modules, exclude=acts.exclude)
         return FsdpPolicyConfig(weights=self.weights, optimizer_states=self.optimizer_states, activations=acts,
                                 monitor=self.monitor, cpu_offload=self.cpu_offload,
-                                reshard_after_forward=self.reshard_after_forward, block_classes=names)
+                                reshard_after_forward=self.reshard_after_forward, block_classes=names,
+                                auto=self.automatic)
 
 
 def _is_block_class(c: Any) -> bool:
