@@ -85,6 +85,11 @@ def _plan(model: nn.Module, policy: Policy, blocks, world: int) -> tuple[list[tu
                               "fp4offload.fsdp.apply does the sharding; tensor-parallel models are not supported yet")
     if not policy.packs_weights or (world < 2 and not policy.cpu_offload):
         return [], why
+    meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
+    if meta is not None:
+        raise ConfigError(f"parameter {meta}", "on the meta device", "materialized parameters with NVFP4 weights",
+                          "initialize the model's weights (e.g. model.to_empty(...) and init) before apply, or shard "
+                          "it from meta with weights None")
     kept = keep_bf16.kept_parameters(model, policy.weights.keep_bf16, blocks)
     out = []
     for name, p in model.named_parameters():
@@ -97,9 +102,6 @@ def _plan(model: nn.Module, policy: Policy, blocks, world: int) -> tuple[list[tu
         elif p.dim() == 0:
             why["0-d"] += 1
         else:
-            if p.device.type == "meta":
-                raise ConfigError(f"parameter {name}", "on the meta device", "materialized parameters",
-                                  "initialize the model's weights (e.g. model.to_empty(...) and init) before apply")
             out.append((name, p))
     return out, why
 
@@ -334,8 +336,12 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
             present and the backend is not gloo, else "cpu").
 
     Raises:
-        ConfigError: a bad policy or mesh, block classes that match nothing, meta parameters. Raised
-            before ``fully_shard`` is called, so no collective has started.
+        ConfigError: a bad policy or mesh, block classes that match nothing, meta parameters with packed
+            weights or a compact master. Raised before ``fully_shard`` is called, so no collective has started.
+
+    A model built under ``torch.device("meta")`` is sharded as it is (with the default policy: NVFP4 states
+    only, fp32 master); then ``model.to_empty(device=...)`` and initialize it, shard by shard, before
+    :func:`optimizer`.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -360,6 +366,13 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
         policy, decision = decide(model, policy, blocks, world, on_gpu)
         announce(decision.line())
     to_pack, why = _plan(model, policy, blocks, world)
+    if policy.compact_master is not None:
+        meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
+        if meta is not None:
+            raise ConfigError(f"parameter {meta}", "on the meta device", f"materialized parameters with "
+                              f"optimizer_states.master={policy.compact_master!r}",
+                              "a compact master is split from the initial fp32 values when apply casts the shards "
+                              "to bf16: initialize the model first, or shard it from meta with master 'fp32'")
     act = _activation_policy(policy.activations)  # validated before anything changes
     if act is not None:
         from .._offload.modules import plan as activation_plan

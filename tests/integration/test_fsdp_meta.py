@@ -1,0 +1,82 @@
+"""A model built on the meta device, sharded by ``fp4offload.fsdp.apply``, then ``to_empty`` and initialized shard
+by shard, trains bit for bit like the same model built on the CPU (two real gloo ranks); the policies that need
+the initial values at ``apply`` refuse meta parameters before anything is sharded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.dist import run_ranks
+
+pytestmark = pytest.mark.distributed
+DIMS = dict(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
+
+
+def _train(rank, world, tmp, meta):
+    from torch.distributed.tensor import distribute_tensor
+
+    import fp4offload.fsdp as ff
+    from benchmarks import harness
+
+    ref = harness.small_llama(**DIMS)
+    params = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    buffers = {k: v.detach().clone() for k, v in ref.named_buffers()}  # rotary tables: not in the state dict
+    if meta:
+        with torch.device("meta"):
+            model = harness.small_llama(**DIMS)
+        assert all(p.device.type == "meta" for p in model.parameters())
+    else:
+        model = ref
+    model = ff.apply(model, ff.Policy(block_classes=["LlamaDecoderLayer"]))
+    if meta:  # the user's initialization, on each rank's shard
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for k, t in model.state_dict().items():
+                t.copy_(distribute_tensor(params[k], t.device_mesh, t.placements) if hasattr(t, "device_mesh")
+                        else params[k])
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+    opt = ff.optimizer(model, model._fp4offload_policy, lr=3e-3)
+    train, _ = harness.byte_splits()
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(6):
+        loss = harness.lm_loss(model, harness.batch(train, 4, 64, g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "inner": opt.fp4offload_inner}
+
+
+@pytest.mark.slow
+def test_a_meta_device_model_trains_like_the_one_built_on_the_cpu():
+    cpu = run_ranks(_train, 2, args=(False,), timeout=300)
+    meta = run_ranks(_train, 2, args=(True,), timeout=300)
+    assert meta[0]["inner"] == cpu[0]["inner"] == "fp4offload.FP4AdamW"
+    assert meta[0]["losses"] == cpu[0]["losses"] and meta[1]["losses"] == cpu[1]["losses"]
+    assert cpu[0]["losses"][-1] < cpu[0]["losses"][0]
+
+
+def _refused(rank, world, tmp, policy_kw):
+    import fp4offload.fsdp as ff
+    from benchmarks import harness
+    from fp4offload.errors import ConfigError
+
+    with torch.device("meta"):
+        model = harness.small_llama(**DIMS)
+    try:
+        ff.apply(model, ff.Policy(block_classes=["LlamaDecoderLayer"], **policy_kw))
+    except ConfigError as e:
+        return {"error": str(e), "sharded": any(hasattr(p, "device_mesh") for p in model.parameters())}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy_kw, says", [({"optimizer_states": {"master": "split"}}, "compact master"),
+                                             ({"weights": {}}, "initialize the model's weights")])
+def test_policies_that_need_the_initial_values_refuse_meta_before_sharding(policy_kw, says):
+    r = run_ranks(_refused, 2, args=(policy_kw,), timeout=120)
+    assert r[0]["error"] and "on the meta device" in r[0]["error"] and says in r[0]["error"], r
+    assert not r[0]["sharded"]
