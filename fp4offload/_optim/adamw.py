@@ -18,7 +18,8 @@ from torch.optim import Optimizer
 from .. import _metrics as metrics
 from ..errors import ConfigError
 from . import convert
-from .checks import check_arguments, check_extra_keywords, check_master, check_param_group, check_unsupported
+from .checks import (check_arguments, check_extra_keywords, check_master, check_not_sharded, check_param_group,
+                     check_unsupported)
 from .hooks import EngineHooks
 from .options import NvmeOptions, StateFormat, StepOptions
 from .placement import Placement
@@ -123,6 +124,7 @@ class FP4AdamW(Optimizer):
         if isinstance(param_group, dict):  # torch AdamW's per-group options FP4AdamW lacks (ConfigError when on)
             check_unsupported({k: v for k, v in param_group.items() if k != "params"})
         check_param_group(param_group, len(getattr(self, "param_groups", ())), getattr(self, "defaults", None))
+        check_not_sharded(param_group)
         super().add_param_group(param_group)
         if getattr(self, "placement", None) is not None:  # the constructor checks its groups once the tier exists
             for p in self.param_groups[-1]["params"]:

@@ -92,6 +92,21 @@ def check_param_group(group: Any, index: int, defaults: dict | None = None) -> N
                               **{k: group[k] for k in GROUP_OPTIONS if k in group})
 
 
+def check_not_sharded(group: Any) -> None:
+    """DTensor parameters (a model sharded by FSDP2's ``fully_shard``): refused with the way that works, rather
+    than failing at the first step on the sharded wrapper's storage."""
+    params = group.get("params") if isinstance(group, dict) else None
+    if params is not None and not isinstance(params, (torch.Tensor, list, tuple)):
+        params = group["params"] = list(params)  # a generator is read once: keep what was read for torch
+    params = [params] if isinstance(params, torch.Tensor) else list(params or ())
+    for i, p in enumerate(params):
+        if type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") and hasattr(p, "placements"):
+            raise ConfigError(f"params[{i}]", f"a DTensor of shape {tuple(p.shape)}", "plain tensors",
+                              "for a model sharded with FSDP2 build the optimizer with fp4offload.fsdp.optimizer("
+                              "model, policy), which steps each rank's local shard (shard it with "
+                              "fp4offload.fsdp.apply)")
+
+
 def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_device, nvme_path, state_format, nvme,
                     step_options):
     """FP4AdamW's hyperparameters and options (see its docstring); raises ConfigError for the first bad one.

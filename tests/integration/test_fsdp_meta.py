@@ -80,3 +80,24 @@ def test_policies_that_need_the_initial_values_refuse_meta_before_sharding(polic
     r = run_ranks(_refused, 2, args=(policy_kw,), timeout=120)
     assert r[0]["error"] and "on the meta device" in r[0]["error"] and says in r[0]["error"], r
     assert not r[0]["sharded"]
+
+
+def _plain_fp4adamw_over_dtensors(rank, world, tmp):
+    from torch.distributed.fsdp import fully_shard
+
+    import fp4offload
+    from benchmarks import harness
+    from fp4offload.errors import ConfigError
+
+    model = harness.small_llama(**DIMS)
+    fully_shard(model)
+    try:
+        fp4offload.FP4AdamW(model.parameters(), lr=1e-3)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_fp4adamw_over_the_dtensors_of_a_sharded_model_names_the_way_that_works():
+    err = run_ranks(_plain_fp4adamw_over_dtensors, 1, timeout=120)[0]
+    assert err and "params[0]" in err and "DTensor" in err and "fp4offload.fsdp.optimizer" in err, err
