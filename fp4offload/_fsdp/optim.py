@@ -28,7 +28,7 @@ from .weight import FP4Weight
 
 log = logging.getLogger("fp4offload.fsdp")
 
-__all__ = ["optimizer", "ShardedOptimizerMixin", "inner_optimizer_class"]
+__all__ = ["optimizer", "over_shards", "ShardedOptimizerMixin", "inner_optimizer_class"]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -209,7 +209,18 @@ def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterabl
     if not isinstance(policy, Policy):
         raise ConfigError("policy", type(policy).__name__, "an fp4offload.fsdp.Policy")
     cls, extra, name = inner_optimizer_class(policy)
-    groups = list(model.parameters() if params is None else params)
+    opt = over_shards(cls, model.parameters() if params is None else params, lr=lr, betas=betas, eps=eps,
+                      weight_decay=weight_decay, **extra, **kwargs)
+    opt._fsdp_monitor_every = policy.monitor.every if policy.monitor is not None else 0
+    opt.fp4offload_inner = name
+    return opt
+
+
+def over_shards(cls: type, params: Iterable[Any], **kwargs: Any) -> torch.optim.Optimizer:
+    """An optimizer of class ``cls`` stepping proxies of the local shards of ``params`` (DTensors of a model
+    sharded by ``apply`` or by the user's own ``fully_shard``; parameters or param-group dicts), built with
+    ``kwargs``. ``FP4AdamW(model.parameters())`` over DTensors comes here."""
+    groups = list(params)
     if not groups:
         raise ConfigError("params", "[]", "at least one parameter")
     if not isinstance(groups[0], dict):
@@ -231,12 +242,11 @@ def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterabl
             pairs.append((p, proxy))
             proxies.append(proxy)
         proxy_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": proxies})
-    opt = _sharded_class(cls)(proxy_groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                              **extra, **kwargs)
+    opt = _sharded_class(cls)(proxy_groups, **kwargs)
     opt._fsdp_pairs = pairs
-    opt._fsdp_monitor_every = policy.monitor.every if policy.monitor is not None else 0
+    opt._fsdp_monitor_every = 0
     opt._fsdp_padded_numel = {id(proxy): _padded_local_numel(p) for p, proxy in pairs}
-    opt.fp4offload_inner = name
+    opt.fp4offload_inner = cls.__name__
     for p, proxy in pairs:  # a compact master starts from the fp32 values apply cast to bf16
         res = getattr(p, "_fp4offload_residual", None)
         if res is not None and getattr(opt, "master", "fp32") == "split" and res[0].numel() == proxy.numel():

@@ -10,7 +10,7 @@ and the torch AdamW conversion convert.py's, the argument checks checks.py's.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.optim import Optimizer
@@ -18,8 +18,8 @@ from torch.optim import Optimizer
 from .. import _metrics as metrics
 from ..errors import ConfigError
 from . import convert
-from .checks import (check_arguments, check_extra_keywords, check_master, check_not_sharded, check_param_group,
-                     check_unsupported)
+from .checks import (_is_dtensor, check_arguments, check_extra_keywords, check_master, check_not_sharded,
+                     check_param_group, check_unsupported)
 from .hooks import EngineHooks
 from .options import NvmeOptions, StateFormat, StepOptions
 from .placement import Placement
@@ -78,11 +78,32 @@ class FP4AdamW(Optimizer):
     the step, and once the cause is gone training continues as if that step had been skipped.
     """
 
+    def __new__(cls, params: Iterable | None = None, *args: Any, **kwargs: Any):
+        """``FP4AdamW(model.parameters(), ...)`` over the DTensors of a model sharded with FSDP2's
+        ``fully_shard`` builds the optimizer ``fp4offload.fsdp.optimizer`` builds: FP4AdamW stepping each rank's
+        local shards (:func:`fp4offload._fsdp.optim.over_shards`). Plain parameters take the usual path."""
+        if cls is not FP4AdamW or params is None or isinstance(params, torch.Tensor):
+            return super().__new__(cls)
+        groups = [dict(g, params=list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]])
+                  if isinstance(g, dict) else g for g in params]
+        flat = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        if any(_is_dtensor(p) for p in flat):
+            from .._fsdp.optim import over_shards
+
+            obj = over_shards(cls, groups, **dict(zip(("lr", "betas", "eps", "weight_decay"), args)), **kwargs)
+        else:
+            obj = super().__new__(cls)
+            obj.__init__(groups, *args, **kwargs)
+        obj._fp4offload_built = True  # Python calls __init__ once more on what __new__ returns: it returns at once
+        return obj
+
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False, master: str = "fp32",
                  state_device: str = "same", nvme_path=None, state_format: StateFormat | None = None,
                  nvme: NvmeOptions | None = None, step_options: StepOptions | None = None,
                  _defer_master_check: bool = False, **torch_options):
+        if self.__dict__.pop("_fp4offload_built", False):
+            return
         check_extra_keywords(torch_options)
         state_format = StateFormat() if state_format is None else state_format
         nvme = NvmeOptions() if nvme is None else nvme

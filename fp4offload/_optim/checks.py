@@ -92,19 +92,24 @@ def check_param_group(group: Any, index: int, defaults: dict | None = None) -> N
                               **{k: group[k] for k in GROUP_OPTIONS if k in group})
 
 
+def _is_dtensor(p: Any) -> bool:
+    return type(p).__name__ == "DTensor" or (hasattr(p, "device_mesh") and hasattr(p, "placements"))
+
+
 def check_not_sharded(group: Any) -> None:
-    """DTensor parameters (a model sharded by FSDP2's ``fully_shard``): refused with the way that works, rather
-    than failing at the first step on the sharded wrapper's storage."""
+    """DTensor parameters added to an optimizer over plain ones (``add_param_group``): refused with the way that
+    works, rather than failing at the first step on the sharded wrapper's storage. (``FP4AdamW(params)`` over
+    DTensors at construction steps their local shards.)"""
     params = group.get("params") if isinstance(group, dict) else None
     if params is not None and not isinstance(params, (torch.Tensor, list, tuple)):
         params = group["params"] = list(params)  # a generator is read once: keep what was read for torch
     params = [params] if isinstance(params, torch.Tensor) else list(params or ())
     for i, p in enumerate(params):
-        if type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") and hasattr(p, "placements"):
+        if _is_dtensor(p):
             raise ConfigError(f"params[{i}]", f"a DTensor of shape {tuple(p.shape)}", "plain tensors",
-                              "for a model sharded with FSDP2 build the optimizer with fp4offload.fsdp.optimizer("
-                              "model, policy), which steps each rank's local shard (shard it with "
-                              "fp4offload.fsdp.apply)")
+                              "an optimizer over plain tensors cannot take a sharded model's parameters: build "
+                              "FP4AdamW(model.parameters(), ...) over all of them at once, which steps each rank's "
+                              "local shards (or fp4offload.fsdp.optimizer(model, policy))")
 
 
 def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_device, nvme_path, state_format, nvme,

@@ -1,6 +1,7 @@
-"""A model built on the meta device, sharded by ``fp4offload.fsdp.apply``, then ``to_empty`` and initialized shard
-by shard, trains bit for bit like the same model built on the CPU (two real gloo ranks); the policies that need
-the initial values at ``apply`` refuse meta parameters before anything is sharded."""
+"""FSDP2 the torch way, on two real gloo ranks: a model built on the meta device, sharded by
+``fp4offload.fsdp.apply``, then ``to_empty`` and initialized shard by shard, trains bit for bit like the same model
+built on the CPU (the policies that need the initial values at ``apply`` refuse meta parameters before anything is
+sharded); and ``FP4AdamW(model.parameters())`` straight over the user's own ``fully_shard`` trains like AdamW."""
 
 from __future__ import annotations
 
@@ -82,7 +83,52 @@ def test_policies_that_need_the_initial_values_refuse_meta_before_sharding(polic
     assert not r[0]["sharded"]
 
 
-def _plain_fp4adamw_over_dtensors(rank, world, tmp):
+def _own_fully_shard(rank, world, tmp, which, steps):
+    """The torch way: the user's own fully_shard with MixedPrecisionPolicy(bf16, fp32), then an optimizer built
+    straight over model.parameters() (DTensors)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fp4offload
+    from benchmarks import harness
+
+    model = harness.small_llama(**DIMS)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    cls = fp4offload.FP4AdamW if which == "fp4" else torch.optim.AdamW
+    opt = cls(model.parameters(), lr=3e-3, weight_decay=0.01)
+    train, _ = harness.byte_splits()
+    g = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(steps):
+        loss = harness.lm_loss(model, harness.batch(train, 4, 64, g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    st = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
+    return {"losses": losses, "class": type(opt).__name__, "is_fp4adamw": isinstance(opt, fp4offload.FP4AdamW),
+            "state_types": sorted({type(t).__name__ for t in st}),
+            "grads_cleared": all(p.grad is None for p in model.parameters())}
+
+
+@pytest.mark.slow
+def test_fp4adamw_straight_over_the_users_own_fully_shard_trains_like_adamw():
+    steps = 40
+    fp4 = run_ranks(_own_fully_shard, 2, args=("fp4", steps), timeout=300)
+    ref = run_ranks(_own_fully_shard, 2, args=("torch", steps), timeout=300)
+    # FP4AdamW over each rank's local shards: its states are plain local tensors, AdamW's are DTensors
+    assert fp4[0]["is_fp4adamw"] and fp4[0]["class"] == "ShardedFP4AdamW" and fp4[0]["state_types"] == ["Tensor"]
+    assert ref[0]["state_types"] == ["DTensor"]
+    assert fp4[0]["grads_cleared"] and fp4[1]["grads_cleared"]
+    assert fp4[0]["losses"][0] == ref[0]["losses"][0]  # same model, same first batch
+    tail = lambda r: sum(r[0]["losses"][-5:]) / 5  # noqa: E731
+    assert abs(tail(fp4) - tail(ref)) <= 0.10 * tail(ref), (tail(fp4), tail(ref))
+    assert tail(fp4) < fp4[0]["losses"][0] - 1.0  # it trained
+
+
+def _add_dtensors_to_a_plain_optimizer(rank, world, tmp):
     from torch.distributed.fsdp import fully_shard
 
     import fp4offload
@@ -91,13 +137,14 @@ def _plain_fp4adamw_over_dtensors(rank, world, tmp):
 
     model = harness.small_llama(**DIMS)
     fully_shard(model)
+    opt = fp4offload.FP4AdamW([torch.nn.Parameter(torch.zeros(4))], lr=1e-3)
     try:
-        fp4offload.FP4AdamW(model.parameters(), lr=1e-3)
+        opt.add_param_group({"params": model.parameters()})
     except ConfigError as e:
         return str(e)
     return None
 
 
-def test_fp4adamw_over_the_dtensors_of_a_sharded_model_names_the_way_that_works():
-    err = run_ranks(_plain_fp4adamw_over_dtensors, 1, timeout=120)[0]
-    assert err and "params[0]" in err and "DTensor" in err and "fp4offload.fsdp.optimizer" in err, err
+def test_dtensors_added_to_an_optimizer_over_plain_tensors_are_refused_naming_the_way():
+    err = run_ranks(_add_dtensors_to_a_plain_optimizer, 1, timeout=120)[0]
+    assert err and "params[0]" in err and "DTensor" in err and "FP4AdamW(model.parameters()" in err, err
