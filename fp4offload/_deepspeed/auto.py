@@ -130,9 +130,11 @@ def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: in
     if best is None:
         raise ConfigError(BLOCK_KEY, "auto", "a DeepSpeed config one of the candidates can run with",
                           f"no candidate block suits it ({tried}); write the block by hand")
+    on_nvme = any("NVMe" in n for n, _, _ in decision.tried)
     raise CapacityError(f'host RAM for {params / 1e6:.1f}M parameters with "fp4offload": "auto"', best[0], lim.free,
                         f"the smallest candidate is {best[1]}; tried: {tried}. The process may use "
-                        f"{lim.describe()}: more nodes, a smaller model, more RAM or an NVMe folder (nvme_path)")
+                        f"{lim.describe()}: more nodes, a smaller model, more RAM"
+                        + ("" if on_nvme else " or an NVMe folder (nvme_path)"))
 
 
 def decide(ds_config: Mapping[str, Any], model: Any) -> tuple[dict, Decision]:
