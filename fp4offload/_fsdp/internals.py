@@ -17,7 +17,9 @@ name                                       defined in                      what 
 
 Each has a fallback, so a torch that moves one of them runs slower, never wrong: no AllGather base (duck
 typing is enough), no param groups (one all-reduce per weight instead of one per unit; :func:`check` says
-so, and ``apply`` logs it once). Verified on torch 2.11 and 2.13.
+so, and ``apply`` logs it once). torch 2.11 has one optional ``FSDPState._fsdp_param_group`` where 2.13 has the
+list ``_fsdp_param_groups`` (and the singular as a property): both are read, and the check's key covers both.
+Verified on torch 2.11.0, 2.13.0 and 2.14.1 (benchmarks/torch_matrix.sh).
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ except ImportError:  # pragma: no cover - a torch without it: duck typing is eno
 def unit_parameters(unit: nn.Module) -> list[Any] | None:
     """The sharded parameters of one fully_shard unit, in FSDP's order; None if torch's internals moved."""
     try:
-        groups = list(unit._get_fsdp_state()._fsdp_param_groups)
+        state = unit._get_fsdp_state()
+        if "_fsdp_param_groups" in vars(state):  # torch >= 2.13: a list
+            groups = list(state._fsdp_param_groups)
+        else:  # torch 2.11: one optional group, ``_fsdp_param_group``
+            group = state._fsdp_param_group
+            groups = [] if group is None else [group]
         return [fp.sharded_param for g in groups for fp in g.fsdp_params]
     except (AttributeError, AssertionError, TypeError):
         return None
@@ -56,7 +63,7 @@ def check() -> dict[str, bool]:
 
     state = getattr(_fsdp_state, "FSDPState", None)
     return {"AllGather": AllGatherBase is not object,
-            "FSDPState._fsdp_param_groups": state is not None and "_fsdp_param_groups" in _init_source(state),
+            "FSDPState._fsdp_param_groups": state is not None and "_fsdp_param_group" in _init_source(state),
             "DTensor._local_tensor": "_local_tensor" in getattr(DTensor, "__slots__", ()) or
                                      "_local_tensor" in _init_source(DTensor)}
 
