@@ -63,7 +63,7 @@ def _auto_options(block: Any) -> dict:
 
 def candidates(ds: Mapping[str, Any], opts: Mapping[str, Any]) -> list[Candidate]:
     """The candidates for DeepSpeed config ``ds`` (without the block), in the order of preference."""
-    off = _zero(copy.deepcopy(dict(ds))).get("offload_optimizer")
+    off = _zero(dict(ds)).get("offload_optimizer")  # read only
     off = off if isinstance(off, Mapping) else {}
     offloaded = off.get("device") in ("cpu", "nvme")
     nvme_path = opts.get("nvme_path") or (off.get("nvme_path") if off.get("device") == "nvme" else None)

@@ -33,10 +33,10 @@ def _sizes(cfg):
     """Each candidate's bytes to add, from the same estimate the choice uses."""
     opts = auto._auto_options(cfg["fp4offload"])
     base = {k: v for k, v in cfg.items() if k != "fp4offload"}
+    from fp4offload._deepspeed.config import prepare_config
+
     out = {}
     for cand in auto.candidates(base, opts):
-        from fp4offload._deepspeed.config import prepare_config
-
         prepared = prepare_config(dict(base, fp4offload=cand.block))
         est = ds_preflight.estimate(prepared.ds_config, (P, 0), prepared.host, rss=RSS, world=1, local_ranks=1,
                                     accelerator="cpu", states=prepared.states)
