@@ -1,8 +1,9 @@
 """FSDP2 (``fully_shard``) policies: NVFP4 weight all-gathers, FP4 optimizer states, activation offload.
 
-``apply(model, policy, mesh=None)`` shards the model per block (module class names or a callable,
-like an auto-wrap policy) and at the root, after wrapping every trainable weight the policy packs
-in an :class:`~fp4offload._fsdp.weight.FP4Weight` (fp32 master, NVFP4 all-gather).
+``apply(model, policy, mesh=None)`` is :func:`~fp4offload._fsdp.convert.convert` (every trainable weight the
+policy packs wrapped in an :class:`~fp4offload._fsdp.weight.FP4Weight`: fp32 master, NVFP4 all-gather) plus the
+default sharding: ``fully_shard`` per block (module class names or a callable, like an auto-wrap policy) and
+at the root. Users who shard the model themselves call ``convert`` and then their own ``fully_shard``.
 ``optimizer(model, policy)`` builds FP4AdamW (or torch AdamW) over the local shards; ``save`` and
 ``load`` write and read ``torch.distributed.checkpoint`` checkpoints in safetensors files (no pickle).
 
@@ -30,10 +31,11 @@ import torch.nn as nn
 
 from .._announce import announce
 from ..errors import ConfigError
-from .internals import AllGatherBase, local_tensor, unit_parameters
+from .convert import activation_policy, as_policy, packable, unwrap_value, wrap
+from .internals import AllGatherBase, local_tensor, shard_layout
 from .. import _keep_bf16 as keep_bf16
 from .policy import Policy, policy_from_yaml
-from .weight import STATS, CollectiveError, FP4Weight, GatherGroup, Slot, WeightSpec
+from .weight import STATS, CollectiveError, FP4Weight, Slot
 
 log = logging.getLogger("fp4offload.fsdp")
 
@@ -65,47 +67,6 @@ def _blocks(model: nn.Module, block_classes) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    out: dict[int, list[tuple[nn.Module, str]]] = {}
-    for mod in model.modules():
-        for name, p in mod._parameters.items():
-            if p is not None:
-                out.setdefault(id(p), []).append((mod, name))
-    return out
-
-
-def _plan(model: nn.Module, policy: Policy, blocks, world: int) -> tuple[list[tuple[str, nn.Parameter]], dict]:
-    """(parameters to pack, counts of why others are not) — pure, no side effects."""
-    why = {"keep_bf16": 0, "frozen": 0, "not floating": 0, "0-d": 0}
-    from torch.distributed.tensor import DTensor
-
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            raise ConfigError(f"parameter {name}", "a DTensor", "plain parameters (an unsharded model)",
-                              "fp4offload.fsdp.apply does the sharding; tensor-parallel models are not supported yet")
-    if not policy.packs_weights or (world < 2 and not policy.cpu_offload):
-        return [], why
-    meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
-    if meta is not None:
-        raise ConfigError(f"parameter {meta}", "on the meta device", "materialized parameters with NVFP4 weights",
-                          "initialize the model's weights (e.g. model.to_empty(...) and init) before apply, or shard "
-                          "it from meta with weights None")
-    kept = keep_bf16.kept_parameters(model, policy.weights.keep_bf16, blocks)
-    out = []
-    for name, p in model.named_parameters():
-        if id(p) in kept:
-            why["keep_bf16"] += 1
-        elif not p.requires_grad:
-            why["frozen"] += 1
-        elif not p.is_floating_point():
-            why["not floating"] += 1
-        elif p.dim() == 0:
-            why["0-d"] += 1
-        else:
-            out.append((name, p))
-    return out, why
-
-
 def _mesh_world(mesh) -> int:
     """The number of ranks weights are sharded over; ConfigError for a mesh this module cannot use."""
     if mesh is None:
@@ -113,10 +74,11 @@ def _mesh_world(mesh) -> int:
             raise ConfigError("mesh", None, "a DeviceMesh, or an initialized default process group",
                               "call torch.distributed.init_process_group(...) before fp4offload.fsdp.apply")
         return dist.get_world_size()
-    if getattr(mesh, "ndim", None) != 1:
-        raise ConfigError("mesh", mesh, "a 1-D DeviceMesh (data-parallel sharding)",
-                          "HSDP and tensor-parallel meshes are not supported by fp4offload.fsdp yet")
-    return mesh.size()
+    if getattr(mesh, "ndim", None) not in (1, 2):
+        raise ConfigError("mesh", mesh, "a 1-D DeviceMesh (FSDP) or a 2-D (replicate, shard) one (HSDP)",
+                          "tensor-parallel dimensions are not supported by fp4offload.fsdp: shard with FSDP/HSDP "
+                          "only")
+    return mesh.size(mesh.ndim - 1)  # fully_shard shards over a 2-D mesh's last dimension, replicates the first
 
 
 def _default_device_type() -> str:
@@ -127,24 +89,6 @@ def _default_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(_default_device_type(), (dist.get_world_size(),))
-
-
-def _wrap(model: nn.Module, params: list[tuple[str, nn.Parameter]], world: int, device: torch.device,
-          offload: bool) -> list[Slot]:
-    owners = _owners(model)
-    slots = []
-    for name, p in params:
-        slot = Slot(WeightSpec(name, tuple(p.shape), world))
-        master = p.detach()
-        if master.device != device:
-            master = master.to(device)
-        slot.offload = offload
-        newp = nn.Parameter(FP4Weight(master, slot), requires_grad=p.requires_grad)
-        for mod, attr in owners[id(p)]:
-            mod._parameters[attr] = newp
-        slot.owner = owners[id(p)][0]
-        slots.append(slot)
-    return slots
 
 
 # --------------------------------------------------------------------------------------------------
@@ -195,64 +139,13 @@ def count_all_gathers(model: nn.Module) -> AllGatherCounter:
 
 
 # --------------------------------------------------------------------------------------------------
-# gather groups: the FP4 weights of one fully_shard unit share one amax all-reduce per gather
-
-
-def _unit_slots(unit: nn.Module) -> list[Slot] | None:
-    """The FP4 slots of one FSDP unit, in FSDP's order (None if torch's internals moved)."""
-    params = unit_parameters(unit)
-    if params is None:
-        return None
-    out = []
-    for p in params:
-        local = local_tensor(p)
-        if isinstance(local, FP4Weight):
-            out.append(local._slot)
-    return out
-
-
-def _make_groups(units: list[nn.Module], slots: list[Slot], mesh) -> None:
-    pg = mesh.get_group()
-    claimed: set[int] = set()
-    for unit in units:
-        members = _unit_slots(unit)
-        if members is None:  # unknown internals: one group per weight (one all-reduce each, still correct)
-            log.info("fp4offload.fsdp: this torch hides FSDP's parameter groups (fsdp_internals.check()); "
-                     "one amax all-reduce per weight instead of one per unit")
-            break
-        members = [s for s in members if id(s) not in claimed]
-        if members:
-            GatherGroup(members, pg, mesh.device_type)
-            claimed.update(id(s) for s in members)
-    for s in slots:
-        if id(s) not in claimed:
-            GatherGroup([s], pg, mesh.device_type)
-
-
-# --------------------------------------------------------------------------------------------------
 # state dicts: the fp32 masters, as DTensors, never the wrapper
-
-
-def _unwrap_value(v):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(v, DTensor) and isinstance(local_tensor(v), FP4Weight):
-        return DTensor.from_local(local_tensor(v)._master, v.device_mesh, v.placements, run_check=False,
-                                  shape=v.shape, stride=v.stride())
-    if isinstance(v, FP4Weight):
-        return v._master
-    return v
-
-
-def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
-    for k in list(state_dict.keys()):
-        state_dict[k] = _unwrap_value(state_dict[k])
 
 
 def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every FP4 shard as a DTensor over its fp32 master (no copies)."""
     sd = model.state_dict()
-    return {k: _unwrap_value(v) for k, v in sd.items()}
+    return {k: unwrap_value(v) for k, v in sd.items()}
 
 
 def fp4_parameters(model: nn.Module) -> list[tuple[str, Slot]]:
@@ -308,15 +201,16 @@ def _to_bf16(model: nn.Module, master: str | None) -> dict[str, tuple[torch.Tens
     return out
 
 
-def _keep_local_residuals(model: nn.Module, residuals: dict, mesh) -> None:
+def _keep_local_residuals(model: nn.Module, residuals: dict) -> None:
     """Each rank keeps its shard's part of the residuals (FSDP2 shards dim 0 as torch.chunk does), on the
     sharded parameter, for fp4offload.fsdp.optimizer to start FP4AdamW's split master from."""
     if not residuals:
         return
-    rank, world = mesh.get_local_rank(), mesh.size()
     for name, prm in model.named_parameters():
         if name not in residuals:
             continue
+        layout = shard_layout(prm, f"parameter {name}")
+        rank, world = layout.rank, layout.world
         lo, odd = residuals[name]
         parts = lo.chunk(world, dim=0)
         local = parts[rank] if rank < len(parts) else lo[:0]
@@ -325,35 +219,61 @@ def _keep_local_residuals(model: nn.Module, residuals: dict, mesh) -> None:
         prm._fp4offload_residual = (local.reshape(-1).clone(), odd[keep] - start)
 
 
-def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Module:
-    """Shard ``model`` with ``fully_shard`` per block and at the root, as ``policy`` says; returns it.
+def _torch_policies(policy: Policy, mp_policy, offload_policy) -> tuple:
+    """torch's MixedPrecisionPolicy and OffloadPolicy for ``fully_shard``: the ones given, else the policy's
+    ``param_dtype``, ``reduce_dtype`` and ``cpu_offload``. A policy field set away from its default that disagrees
+    with a torch policy object is a ConfigError naming both."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    default = Policy()
+    if mp_policy is None:
+        mp_policy = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
+    elif not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise ConfigError("mp_policy", type(mp_policy).__name__, "a torch.distributed.fsdp.MixedPrecisionPolicy")
+    else:
+        for key in ("param_dtype", "reduce_dtype"):
+            mine = getattr(policy, key)
+            if mine != getattr(default, key) and mine != getattr(mp_policy, key):
+                raise ConfigError(f"policy.{key}", mine, f"{getattr(mp_policy, key)} (mp_policy.{key}) or left "
+                                  "at its default", "set the dtype in one place: the MixedPrecisionPolicy")
+    if offload_policy is None:
+        offload_policy = (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if policy.cpu_offload
+                          else OffloadPolicy())
+    elif not isinstance(offload_policy, OffloadPolicy):
+        raise ConfigError("offload_policy", type(offload_policy).__name__,
+                          "a torch.distributed.fsdp.OffloadPolicy or CPUOffloadPolicy")
+    elif policy.cpu_offload and not isinstance(offload_policy, CPUOffloadPolicy):
+        raise ConfigError("policy.cpu_offload", True, "False (or left out) with offload_policy=OffloadPolicy()",
+                          "say where shards live in one place: the offload policy")
+    return mp_policy, offload_policy
+
+
+def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None, mp_policy=None,
+          offload_policy=None) -> nn.Module:
+    """:func:`~fp4offload._fsdp.convert.convert` plus the default sharding: ``fully_shard`` per block and at the
+    root, as ``policy`` says; returns the model.
 
     Args:
         model: the module, with materialized parameters (on the mesh's device, or on the CPU: they
             are moved).
         policy: a :class:`Policy` (or an ``fp4offload._config.FsdpPolicyConfig``). Default ``Policy()``.
-        mesh: a 1-D DeviceMesh; default: one over the default process group ("cuda" when CUDA is
-            present and the backend is not gloo, else "cpu").
+        mesh: a 1-D DeviceMesh (FSDP) or a 2-D ``(replicate, shard)`` one (HSDP: NVFP4 all-gathers within the
+            shard dimension, gradients all-reduced across replicas); default: one over the default process group
+            ("cuda" when CUDA is present and the backend is not gloo, else "cpu").
+        mp_policy: torch's ``MixedPrecisionPolicy`` (default: the policy's ``param_dtype`` and ``reduce_dtype``).
+        offload_policy: torch's ``OffloadPolicy`` / ``CPUOffloadPolicy`` (default: the policy's ``cpu_offload``).
 
     Raises:
-        ConfigError: a bad policy or mesh, block classes that match nothing, meta parameters with packed
-            weights or a compact master. Raised before ``fully_shard`` is called, so no collective has started.
+        ConfigError: a bad policy or mesh, block classes that match nothing, meta parameters with a compact
+            master. Raised before ``fully_shard`` is called, so no collective has started.
 
-    A model built under ``torch.device("meta")`` is sharded as it is (with the default policy: NVFP4 states
-    only, fp32 master); then ``model.to_empty(device=...)`` and initialize it, shard by shard, before
-    :func:`optimizer`.
+    A model built under ``torch.device("meta")`` is sharded as it is (NVFP4 weights included; a compact master
+    needs the initial values and refuses it); then ``model.to_empty(device=...)`` and initialize it, shard by
+    shard, before :func:`optimizer`.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    from .._config import FsdpPolicyConfig
-
-    if policy is None:
-        policy = Policy()
-    elif isinstance(policy, FsdpPolicyConfig):
-        policy = Policy.from_config(policy)
-    elif not isinstance(policy, Policy):
-        raise ConfigError("policy", type(policy).__name__, "an fp4offload.fsdp.Policy or FsdpPolicyConfig")
-    policy = policy.checked_paths()  # the NVMe folders: expanded, resolved, created under an existing parent
+    policy = as_policy(policy)
     if not isinstance(model, nn.Module):
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
     blocks = _blocks(model, policy.block_classes)
@@ -365,7 +285,11 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
         on_gpu = (mesh.device_type if mesh is not None else _default_device_type()) == "cuda"
         policy, decision = decide(model, policy, blocks, world, on_gpu)
         announce(decision.line())
-    to_pack, why = _plan(model, policy, blocks, world)
+    mp, offload = _torch_policies(policy, mp_policy, offload_policy)
+    host_shards = isinstance(offload, CPUOffloadPolicy)
+    to_pack, why = packable(model, policy, blocks)
+    if world < 2 and not host_shards:  # one rank, nothing gathered or copied: nothing to pack
+        to_pack = []
     if policy.compact_master is not None:
         meta = next((n for n, p in model.named_parameters() if p.device.type == "meta"), None)
         if meta is not None:
@@ -373,7 +297,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
                               f"optimizer_states.master={policy.compact_master!r}",
                               "a compact master is split from the initial fp32 values when apply casts the shards "
                               "to bf16: initialize the model first, or shard it from meta with master 'fp32'")
-    act = _activation_policy(policy.activations)  # validated before anything changes
+    act = activation_policy(policy.activations)  # validated before anything changes
     if act is not None:
         from .._offload.modules import plan as activation_plan
 
@@ -384,20 +308,15 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" \
         else torch.device(mesh.device_type)
     residuals = _to_bf16(model, policy.compact_master)
-    slots = _wrap(model, to_pack, world, device, policy.cpu_offload)
-    mp = MixedPrecisionPolicy(param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype)
-    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if policy.cpu_offload else OffloadPolicy()
+    conversion = wrap(model, to_pack, world=world, device=device, offload=host_shards)
     kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
-    units = []
     for _, block in reversed(blocks):  # innermost first
         fully_shard(block, reshard_after_forward=policy.reshard_after_forward, **kw)
-        units.append(block)
     # the root: FSDP's default keeps its weights from forward to backward (they are needed at once)
     fully_shard(model, reshard_after_forward=None if policy.reshard_after_forward else False, **kw)
-    units.append(model)
-    _make_groups(units, slots, mesh)
-    _keep_local_residuals(model, residuals, mesh)
-    model.register_state_dict_post_hook(_state_dict_hook)
+    conversion.bind()
+    _keep_local_residuals(model, residuals)
+    model._fp4offload_conversion = conversion
     model._fp4offload_policy = policy
     model._fp4offload_auto = decision
     model._fp4offload_all_gather = count_all_gathers(model)
@@ -405,7 +324,8 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
         from .._offload import wrap_modules
 
         model._fp4offload_activations = wrap_modules(model, act)
-    if world < 2 and policy.packs_weights and not policy.cpu_offload:
+    slots = conversion.slots
+    if world < 2 and policy.packs_weights and not host_shards:
         log.info("fp4offload.fsdp: one rank without CPU offload: nothing is gathered or copied, weights are not "
                  "packed")
     else:
@@ -418,15 +338,6 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None) -> nn.Mo
     return model
 
 
-def _activation_policy(acts):
-    """The ActivationPolicy for ``wrap_modules`` from a policy's ``activations`` (None: off)."""
-    if acts is None:
-        return None
-    from .._offload import ActivationPolicy
-
-    if isinstance(acts, ActivationPolicy):
-        return acts
-    return ActivationPolicy.from_config(acts)
-
 from .checkpoint import load, save  # noqa: E402
+from .convert import convert  # noqa: E402,F401
 from .optim import optimizer  # noqa: E402

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import ConfigError
-from .internals import local_tensor
+from .internals import local_tensor, mesh_all_reduce, shard_layout
 from .weight import FP4Weight
 
 log = logging.getLogger("fp4offload.fsdp")
@@ -125,19 +125,21 @@ def _like_param(v: torch.Tensor, p: torch.Tensor):
 
 
 def _mesh_world(p) -> int:
-    return p.device_mesh.size() if hasattr(p, "device_mesh") else 1
+    """Ranks p's dim 0 is sharded over (the shard dimension of an HSDP mesh)."""
+    layout = shard_layout(p)
+    return 1 if layout is None else layout.world
 
 
 def _rows(v: torch.Tensor, p, length: int):
-    """A per-rank tensor as row `rank` of a [world, length] DTensor (zero-padded)."""
+    """A per-rank tensor as row `rank` of a [world, length] DTensor (zero-padded; replicated like p on an HSDP
+    mesh's replicate dimension)."""
     DTensor = _dtensor_cls()
-    from torch.distributed.tensor import Shard
 
     flat = v.detach().reshape(-1)
     row = flat.new_zeros((1, length))
     row[0, : flat.numel()] = flat
     if isinstance(p, DTensor):
-        return DTensor.from_local(row, p.device_mesh, [Shard(0)], run_check=False, shape=(_mesh_world(p), length),
+        return DTensor.from_local(row, p.device_mesh, p.placements, run_check=False, shape=(_mesh_world(p), length),
                                   stride=(length, 1))
     return row
 
@@ -152,8 +154,7 @@ def _max_over_ranks(n: int, p) -> int:
     if not isinstance(p, DTensor) or _mesh_world(p) == 1:
         return n
     t = torch.tensor([n], dtype=torch.int64, device=p.device_mesh.device_type)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=p.device_mesh.get_group())
-    return int(t.item())
+    return int(mesh_all_reduce(t, p.device_mesh, dist.ReduceOp.MAX).item())
 
 
 def _str_tensor(s: str) -> torch.Tensor:
@@ -307,7 +308,8 @@ class _Resharder:
                 m, v = decode_state(*packed_from_entry(entry, n), n, v_format)
                 ms.append(m)
                 vs.append(v)
-            rank = p.device_mesh.get_local_rank() if hasattr(p, "device_mesh") else 0
+            layout = shard_layout(p)
+            rank = 0 if layout is None else layout.rank
             a, b = _shard_rows(d0, _mesh_world(p), rank)
             m_all, v_all = torch.cat(ms), torch.cat(vs)
             pid = pid_of[id(proxy)]

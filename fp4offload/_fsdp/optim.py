@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import ConfigError
-from .internals import local_tensor
+from .internals import local_tensor, mesh_all_reduce, shard_layout
 from .policy import Policy
 from .weight import FP4Weight
 
@@ -69,8 +69,7 @@ class ShardedOptimizerMixin:
         if mesh is None or mesh.size() == 1:
             return bool(ok)
         flag = ok.to(torch.int32).reshape(1).to(mesh.device_type)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=mesh.get_group())
-        return bool(flag.item())
+        return bool(mesh_all_reduce(flag, mesh, dist.ReduceOp.MIN).item())
 
     def _fsdp_after_step(self) -> None:
         for p, _ in self._fsdp_pairs:
@@ -144,10 +143,10 @@ class ShardedOptimizerMixin:
 
 def _padded_local_numel(p: torch.Tensor) -> int:
     """Elements of FSDP's padded local shard (the same on every rank)."""
-    mesh = getattr(p, "device_mesh", None)
-    if mesh is None or p.dim() == 0:
+    layout = shard_layout(p)
+    if layout is None or p.dim() == 0:
         return p.numel()
-    world = mesh.size()
+    world = layout.world
     return -(-p.shape[0] // world) * (p.numel() // p.shape[0] if p.shape[0] else 0)
 
 

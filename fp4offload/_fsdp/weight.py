@@ -222,6 +222,7 @@ class Slot:
     def __init__(self, spec: WeightSpec):
         self.spec = spec
         self.group: GatherGroup | None = None
+        self.conversion = None  # the convert.Conversion that binds this slot once its parameter is sharded
         self.owner: tuple | None = None  # (module, attribute name) holding the sharded DTensor parameter
         self.offload = False  # CPU offload: a host-to-device copy carries the packed bytes only
         self.gen = 0  # bumped by in-place changes of the master (local knowledge only)
@@ -231,6 +232,19 @@ class Slot:
 
     def mark_dirty(self) -> None:
         self.gen += 1
+
+    def ensure_bound(self) -> bool:
+        """True once this slot knows its shard layout and gather group. A slot of a converted model binds
+        (with every other slot of the model) the first time it is needed after the user's ``fully_shard``."""
+        if self.group is None and self.conversion is not None and self.owner_is_sharded():
+            self.conversion.bind()
+        return self.group is not None
+
+    def owner_is_sharded(self) -> bool:
+        if self.owner is None:
+            return False
+        module, name = self.owner
+        return local_tensor(module._parameters.get(name)) is not None
 
     def current_master(self) -> torch.Tensor | None:
         """The fp32 master of the local shard FSDP has registered for this parameter right now."""
@@ -341,7 +355,7 @@ _PRESERVE = {
     aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default, aten.slice.Tensor,
     aten.split.Tensor, aten.split_with_sizes.default, aten.new_zeros.default, aten.new_empty.default,
     aten.new_empty_strided.default, aten.clone.default, aten._to_copy.default, aten._pin_memory.default,
-    aten.as_strided.default,
+    aten.as_strided.default, aten.empty_like.default,
 }
 
 
@@ -415,9 +429,9 @@ class FP4Weight(torch.Tensor):
 
     def _prepare_and_pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         slot = self._slot
-        if slot.group is None:
+        if not slot.ensure_bound():
             raise RuntimeError(f"fp4offload: {slot.spec.name} was not registered with a gather group; "
-                               "wrap models with fp4offload.fsdp.apply")
+                               "prepare models with fp4offload.fsdp.convert (or apply)")
         slot.group.prepare(slot, self._master)
         return slot.packed(self._master)
 
@@ -439,8 +453,12 @@ class FP4Weight(torch.Tensor):
         of gathering, works too (CPU offload on a single GPU). The tensor scale travels as local
         metadata: every rank computed the same one from the all-reduced amax.
         """
+        slot = self._slot
+        if self._master is not None and slot.ensure_bound() and slot.spec.world == 1 and not slot.offload:
+            # one rank and no host copy: FSDP copies the input instead of gathering, so nothing would be saved
+            return (self._master.detach().reshape(-1),), (slot.spec, None)
         buf, ts = self._packed if self._master is None else self._prepare_and_pack()
-        spec = self._slot.spec
+        spec = slot.spec
         with STATS._lock:
             STATS.gathers += 1
             STATS.packed_bytes += buf.numel() * spec.world
@@ -454,7 +472,10 @@ class FP4Weight(torch.Tensor):
         """FSDP2 hook: decode the gathered bytes to ``param_dtype`` in the whole shape."""
         spec, ts = metadata
         (gathered,) = all_gather_outputs
-        full = decode_gathered(spec, gathered, ts.to(gathered.device), param_dtype)
+        if ts is None:  # one rank: the fp32 shard itself (see fsdp_pre_all_gather)
+            full = gathered.view(spec.shape).to(param_dtype)
+        else:
+            full = decode_gathered(spec, gathered, ts.to(gathered.device), param_dtype)
         if out is not None:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(full)
@@ -471,5 +492,5 @@ def _is_offload_fetch(src: FP4Weight, kwargs: dict) -> bool:
         return False
     dev = torch.device(dev)
     dtype = kwargs.get("dtype")
-    return (src._slot.offload and src.device.type == "cpu" and dev.type not in ("cpu", "meta")
-            and dtype in (None, src.dtype))
+    return (src.device.type == "cpu" and dev.type not in ("cpu", "meta") and dtype in (None, src.dtype)
+            and src._slot.ensure_bound() and src._slot.offload)

@@ -37,6 +37,7 @@ import socket
 import tempfile
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 __all__ = ["run_ranks", "free_port", "RanksFailed"]
@@ -167,3 +168,35 @@ def run_ranks(fn: Callable, world_size: int = 2, *, args: Sequence[Any] = (), ti
     if errors:
         raise RanksFailed(errors, results)
     return [results[r] for r in range(world_size)]
+
+
+def launch(cmd: list[str], log: Path, out: Path, timeout: float, what: str) -> dict:
+    """Run a launcher command line (torchrun, ``accelerate launch``, ``deepspeed``) in its own process group with
+    the CPU-rank environment, kill the whole group when it ends or times out, and return the JSON it wrote to
+    ``out``; fails the test with the log's tail otherwise."""
+    import json
+    import signal
+    import subprocess
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            try:  # the launcher and its ranks: our own process group
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    tail = log.read_text()[-4000:]
+    if rc is None:
+        pytest.fail(f"{what} did not finish in {timeout} s; killed. Log tail:\n{tail}")
+    assert rc == 0 and out.exists(), f"{what} exited with {rc}. Log tail:\n{tail}"
+    return json.loads(out.read_text())

@@ -11,18 +11,15 @@ builds from the launch config, the one decision Accelerate would make on GPUs (s
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers.dist import free_port
+from helpers.dist import free_port, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "accelerate_fsdp_script.py"
@@ -74,25 +71,7 @@ def _launch(tmp: Path, mode: str) -> dict:
            "--steps", str(STEPS), "--cpu"]
     if mode == "fp4":
         cmd += ["--policy", str(policy)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            rc = None
-        finally:
-            try:  # the launcher and both ranks: our own process group
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    tail = log.read_text()[-4000:]
-    if rc is None:
-        pytest.fail(f"accelerate launch ({mode}) did not finish in {TIMEOUT} s; killed. Log tail:\n{tail}")
-    assert rc == 0 and out.exists(), f"accelerate launch ({mode}) exited with {rc}. Log tail:\n{tail}"
-    return json.loads(out.read_text())
+    return launch(cmd, log, out, TIMEOUT, f"accelerate launch ({mode})")
 
 
 @pytest.mark.slow

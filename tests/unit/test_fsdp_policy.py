@@ -200,7 +200,7 @@ class _FakeMesh:
 
     ndim = 1
 
-    def size(self):
+    def size(self, dim=None):
         return 2
 
     def __getattr__(self, name):
@@ -347,3 +347,37 @@ def test_offload_fetch_carries_only_the_packed_bytes():
     # decoding what one rank would contribute gives its shard back, to 4-bit precision
     got = fw.decode_gathered(fw.WeightSpec("w", (32, 48), 1), buf, ts, torch.float32)
     assert torch.equal(got, fp4offload.dequantize(fp4offload.quantize(master, "nvfp4", block="16x16")))
+
+
+def test_convert_wraps_the_packed_weights_and_shards_nothing():
+    m = _Tiny()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    out = ff.convert(m, ff.Policy(weights={"keep_bf16": []}))
+    assert out is m
+    fp4 = {n for n, p in m.named_parameters() if isinstance(p.data, fw.FP4Weight) or isinstance(p, fw.FP4Weight)}
+    assert fp4 == {n for n, p in before.items() if p.dim() >= 1}, fp4
+    assert not any(hasattr(p, "device_mesh") for p in m.parameters())
+    sd = m.state_dict()  # the fp32 values, never the wrapper
+    assert all(type(v) is torch.Tensor and torch.equal(v, before[k]) for k, v in sd.items())
+    x = torch.randn(3, before["layers.0.lin.weight"].shape[1])
+    ref = _Tiny()
+    ref.load_state_dict(before)
+    assert torch.equal(m(x), ref(x))  # unsharded, a wrapper computes with its fp32 values
+
+
+@pytest.mark.parametrize("policy, key", [
+    (ff.Policy(optimizer_states={"master": "split"}), "optimizer_states.master"),
+    (ff.Policy.auto(), "policy.auto"),
+])
+def test_convert_refuses_what_needs_the_sharding_itself_before_changing_anything(policy, key):
+    m = _Tiny()
+    with pytest.raises(ConfigError) as e:
+        ff.convert(m, policy)
+    assert key in str(e.value) and "apply" in str(e.value)
+    assert not any(isinstance(p.data, fw.FP4Weight) for p in m.parameters())
+
+
+def test_convert_twice_is_refused():
+    m = ff.convert(_Tiny(), ff.Policy(weights={"keep_bf16": []}))
+    with pytest.raises(ConfigError, match="converted already"):
+        ff.convert(m)
