@@ -312,7 +312,8 @@ def prepare(accelerator, model: nn.Module, policy: Policy | str | Path | None = 
     for g in opt.param_groups:  # nothing for Accelerate's parameter swap to map (see the module docstring)
         g["params"] = []
     try:
-        model, wrapped = accelerator.prepare(model, opt)
+        with opt.packed_form():
+            model, wrapped = accelerator.prepare(model, opt)
     finally:
         # AcceleratedOptimizer's device placement round-trips the state dict, which replaces the group dicts
         for g, ps in zip(opt.param_groups, saved):

@@ -116,7 +116,7 @@ def _state_entries(model: nn.Module, opt) -> Iterator[_Entry]:
                 yield _Entry(name, p, proxy, st, key, v, _state_key(name, key), _state_kind(v, proxy, key))
 
 
-def _like_param(v: torch.Tensor, p: torch.Tensor):
+def like_param(v: torch.Tensor, p: torch.Tensor):
     """``v`` (shaped like p's local shard) as a DTensor with p's placement, sharing v's storage."""
     DTensor = _dtensor_cls()
     if isinstance(p, DTensor):
@@ -227,7 +227,7 @@ def _optim_save_tensors(model: nn.Module, opt) -> dict[str, torch.Tensor]:
         elif e.kind == "replicated":
             entries[e.full] = e.v
         elif e.kind == "like_param":
-            entries[e.full] = _like_param(e.v, e.p)
+            entries[e.full] = like_param(e.v, e.p)
         elif e.kind == "rows":
             entries[e.full], entries[e.full + _NUMEL] = _rows_and_numel(e.v, e.p, _max_over_ranks(e.v.numel(), e.p))
     entries.update(_hyper(opt))
@@ -286,14 +286,16 @@ class _Resharder:
     def finish(self) -> None:
         from .._optim.state import PACKED_KEYS, decode_state, packed_from_entry
 
-        sd = self.opt.state_dict()
+        sd = self.opt.packed_state_dict()
         pid_of = {id(proxy): i for i, (_, proxy) in enumerate(self.opt._fsdp_pairs)}
         new_state = dict(sd["state"])
         for name, (p, proxy) in self.params.items():
             shape = tuple(p.shape)
             d0, inner = shape[0], math.prod(shape[1:])
             st = self.opt.state[proxy]
-            v_format = st.get("v_format", "ufp4")
+            group = next((g for g, ps in zip(self.opt.param_groups, self.opt._fsdp_inner)
+                          if any(q is proxy for q in ps)), {})
+            v_format = st.get("v_format") or group.get("v_format", "ufp4")  # fp32 here: the group's format
             ms, vs = [], []
             for r in range(self.saved_world):
                 a, b = _shard_rows(d0, self.saved_world, r)
@@ -316,7 +318,7 @@ class _Resharder:
             e = {"step": new_state[pid]["step"], "exp_avg": m_all[a * inner: b * inner].clone(),
                  "exp_avg_sq": v_all[a * inner: b * inner].clone()}
             new_state[pid] = e
-        self.opt.load_state_dict({"state": new_state, "param_groups": sd["param_groups"]})
+        self.opt.load_packed_state_dict({"state": new_state, "param_groups": sd["param_groups"]})
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
@@ -357,8 +359,16 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
                 after.append(lambda st=e.st, key=e.key, t=t, typ=typ: st.__setitem__(key, typ(t.item())))
             elif e.kind == "replicated":
                 sd[full] = e.v
+            elif e.kind == "like_param" and full not in sizes and _state_key(e.name, "m_codes") in sizes:
+                # packed when saved, fp32 here (the shards of more ranks fall under min_numel): decode and re-cut
+                if e.key == "exp_avg":
+                    size = sizes[_state_key(e.name, "m_codes")]
+                    resharder = resharder or _Resharder(optimizer, size[0])
+                    for k in _packed_keys():
+                        sd.update(resharder.targets(e.name, e.p, e.proxy, _state_key(e.name, k),
+                                                    sizes[_state_key(e.name, k)]))
             elif e.kind == "like_param":
-                sd[full] = _like_param(e.v, e.p)
+                sd[full] = like_param(e.v, e.p)
             elif e.kind == "rows":
                 if full not in sizes:
                     raise ConfigError(full, "missing", "a state saved by fp4offload.fsdp.save",

@@ -7,8 +7,15 @@ swap the local tensor object, e.g. when it re-pads a shard after ``load_state_di
 re-pointed before every step) and whose ``.grad`` is the local shard of the DTensor gradient.
 
 The returned object is an instance of the inner optimizer's class (``isinstance(opt, FP4AdamW)``
-and ``isinstance(opt, torch.optim.Optimizer)`` hold, so LR schedulers work), with ``step`` and
-``zero_grad`` extended: ``step`` binds the proxies, skips the step on every rank when any rank's gradients are
+and ``isinstance(opt, torch.optim.Optimizer)`` hold, so LR schedulers work). Its ``param_groups`` hold the
+model's DTensor parameters, as any optimizer of a sharded model does; the proxies take their place only while the
+inner optimizer runs (``step``, and its own state dict). So ``torch.distributed.checkpoint.state_dict``'s
+``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` work on it: ``state_dict()`` gives torch AdamW's form
+(``step``, fp32 ``exp_avg`` and ``exp_avg_sq`` as DTensors with each parameter's placement, packed states
+decoded), which DCP saves and reshards to any number of ranks, and ``load_state_dict`` quantizes it once.
+``packed_state_dict()`` / ``load_packed_state_dict`` are the inner optimizer's own form (what
+``fp4offload.fsdp.save`` writes: the packed bytes, exact on the same number of ranks). ``step`` and
+``zero_grad`` are extended: ``step`` binds the proxies, skips the step on every rank when any rank's gradients are
 non-finite (FP4AdamW's ``skip_nonfinite``, made global), steps, and marks the packed weight copies stale;
 ``zero_grad`` also clears the DTensor gradients FSDP accumulates into.
 """
@@ -16,6 +23,8 @@ non-finite (FP4AdamW's ``skip_nonfinite``, made global), steps, and marks the pa
 from __future__ import annotations
 
 import logging
+import collections
+import contextlib
 from typing import Any, Iterable
 
 import torch
@@ -37,10 +46,55 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return local._master if isinstance(local, FP4Weight) else local
 
 
+class _SharedState(collections.defaultdict):
+    """``optimizer.state``: keyed by the proxies (what the inner optimizer uses), and readable by the model's
+    parameters too (what ``param_groups`` show)."""
+
+    def __init__(self, alias: dict, items=()):
+        super().__init__(dict, items)
+        self._alias = alias
+
+    def _key(self, k):
+        return self._alias.get(id(k), k)
+
+    def __getitem__(self, k):
+        return super().__getitem__(self._key(k))
+
+    def __setitem__(self, k, v):
+        super().__setitem__(self._key(k), v)
+
+    def __delitem__(self, k):
+        super().__delitem__(self._key(k))
+
+    def __contains__(self, k):
+        return super().__contains__(self._key(k))
+
+    def get(self, k, default=None):
+        return super().get(self._key(k), default)
+
+    def pop(self, k, *default):
+        return super().pop(self._key(k), *default)
+
+    def __reduce__(self):  # copies and pickles are plain defaultdicts
+        return collections.defaultdict, (dict,), None, None, iter(self.items())
+
+
 class ShardedOptimizerMixin:
     """Steps the inner optimizer over proxies of the local shards (see the module docstring)."""
 
     _fsdp_pairs: list[tuple[nn.Parameter, torch.Tensor]]
+
+    @property
+    def state(self):
+        st = self.__dict__.get("state")
+        alias = self.__dict__.get("_fsdp_alias")
+        if st is not None and alias is not None and not isinstance(st, _SharedState):
+            st = self.__dict__["state"] = _SharedState(alias, st)  # also after torch's load_state_dict
+        return st
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["state"] = value
 
     def _fsdp_bind(self) -> None:
         with torch.no_grad():
@@ -77,7 +131,95 @@ class ShardedOptimizerMixin:
             if isinstance(local, FP4Weight):
                 local._slot.mark_dirty()
 
+    # ---- what torch sees (the model's DTensors) and what the inner optimizer steps (their proxies) ----------
+
+    @contextlib.contextmanager
+    def _proxies_in_groups(self):
+        """Within: ``param_groups`` hold the proxies the inner optimizer keys its state by (re-entrant)."""
+        self._fsdp_depth = getattr(self, "_fsdp_depth", 0) + 1
+        if self._fsdp_depth == 1:
+            self._fsdp_shown = [g["params"] for g in self.param_groups]  # the model's parameters, as a rule
+            for g, inner in zip(self.param_groups, self._fsdp_inner):
+                g["params"] = inner
+        try:
+            yield
+        finally:
+            self._fsdp_depth -= 1
+            if self._fsdp_depth == 0:  # (torch's load_state_dict makes new group dicts: set them again)
+                for g, shown in zip(self.param_groups, self._fsdp_shown):
+                    g["params"] = shown
+
+    def packed_state_dict(self) -> dict:
+        """The inner optimizer's own state dict (positional; FP4AdamW's packed bytes as they are)."""
+        with self._proxies_in_groups():
+            return super().state_dict()
+
+    def load_packed_state_dict(self, state_dict: dict) -> None:
+        with self._proxies_in_groups():
+            super().load_state_dict(state_dict)
+
+    @contextlib.contextmanager
+    def packed_form(self):
+        """Within: ``state_dict`` / ``load_state_dict`` are the packed ones (for a caller that round-trips the
+        state dict of an optimizer it does not know, as Accelerate's prepare does)."""
+        self._fsdp_packed_form = True
+        try:
+            yield self
+        finally:
+            self._fsdp_packed_form = False
+
+    def state_dict(self) -> dict:
+        """torch AdamW's form over the model's DTensors: ``step``, ``exp_avg`` and ``exp_avg_sq`` (fp32, each a
+        DTensor with its parameter's placement; FP4AdamW's packed m and v decoded). What
+        ``get_optimizer_state_dict`` maps to parameter names and DCP reshards."""
+        from .checkpoint import like_param
+
+        inner = self.packed_state_dict()
+        if getattr(self, "_fsdp_packed_form", False):
+            return inner
+        state = {}
+        for i, (p, proxy) in enumerate(self._fsdp_pairs):
+            entry = inner["state"].get(i)
+            if entry is None:
+                continue
+            m, v = _fp32_moments(entry, proxy)
+            state[i] = {"step": entry["step"], "exp_avg": like_param(m.view(proxy.shape), p),
+                        "exp_avg_sq": like_param(v.view(proxy.shape), p)}
+        return {"state": state, "param_groups": inner["param_groups"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load torch AdamW's form (this optimizer's ``state_dict()``, or torch AdamW's, from any number of ranks
+        once DCP has resharded it): each rank takes its shard; FP4AdamW quantizes m and v once."""
+        from torch.distributed.tensor import DTensor
+
+        if getattr(self, "_fsdp_packed_form", False):
+            return self.load_packed_state_dict(state_dict)
+        groups = state_dict["param_groups"]
+        saved = [k for g in groups for k in g["params"]]
+        if len(saved) != len(self._fsdp_pairs) or len(groups) != len(self.param_groups):
+            raise ConfigError("optimizer state_dict", f"{len(saved)} parameters in {len(groups)} groups",
+                              f"{len(self._fsdp_pairs)} parameters in {len(self.param_groups)} groups, as this "
+                              "optimizer has", "load the state of an optimizer over the same model")
+        state = {}
+        for i, key in enumerate(saved):
+            entry = state_dict["state"].get(key)
+            if entry is None:
+                continue
+            state[i] = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in entry.items()}
+        inner_groups = []
+        start = 0
+        for g in groups:
+            n = len(g["params"])
+            inner_groups.append({**g, "params": list(range(start, start + n))})
+            start += n
+        self.load_packed_state_dict({"state": state, "param_groups": inner_groups})
+        self._fsdp_after_step()  # the packed weight copies follow the (unchanged) masters anyway
+
     def step(self, closure=None):
+        with self._proxies_in_groups():
+            return self._sharded_step(closure)
+
+    def _sharded_step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -106,7 +248,8 @@ class ShardedOptimizerMixin:
                 else:
                     p.grad.detach_()
                     p.grad.zero_()
-        super().zero_grad(set_to_none)
+        with self._proxies_in_groups():
+            super().zero_grad(set_to_none)
 
     def is_packed(self, group, p) -> bool:
         """FP4AdamW's packed-or-fp32 choice, made the same on every rank.
@@ -126,19 +269,32 @@ class ShardedOptimizerMixin:
             return
         saved = [p.grad for p, _ in self._fsdp_pairs]
         lrs = [g["lr"] for g in self.param_groups]
-        try:
-            self._fsdp_bind()
-            for _, proxy in self._fsdp_pairs:
-                proxy.grad = torch.zeros_like(proxy)
-            for g in self.param_groups:
-                g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-            super().step()
-        finally:
-            for g, lr in zip(self.param_groups, lrs):
-                g["lr"] = lr
-            for (p, proxy), g in zip(self._fsdp_pairs, saved):
-                p.grad = g
-                proxy.grad = None
+        with self._proxies_in_groups():
+            try:
+                self._fsdp_bind()
+                for _, proxy in self._fsdp_pairs:
+                    proxy.grad = torch.zeros_like(proxy)
+                for g in self.param_groups:
+                    g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+                super().step()
+            finally:
+                for g, lr in zip(self.param_groups, lrs):
+                    g["lr"] = lr
+                for (p, proxy), g in zip(self._fsdp_pairs, saved):
+                    p.grad = g
+                    proxy.grad = None
+
+
+def _fp32_moments(entry: dict, proxy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, v) of one parameter's inner state-dict entry as flat fp32 tensors on the proxy's device (FP4AdamW's
+    packed states decoded; fp32 ones as they are)."""
+    if "exp_avg" in entry:
+        return entry["exp_avg"].reshape(-1).float(), entry["exp_avg_sq"].reshape(-1).float()
+    from .._optim.state import decode_state, packed_from_entry
+
+    n = proxy.numel()
+    m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", "ufp4"))
+    return m.to(proxy.device), v.to(proxy.device)
 
 
 def _padded_local_numel(p: torch.Tensor) -> int:
@@ -243,12 +399,17 @@ def over_shards(cls: type, params: Iterable[Any], **kwargs: Any) -> torch.optim.
         proxy_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": proxies})
     opt = _sharded_class(cls)(proxy_groups, **kwargs)
     opt._fsdp_pairs = pairs
+    opt._fsdp_alias = {id(p): proxy for p, proxy in pairs}
+    opt._fsdp_inner = [g["params"] for g in opt.param_groups]
+    for g, outer in zip(opt.param_groups, groups):  # torch sees the model's parameters
+        g["params"] = list(outer["params"])
     opt._fsdp_monitor_every = 0
     opt._fsdp_padded_numel = {id(proxy): _padded_local_numel(p) for p, proxy in pairs}
     opt.fp4offload_inner = cls.__name__
     for p, proxy in pairs:  # a compact master starts from the fp32 values apply cast to bf16
         res = getattr(p, "_fp4offload_residual", None)
         if res is not None and getattr(opt, "master", "fp32") == "split" and res[0].numel() == proxy.numel():
-            opt.hooks.start_master(proxy, res[0].to(proxy.device), res[1])
+            with opt._proxies_in_groups():
+                opt.hooks.start_master(proxy, res[0].to(proxy.device), res[1])
             p._fp4offload_residual = None  # held by the optimizer now
     return opt

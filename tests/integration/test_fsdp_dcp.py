@@ -1,0 +1,120 @@
+"""Checkpoints of FP4AdamW over the user's own ``fully_shard`` (``ff.convert`` first), on real gloo ranks.
+
+Two forms, both ``torch.distributed.checkpoint``:
+
+- torch's state-dict API: ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` with ``dcp.save`` /
+  ``dcp.load``. The optimizer's state dict is torch AdamW's form (fp32 ``exp_avg`` / ``exp_avg_sq`` DTensors), so DCP
+  reshards it; FP4AdamW quantizes m and v once on load, so a resume continues within noise, not bit for bit.
+- ``fp4offload.fsdp.save`` / ``load``: the packed bytes themselves; on the same number of ranks a resume repeats
+  the uninterrupted run bit for bit, on another number the states are decoded, re-cut and quantized once.
+
+Every run sees the same global batch per step (each rank takes its rows), so runs on 2 and 4 ranks compare; the
+loss reported is the global mean.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.dist import run_ranks
+
+pytestmark = pytest.mark.distributed
+DIMS = dict(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
+SAVE_AT, STEPS, GLOBAL_BATCH = 6, 12, 8
+
+
+def _model_and_opt(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import fp4offload
+    import fp4offload.fsdp as ff
+    from benchmarks import harness
+
+    model = ff.convert(harness.small_llama(**DIMS), ff.Policy(weights={"keep_bf16": ["norm"]}))
+    mesh = init_device_mesh("cpu", (world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    opt = fp4offload.FP4AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return model, opt
+
+
+def _steps(model, opt, rank, world, first, last) -> list[float]:
+    import torch.distributed as dist
+
+    from benchmarks import harness
+
+    train, _ = harness.byte_splits()
+    rows = GLOBAL_BATCH // world
+    losses = []
+    for step in range(first, last):
+        tok = harness.batch(train, GLOBAL_BATCH, 64, torch.Generator().manual_seed(step))[rank * rows:(rank + 1) * rows]
+        loss = harness.lm_loss(model, tok)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _dsd_state(model, opt):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+
+
+def _uninterrupted(rank, world, tmp, ckpt):
+    import torch.distributed.checkpoint as dcp
+
+    import fp4offload.fsdp as ff
+
+    model, opt = _model_and_opt(world)
+    losses = _steps(model, opt, rank, world, 0, SAVE_AT)
+    dcp.save(_dsd_state(model, opt), checkpoint_id=f"{ckpt}/dsd")
+    ff.save(f"{ckpt}/ff", model, opt)
+    optim_sd = _dsd_state(model, opt)["optim"]
+    keys = sorted({k for v in optim_sd["state"].values() for k in v})
+    kinds = sorted({type(t).__name__ for v in optim_sd["state"].values() for k, t in v.items() if k != "step"})
+    losses += _steps(model, opt, rank, world, SAVE_AT, STEPS)
+    return {"losses": losses, "keys": keys, "kinds": kinds, "packed": "m_codes" in next(iter(opt.state.values()))}
+
+
+def _resumed(rank, world, tmp, ckpt):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    import fp4offload.fsdp as ff
+
+    out = {}
+    model, opt = _model_and_opt(world)
+    state = _dsd_state(model, opt)
+    dcp.load(state, checkpoint_id=f"{ckpt}/dsd")
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    out["dsd"] = _steps(model, opt, rank, world, SAVE_AT, STEPS)
+    out["dsd_packed"] = "m_codes" in next(iter(opt.state.values()))
+    model, opt = _model_and_opt(world)
+    ff.load(f"{ckpt}/ff", model, opt)
+    out["ff"] = _steps(model, opt, rank, world, SAVE_AT, STEPS)
+    return out
+
+
+@pytest.mark.slow
+def test_dcp_checkpoints_of_fp4adamw_over_your_own_fully_shard_resume_on_2_and_reshard_to_4(tmp_path):
+    ckpt = str(tmp_path)
+    base = run_ranks(_uninterrupted, 2, args=(ckpt,), timeout=300)[0]
+    assert base["packed"] and base["keys"] == ["exp_avg", "exp_avg_sq", "step"] and base["kinds"] == ["DTensor"]
+    tail = base["losses"][SAVE_AT:]
+    on2 = run_ranks(_resumed, 2, args=(ckpt,), timeout=300)[0]
+    on4 = run_ranks(_resumed, 4, args=(ckpt,), timeout=400)[0]
+    assert on2["ff"] == tail  # the packed bytes: bit for bit
+    assert on2["dsd_packed"] and on4["dsd_packed"]  # torch's form loaded back into packed states
+    for name, got in (("dsd on 2", on2["dsd"]), ("dsd on 4", on4["dsd"]), ("ff on 4", on4["ff"])):
+        worst = max(abs(a - b) / b for a, b in zip(got, tail))
+        assert worst < 0.01, (name, got, tail)  # within noise of the uninterrupted run
+    assert tail[-1] < base["losses"][0] - 1.0  # it trained
