@@ -6,7 +6,9 @@ Arms, run one after another in the same invocation, same model, same batches, sa
   torch AdamW (CPUOffloadPolicy as well on a single GPU, where nothing would be gathered otherwise);
 - ``fp4``: ``fp4offload.fsdp.apply`` with NVFP4 weight all-gathers (everything but the norms, or the
   policy's ``keep_bf16``) and FP4AdamW states (torch AdamW with ``--optimizer torch``, the default on CUDA);
-- ``fp4+act``: the same plus activations saved for backward in NVFP4 (``ActivationPolicy``).
+- ``fp4+act``: the same plus activations saved for backward in NVFP4 (``ActivationPolicy``);
+- ``convert``: ``fp4offload.fsdp.convert`` (NVFP4 weight all-gathers), then the user's own ``fully_shard`` as in
+  ``plain`` and ``fp4offload.FP4AdamW(model.parameters())`` (torch AdamW with ``--optimizer torch``).
 
 Per arm: median step time, peak memory (GPU: ``max_memory_allocated`` per rank; CPU: the peak RSS of the
 rank process above its RSS once torch, the modules and the data are loaded, each arm in fresh processes),
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-ARMS = ("plain", "fp4", "fp4+act")
+ARMS = ("plain", "fp4", "fp4+act", "convert")
 
 
 def _free_port() -> int:
@@ -104,16 +106,24 @@ def _train(rank: int, world: int, args: dict, arm: str) -> dict:
                                 intermediate=args["intermediate"], seed=0)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     model.to(dev)
-    if arm == "plain":
+    if arm in ("plain", "convert"):  # the user's own fully_shard (after ff.convert in "convert")
+        if arm == "convert":
+            model = ff.convert(model, ff.Policy(weights={"keep_bf16": args["keep_bf16"]}))
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         off = CPUOffloadPolicy(pin_memory=cuda) if offload else OffloadPolicy()
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp, offload_policy=off)
         fully_shard(model, mp_policy=mp, offload_policy=off)
-        opt = torch.optim.AdamW(model.parameters(), lr=args["lr"])
+        if arm == "convert" and args["optimizer"] != "torch":
+            import fp4offload
+
+            opt = fp4offload.FP4AdamW(model.parameters(), lr=args["lr"])
+            inner = "fp4offload.FP4AdamW"
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=args["lr"])
+            inner = "torch.optim.AdamW"
         counter = ff.count_all_gathers(model)
-        inner = "torch.optim.AdamW"
-        packed_names: list[str] = []
+        packed_names: list[str] = [n for n, _ in ff.fp4_parameters(model)]
     else:
         acts = None
         if arm == "fp4+act":

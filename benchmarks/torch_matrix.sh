@@ -15,7 +15,8 @@
 # release gets its own $TORCH_MATRIX_DIR/ext-<version> as TORCH_EXTENSIONS_DIR, since a JIT extension built
 # against one torch does not load in another.
 #
-# The subset (override with TORCH_MATRIX_TESTS, space separated): the three FSDP2 integration files and every
+# The subset (override with TORCH_MATRIX_TESTS, space separated): the FSDP2 integration files (training, masters,
+# checkpoints, your own fully_shard with convert and HSDP, torch's checkpoint API, the Trainer) and every
 # tests/unit file whose name mentions optim or fsdp, slow-marked (multi-rank) tests included, run with
 # `pytest -p no:cacheprovider -q`, one release after another, on the CPU (DS_ACCELERATOR=cpu). Full logs go to
 # $TORCH_MATRIX_DIR/log-<version>.txt. Printed: one markdown table row per release (torch version, passed,
@@ -54,7 +55,8 @@ if [ -n "${TORCH_MATRIX_TESTS:-}" ]; then
   read -r -a TESTS <<<"$TORCH_MATRIX_TESTS"
 else
   TESTS=(tests/integration/test_fsdp_train.py tests/integration/test_fsdp_master.py
-         tests/integration/test_fsdp_checkpoint.py)
+         tests/integration/test_fsdp_checkpoint.py tests/integration/test_fsdp_torch_way.py
+         tests/integration/test_fsdp_dcp.py tests/integration/test_fsdp_trainer.py)
   for f in tests/unit/test_*.py; do
     case "$(basename "$f")" in *optim*|*fsdp*) TESTS+=("$f") ;; esac
   done
