@@ -84,7 +84,7 @@ def test_policies_that_need_the_initial_values_refuse_meta_before_sharding(polic
     assert not r[0]["sharded"]
 
 
-def _own_fully_shard(rank, world, tmp, which, steps, convert=False, hsdp=False, meta=False):
+def _own_fully_shard(rank, world, tmp, which, steps, convert=False, hsdp=False, meta=False, acts=None):
     """The torch way: optionally ``ff.convert`` (NVFP4 weight all-gathers), the user's own fully_shard with
     MixedPrecisionPolicy(bf16, fp32) (on a 2x2 (replicate, shard) mesh with ``hsdp``; from the meta device with
     ``meta``), then an optimizer built straight over model.parameters() (DTensors)."""
@@ -103,7 +103,7 @@ def _own_fully_shard(rank, world, tmp, which, steps, convert=False, hsdp=False, 
     else:
         model = ref
     if convert:
-        model = ff.convert(model, ff.Policy(weights={"keep_bf16": ["norm"]}))
+        model = ff.convert(model, ff.Policy(weights={"keep_bf16": ["norm"]}, activations=acts))
     mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (world,),
                             mesh_dim_names=("replicate", "shard") if hsdp else ("shard",))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -135,7 +135,9 @@ def _own_fully_shard(rank, world, tmp, which, steps, convert=False, hsdp=False, 
     return {"losses": losses, "class": type(opt).__name__, "is_fp4adamw": isinstance(opt, fp4offload.FP4AdamW),
             "state_types": sorted({type(t).__name__ for t in st}), "fp4_weights": len(ff.fp4_parameters(model)),
             "states": [t.clone() for t in st], "gathered_bytes": counter.bytes, "stats": ff.stats(),
-            "grads_cleared": all(p.grad is None for p in model.parameters())}
+            "grads_cleared": all(p.grad is None for p in model.parameters()),
+            "acts": (model._fp4offload_activations.offloader.snapshot()["tensors_stored"]
+                     if hasattr(model, "_fp4offload_activations") else None)}
 
 
 @pytest.mark.slow
@@ -204,3 +206,50 @@ def test_convert_then_your_own_fully_shard_trains_within_10pc_with_nvfp4_gathers
         assert fp4[0]["losses"] == fp4[2]["losses"]
         assert all(torch.equal(a, b) for a, b in zip(fp4[0]["states"], fp4[2]["states"]))
         assert not all(torch.equal(a, b) for a, b in zip(fp4[0]["states"], fp4[1]["states"]))
+
+
+@pytest.mark.slow
+def test_convert_installs_the_policys_activation_hooks_under_your_own_fully_shard():
+    acts = {"format": "nvfp4", "device": "same", "min_numel": 64, "modules": ["model.layers.*"]}
+    with_acts = run_ranks(_own_fully_shard, 2, args=("fp4", 6, True, False, False, acts), timeout=300)
+    without = run_ranks(_own_fully_shard, 2, args=("fp4", 6, True, False, False), timeout=300)
+    assert with_acts[0]["acts"] > 0 and without[0]["acts"] is None
+    a, b = with_acts[0]["losses"], without[0]["losses"]
+    assert a[0] == b[0]  # forward is untouched; only what backward reads is compressed
+    assert all(abs(x - y) / y < 0.05 for x, y in zip(a, b)), (a, b)
+
+
+def _apply_hsdp(rank, world, tmp):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fp4offload.fsdp as ff
+    from benchmarks import harness
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    policy = ff.Policy(weights={"keep_bf16": ["norm"]}, block_classes=["LlamaDecoderLayer"])
+    model = ff.apply(harness.small_llama(**DIMS), policy, mesh=mesh)
+    opt = ff.optimizer(model, lr=3e-3)
+    train, _ = harness.byte_splits()
+    g = torch.Generator().manual_seed(mesh.get_coordinate()[1])  # the replicas see the same data
+    ff.reset_stats()
+    losses = []
+    for _ in range(8):
+        loss = harness.lm_loss(model, harness.batch(train, 4, 64, g))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    st = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
+    return {"losses": losses, "states": st, "fp4": len(ff.fp4_parameters(model)), "stats": ff.stats(),
+            "worlds": sorted({slot.spec.world for _, slot in ff.fp4_parameters(model)})}
+
+
+@pytest.mark.slow
+def test_apply_on_a_2x2_hsdp_mesh_gathers_nvfp4_within_the_shard_dimension():
+    r = run_ranks(_apply_hsdp, 4, timeout=400)
+    assert r[0]["fp4"] == 16 and r[0]["worlds"] == [2]  # shards over the 2 ranks of the shard dimension
+    st = r[0]["stats"]
+    assert st["gathers"] > 0 and st["bf16_bytes"] / st["packed_bytes"] >= 3.5, st
+    assert r[0]["losses"] == r[2]["losses"] and r[1]["losses"] == r[3]["losses"]  # replicas agree
+    assert all(torch.equal(a, b) for a, b in zip(r[0]["states"], r[2]["states"]))
+    assert r[0]["losses"][-1] < r[0]["losses"][0] - 0.5
