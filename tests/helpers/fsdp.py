@@ -68,3 +68,18 @@ class OddModel(nn.Module):
         for b in self.blocks:
             x = b(x)
         return self.head(x)
+
+
+def train_lm(model, opt, steps: int, generator: torch.Generator, batch: int = 4, seq: int = 64) -> list[float]:
+    """`steps` optimizer steps of next-byte loss on random Shakespeare windows; the losses."""
+    from benchmarks import harness
+
+    train, _ = harness.byte_splits()
+    losses = []
+    for _ in range(steps):
+        loss = harness.lm_loss(model, harness.batch(train, batch, seq, generator))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses

@@ -12,6 +12,7 @@ from fp4offload._fsdp import auto as fa
 from fp4offload._config import parse_fsdp_policy
 from fp4offload.errors import CapacityError
 from helpers.dist import run_ranks
+from helpers.fsdp import train_lm
 
 MODEL = dict(hidden=256, layers=4, heads=4, intermediate=688, seed=0)
 
@@ -80,7 +81,6 @@ def test_yaml_auto_true_is_policy_auto():
 def _train_auto(rank, world, tmp, tight_rank, free):
     import psutil
 
-    from benchmarks import harness
     from fp4offload import _machine
 
     real = _machine.limits
@@ -90,15 +90,8 @@ def _train_auto(rank, world, tmp, tight_rank, free):
     model = ff.apply(model, ff.Policy.auto(block_classes=["LlamaDecoderLayer"]))
     policy = model._fp4offload_policy
     opt = ff.optimizer(model, policy, lr=3e-3)
-    train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(3):
-        loss = harness.lm_loss(model, harness.batch(train, 2, 64, g))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_lm(model, opt, 3, g, batch=2)
     grown = psutil.Process().memory_info().rss - rss0
     return {"master": policy.optimizer_states.master, "automatic": policy.automatic, "losses": losses,
             "dtypes": sorted({str(p.to_local().dtype) for p in model.parameters()}), "grown": grown,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers.dist import run_ranks
+from helpers.fsdp import train_lm
 
 pytestmark = pytest.mark.distributed
 DIMS = dict(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
@@ -39,15 +40,8 @@ def _train(rank, world, tmp, meta, weights=None):
             for k, b in model.named_buffers():
                 b.copy_(buffers[k])
     opt = ff.optimizer(model, model._fp4offload_policy, lr=3e-3)
-    train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(6):
-        loss = harness.lm_loss(model, harness.batch(train, 4, 64, g))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_lm(model, opt, 6, g)
     return {"losses": losses, "inner": opt.fp4offload_inner, "fp4_weights": len(ff.fp4_parameters(model))}
 
 
@@ -122,15 +116,8 @@ def _own_fully_shard(rank, world, tmp, which, steps, convert=False, hsdp=False, 
     ff.reset_stats()
     cls = fp4offload.FP4AdamW if which == "fp4" else torch.optim.AdamW
     opt = cls(model.parameters(), lr=3e-3, weight_decay=0.01)
-    train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(mesh.get_coordinate()[-1])  # replicas see the same data
-    losses = []
-    for _ in range(steps):
-        loss = harness.lm_loss(model, harness.batch(train, 4, 64, g))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_lm(model, opt, steps, g)
     st = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
     return {"losses": losses, "class": type(opt).__name__, "is_fp4adamw": isinstance(opt, fp4offload.FP4AdamW),
             "state_types": sorted({type(t).__name__ for t in st}), "fp4_weights": len(ff.fp4_parameters(model)),
@@ -229,16 +216,9 @@ def _apply_hsdp(rank, world, tmp):
     policy = ff.Policy(weights={"keep_bf16": ["norm"]}, block_classes=["LlamaDecoderLayer"])
     model = ff.apply(harness.small_llama(**DIMS), policy, mesh=mesh)
     opt = ff.optimizer(model, lr=3e-3)
-    train, _ = harness.byte_splits()
     g = torch.Generator().manual_seed(mesh.get_coordinate()[1])  # the replicas see the same data
     ff.reset_stats()
-    losses = []
-    for _ in range(8):
-        loss = harness.lm_loss(model, harness.batch(train, 4, 64, g))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train_lm(model, opt, 8, g)
     st = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.numel() > 1]
     return {"losses": losses, "states": st, "fp4": len(ff.fp4_parameters(model)), "stats": ff.stats(),
             "worlds": sorted({slot.spec.world for _, slot in ff.fp4_parameters(model)})}
