@@ -233,3 +233,26 @@ def test_apply_on_a_2x2_hsdp_mesh_gathers_nvfp4_within_the_shard_dimension():
     assert r[0]["losses"] == r[2]["losses"] and r[1]["losses"] == r[3]["losses"]  # replicas agree
     assert all(torch.equal(a, b) for a, b in zip(r[0]["states"], r[2]["states"]))
     assert r[0]["losses"][-1] < r[0]["losses"][0] - 0.5
+
+
+def _tensor_parallel_refused(rank, world, tmp):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    import fp4offload.fsdp as ff
+    from fp4offload.errors import ConfigError
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    parallelize_module(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), {"0": ColwiseParallel()})
+    try:
+        ff.convert(model, ff.Policy(weights={"keep_bf16": []}))
+    except ConfigError as e:
+        return {"error": str(e), "wrapped": getattr(model, "_fp4offload_conversion", None) is not None}
+    return {"error": None}
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_model_is_refused_with_the_reason_before_anything_changes():
+    r = run_ranks(_tensor_parallel_refused, 2, timeout=120)[0]
+    assert r["error"] and "DTensor" in r["error"] and "tensor-parallel" in r["error"], r
+    assert not r["wrapped"]
