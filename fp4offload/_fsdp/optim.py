@@ -185,7 +185,8 @@ class ShardedOptimizerMixin:
             m, v = _fp32_moments(entry, proxy)
             state[i] = {"step": entry["step"], "exp_avg": like_param(m.view(proxy.shape), p),
                         "exp_avg_sq": like_param(v.view(proxy.shape), p)}
-        return {"state": state, "param_groups": inner["param_groups"]}
+        return {"state": state, "param_groups": [_as_torch_adamw_group(g) for g in inner["param_groups"]]
+                if self._fsdp_fp4 else inner["param_groups"]}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load torch AdamW's form (this optimizer's ``state_dict()``, or torch AdamW's, from any number of ranks
@@ -208,8 +209,10 @@ class ShardedOptimizerMixin:
             state[i] = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in entry.items()}
         inner_groups = []
         start = 0
-        for g in groups:
+        for g, mine in zip(groups, self.param_groups):
             n = len(g["params"])
+            if self._fsdp_fp4:  # torch AdamW's keys: FP4AdamW's own options stay as this optimizer was built
+                g = _from_torch_adamw_group(g, mine)
             inner_groups.append({**g, "params": list(range(start, start + n))})
             start += n
         self.load_packed_state_dict({"state": state, "param_groups": inner_groups})
@@ -283,6 +286,30 @@ class ShardedOptimizerMixin:
                 for (p, proxy), g in zip(self._fsdp_pairs, saved):
                     p.grad = g
                     proxy.grad = None
+
+
+def _torch_adamw_defaults() -> dict:
+    return {k: v for k, v in torch.optim.AdamW([torch.zeros(1)]).defaults.items()}
+
+
+def _as_torch_adamw_group(group: dict) -> dict:
+    """An FP4AdamW param group with torch AdamW's keys exactly (its defaults where FP4AdamW has no such option), so
+    torch AdamW's checkpoints and FP4AdamW's hold the same entries and DCP moves a run between the two."""
+    return {**{k: group.get(k, v) for k, v in _torch_adamw_defaults().items()}, "params": group["params"]}
+
+
+def _from_torch_adamw_group(saved: dict, mine: dict) -> dict:
+    """The group FP4AdamW loads from torch AdamW's form: the shared hyperparameters from ``saved``, FP4AdamW's own
+    options from ``mine``; a torch-only option away from its default (``amsgrad=True``...) is a ConfigError."""
+    defaults = _torch_adamw_defaults()
+    for k, v in saved.items():
+        if k != "params" and k not in mine and k in defaults and v != defaults[k]:
+            raise ConfigError(f"optimizer state_dict param_groups {k}", v, f"{defaults[k]!r} (FP4AdamW has no {k})",
+                              "continue with torch.optim.AdamW, or save the run without that option")
+    out = {k: v for k, v in mine.items() if k != "params"}
+    out.update({k: (tuple(v) if isinstance(mine.get(k), tuple) else v) for k, v in saved.items()
+                if k in mine and k != "params"})
+    return out
 
 
 def _fp32_moments(entry: dict, proxy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -400,6 +427,7 @@ def over_shards(cls: type, params: Iterable[Any], **kwargs: Any) -> torch.optim.
     opt = _sharded_class(cls)(proxy_groups, **kwargs)
     opt._fsdp_pairs = pairs
     opt._fsdp_alias = {id(p): proxy for p, proxy in pairs}
+    opt._fsdp_fp4 = any(c.__name__ == "FP4AdamW" for c in cls.__mro__)
     opt._fsdp_inner = [g["params"] for g in opt.param_groups]
     for g, outer in zip(opt.param_groups, groups):  # torch sees the model's parameters
         g["params"] = list(outer["params"])

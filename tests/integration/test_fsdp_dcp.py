@@ -24,7 +24,7 @@ DIMS = dict(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
 SAVE_AT, STEPS, GLOBAL_BATCH = 6, 12, 8
 
 
-def _model_and_opt(world):
+def _model_and_opt(world, fp4=True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -32,13 +32,16 @@ def _model_and_opt(world):
     import fp4offload.fsdp as ff
     from benchmarks import harness
 
-    model = ff.convert(harness.small_llama(**DIMS), ff.Policy(weights={"keep_bf16": ["norm"]}))
+    model = harness.small_llama(**DIMS)
+    if fp4:
+        model = ff.convert(model, ff.Policy(weights={"keep_bf16": ["norm"]}))
     mesh = init_device_mesh("cpu", (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = fp4offload.FP4AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    cls = fp4offload.FP4AdamW if fp4 else torch.optim.AdamW
+    opt = cls(model.parameters(), lr=3e-3, weight_decay=0.01)
     return model, opt
 
 
@@ -118,3 +121,36 @@ def test_dcp_checkpoints_of_fp4adamw_over_your_own_fully_shard_resume_on_2_and_r
         worst = max(abs(a - b) / b for a, b in zip(got, tail))
         assert worst < 0.01, (name, got, tail)  # within noise of the uninterrupted run
     assert tail[-1] < base["losses"][0] - 1.0  # it trained
+
+
+def _switch(rank, world, tmp, ckpt):
+    """torch AdamW's checkpoint (plain fully_shard) resumed by FP4AdamW (convert + fully_shard), and the other way
+    round: the same state-dict form, so DCP moves a run between the two."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    out = {}
+    model, opt = _model_and_opt(world, fp4=False)
+    _steps(model, opt, rank, world, 0, SAVE_AT)
+    dcp.save(_dsd_state(model, opt), checkpoint_id=f"{ckpt}/torch")
+    out["torch_then_torch"] = _steps(model, opt, rank, world, SAVE_AT, STEPS)
+    for fp4, src, name in ((True, "torch", "torch_then_fp4"), (False, "dsd", "fp4_then_torch")):
+        model, opt = _model_and_opt(world, fp4=fp4)
+        state = _dsd_state(model, opt)
+        dcp.load(state, checkpoint_id=f"{ckpt}/{src}")
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, opt, state["optim"])
+        out[name] = _steps(model, opt, rank, world, SAVE_AT, STEPS)
+    return out
+
+
+@pytest.mark.slow
+def test_a_torch_adamw_checkpoint_moves_to_fp4adamw_and_back_through_dcp(tmp_path):
+    ckpt = str(tmp_path)
+    base = run_ranks(_uninterrupted, 2, args=(ckpt,), timeout=300)[0]  # FP4AdamW's checkpoint in ckpt/dsd
+    r = run_ranks(_switch, 2, args=(ckpt,), timeout=300)[0]
+    ref = r["torch_then_torch"]
+    worst = max(abs(a - b) / b for a, b in zip(r["torch_then_fp4"], ref))
+    assert worst < 0.02, (r["torch_then_fp4"], ref)  # FP4AdamW continues torch AdamW's run
+    worst = max(abs(a - b) / b for a, b in zip(r["fp4_then_torch"], base["losses"][SAVE_AT:]))
+    assert worst < 0.02, (r["fp4_then_torch"], base["losses"][SAVE_AT:])  # and torch AdamW FP4AdamW's
