@@ -381,3 +381,24 @@ def test_convert_twice_is_refused():
     m = ff.convert(_Tiny(), ff.Policy(weights={"keep_bf16": []}))
     with pytest.raises(ConfigError, match="converted already"):
         ff.convert(m)
+
+
+def test_apply_takes_torchs_policy_objects_and_refuses_a_policy_that_disagrees():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from fp4offload._fsdp.apply import _torch_policies
+
+    mp, off = _torch_policies(ff.Policy(), None, None)  # from the policy's fields
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32) and type(off) is OffloadPolicy
+    mine = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    mp, off = _torch_policies(ff.Policy(cpu_offload=True), mine, None)
+    assert mp is mine and isinstance(off, CPUOffloadPolicy)
+    given = CPUOffloadPolicy(pin_memory=False)
+    assert _torch_policies(ff.Policy(), None, given)[1] is given
+    with pytest.raises(ConfigError) as e:  # a field set away from its default that disagrees: named, with the fix
+        _torch_policies(ff.Policy(param_dtype=torch.float16), mine, None)
+    assert "policy.param_dtype" in str(e.value) and "MixedPrecisionPolicy" in str(e.value)
+    with pytest.raises(ConfigError, match="policy.cpu_offload"):
+        _torch_policies(ff.Policy(cpu_offload=True), None, OffloadPolicy())
+    with pytest.raises(ConfigError, match="mp_policy"):
+        _torch_policies(ff.Policy(), "bf16", None)
