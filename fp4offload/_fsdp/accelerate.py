@@ -29,9 +29,11 @@ So :func:`prepare` resolves the plugin's auto-wrap policy on the unsharded model
 ``accelerator.prepare`` with its parameter lists emptied (nothing to swap), putting the proxies back
 afterwards. The optimizer is wrapped in Accelerate's ``AcceleratedOptimizer`` and both objects are
 registered with the accelerator as usual (``accelerator.backward``, ``accelerator.clip_grad_norm_`` and LR
-schedulers prepared with ``accelerator.prepare`` work on them). ``accelerator.save_state`` does not (a
-KeyError in Accelerate 1.15: its FSDP2 optimizer checkpoint maps the optimizer's parameters to the model's,
-and these are proxies); checkpoint with ``fp4offload.fsdp.save(path, model, optimizer.optimizer)`` and ``load``.
+schedulers prepared with ``accelerator.prepare`` work on them). ``accelerator.save_state`` is not supported
+(Accelerate 1.15's FSDP2 optimizer checkpoint raised KeyError mapping the optimizer's parameters while they were
+proxies; it is not tested with the parameters the optimizer shows now); checkpoint with
+``fp4offload.fsdp.save(path, model, optimizer.optimizer)`` and ``load``, or torch's ``get_optimizer_state_dict``
+over ``optimizer.optimizer``.
 
 Where the Accelerate config and the policy overlap, the Accelerate config decides, and the policy may
 only agree with it: ``mixed_precision`` (or the plugin's ``mixed_precision_policy``) gives ``param_dtype``
