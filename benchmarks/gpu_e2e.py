@@ -17,8 +17,9 @@ step. Arms (``--list``):
 - ``act_nvfp4`` / ``act_mxfp8``: the baseline with saved activations packed to pinned host memory.
 - ``fp4adamw_cpu``: FP4AdamW with ``state_device="cpu"`` (pinned packed states, the CPU fused step, the chunk
   pipeline).
-- ``fsdp2_offload`` / ``fsdp2_fp4``: ``fully_shard`` on one GPU with ``CPUOffloadPolicy``, plain (torch AdamW)
-  against the fp4offload policy.
+- ``fsdp2_offload`` / ``fsdp2_fp4`` / ``fsdp2_convert``: ``fully_shard`` on one GPU with ``CPUOffloadPolicy``,
+  plain (torch AdamW) against the fp4offload policy (``apply``), and against ``ff.convert`` + the same
+  ``fully_shard`` calls + ``FP4AdamW(model.parameters())`` (listed last: the lowest priority in the budget).
 - ``ds_z2`` / ``ds_z2_block``: DeepSpeed ZeRO-2 with offload_optimizer cpu, plain against the block.
 - ``ds_z3`` / ``ds_z3_block``: ZeRO-3 with offload_param and offload_optimizer cpu, plain against the block
   (optimizer states and NVFP4 weight shards).
@@ -53,6 +54,7 @@ ARMS = {
     "ds_z2_block": ("deepspeed", "zero2-opt-cpu-fp4", "ZeRO-2, offload_optimizer cpu, the fp4offload block"),
     "ds_z3": ("deepspeed", "zero3-params-cpu", "ZeRO-3, offload_param + offload_optimizer cpu"),
     "ds_z3_block": ("deepspeed", "zero3-params-cpu-fp4", "ZeRO-3 offload, the block (states and weights)"),
+    "fsdp2_convert": ("fsdp", None, "ff.convert + your own fully_shard + CPUOffloadPolicy, FP4AdamW(params)"),
 }
 # What each arm is measured against in the summary: (peer arm, the target for the ratio)
 PEERS = {
@@ -61,6 +63,7 @@ PEERS = {
     "act_mxfp8": ("baseline", "GPU peak below"),
     "fp4adamw_cpu": ("baseline", "GPU peak below"),
     "fsdp2_fp4": ("fsdp2_offload", "against FSDP2's own offload"),
+    "fsdp2_convert": ("fsdp2_offload", "against FSDP2's own offload"),
     "ds_z2_block": ("ds_z2", "against DeepSpeed's own offload"),
     "ds_z3_block": ("ds_z3", "against DeepSpeed's own offload"),
 }
@@ -162,13 +165,20 @@ def run_arm(arm: str, dry: bool, steps: int, warmup: int, port: int) -> dict:
 
         _init_dist(cuda, port)
         model.to(dev)
-        if arm == "fsdp2_offload":
+        if arm in ("fsdp2_offload", "fsdp2_convert"):  # the user's own fully_shard (after convert)
+            if arm == "fsdp2_convert":
+                model = ff.convert(model, ff.Policy(weights={}))
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             off = CPUOffloadPolicy(pin_memory=cuda)
             for layer in model.model.layers:
                 fully_shard(layer, mp_policy=mp, offload_policy=off)
             fully_shard(model, mp_policy=mp, offload_policy=off)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+            if arm == "fsdp2_convert":
+                import fp4offload
+
+                opt = fp4offload.FP4AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+            else:
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
         else:
             policy = ff.Policy(weights={}, block_classes=["LlamaDecoderLayer"], cpu_offload=True,
                                optimizer_states={"min_numel": 4096})
