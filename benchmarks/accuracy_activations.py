@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness
 from fp4offload._offload import ActivationPolicy, offload_activations
-from fp4offload._offload.hooks import _from_parameter
+from fp4offload._offload.selection import from_parameter as _from_parameter
 
 ARMS = ("uncompressed", "mxfp8", "nvfp4", "bf16-control")
 TARGETS = {"mxfp8": 0.005, "nvfp4": 0.02}

@@ -23,7 +23,7 @@ saved tensor); it comes down with the packed bytes, and unpacking a tensor that 
 NonFiniteError naming its shape and the count, so backward fails loudly rather than computing on NaN
 blocks. Keep such tensors out with ``fmt="none"``/``"bf16"`` or an excluded module.
 
-Autograd keeps a small ``_Saved`` handle instead. ``unpack`` runs when backward needs the tensor: it
+Autograd keeps a small ``Saved`` handle instead. ``unpack`` runs when backward needs the tensor: it
 first starts bringing back the next ``prefetch`` tensors in reverse order of saving (host-to-device
 copies on the side stream, file reads on the IO threads), then decodes this one. A tensor that
 several operations saved is stored once and decoded once per backward pass. Stored copies live as
@@ -45,100 +45,15 @@ import torch
 
 from ..errors import NonFiniteError
 from .errors import SavedTensorReleasedError
+from .entries import Entry, Saved
 from .nvme_store import ActivationFileStore
-from .packing import FLOAT_DTYPES, Layout, decode, encode_counted, is_dense, read_parts, write_parts
+from .packing import decode, encode_counted, read_parts, write_parts
 from .pinned_pool import HostSlabPool, shared_pool
 from .policy import ActivationPolicy
+from .selection import KeepAsIs, alias, from_parameter, skip_reason, unpack_alias
 from .stats import ActivationStats
 
 _SALTS = itertools.count(1)
-
-# grad_fn names through which a tensor is still "the parameter" (a view or a dtype cast of it)
-_PARAM_PATH = frozenset({"ToCopyBackward0", "TBackward0", "ViewBackward0", "TransposeBackward0", "PermuteBackward0",
-                         "ExpandBackward0", "UnsafeViewBackward0", "AliasBackward0", "ReshapeAliasBackward0",
-                         "SliceBackward0", "SelectBackward0", "CloneBackward0"})
-
-
-def _from_parameter(t: torch.Tensor) -> bool:
-    """True for parameters, leaves that require grad, and views or casts of them."""
-    if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-        return True
-    if t._base is not None and (isinstance(t._base, torch.nn.Parameter) or (t._base.is_leaf and t._base.requires_grad)):
-        return True
-    fn = t.grad_fn
-    for _ in range(4):
-        if fn is None or type(fn).__name__ not in _PARAM_PATH:
-            return False
-        nxt = [f for f, _ in fn.next_functions if f is not None]
-        if len(nxt) != 1:
-            return False
-        fn = nxt[0]
-        if type(fn).__name__ == "AccumulateGrad":
-            return True
-    return False
-
-
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    """What a pack hook hands back for a tensor it leaves alone: the same memory, without autograd history.
-
-    Handing back `t` itself would let a node that saved its own output hold that output, whose grad_fn is
-    the node: a reference cycle through C++ that no garbage collector sees, so a graph whose backward
-    failed half-way would never be freed. Autograd re-attaches the history on unpack, as it does for
-    any packed copy.
-    """
-    return t.detach()
-
-
-def _unpack_alias(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _in_backward() -> bool:
-    f = getattr(torch._C, "_current_graph_task_id", None)
-    return f is not None and f() != -1
-
-
-class _KeepAsIs(Exception):
-    """Raised inside packing when a CPU tensor held Inf/NaN: the pack hook hands it back untouched."""
-
-
-class _Entry:
-    """One stored tensor (shared by every handle that saved it)."""
-
-    __slots__ = ("id", "layout", "where", "device", "parts", "ready", "block", "future", "fetched", "cache",
-                 "waiting", "handles", "pos", "released", "why", "key", "base_ref", "version", "nbytes_in",
-                 "nonfinite")
-
-    def __init__(self, eid: int, device: torch.device, nbytes_in: int):
-        self.id, self.device, self.nbytes_in = eid, device, nbytes_in
-        self.layout: Layout | None = None
-        self.where = "device"
-        self.parts = self.ready = self.block = self.future = self.fetched = self.cache = None
-        self.waiting: set[int] = set()
-        self.handles: set[int] = set()
-        self.pos, self.released, self.why, self.key = -1, False, "", None
-        self.base_ref, self.version = None, -1
-        self.nonfinite = None  # CUDA: (the codec's non-finite count, the event after which it can be read)
-
-
-class _Saved:
-    """What autograd holds in place of a saved tensor."""
-
-    __slots__ = ("entry", "owner", "shape", "__weakref__")
-
-    def __init__(self, entry: _Entry, owner: "ActivationOffloader", shape: torch.Size | None):
-        self.entry, self.owner, self.shape = entry, owner, shape  # shape: a view's, when not the entry's
-
-    def __del__(self):
-        try:
-            self.owner._drop(self.entry, id(self))
-        except Exception:  # interpreter shutdown: nothing left to give back
-            pass
-
-    def __repr__(self) -> str:
-        lay = self.entry.layout
-        return f"<fp4offload saved activation {tuple(lay.shape) if lay else '?'} in {self.entry.where}>"
-
 
 class ActivationOffloader:
     """Pack and unpack hooks with their store, prefetcher and counters.
@@ -159,9 +74,9 @@ class ActivationOffloader:
                       if self.policy.device == "nvme" else None)
         self._lock = threading.Lock()
         self._drops: deque = deque()
-        self._entries: dict[int, _Entry] = {}
-        self._order: list[_Entry | None] = []
-        self._dedup: dict[tuple, _Entry] = {}
+        self._entries: dict[int, Entry] = {}
+        self._order: list[Entry | None] = []
+        self._dedup: dict[tuple, Entry] = {}
         self._next_id = 0
         self._salt = next(_SALTS)  # new random bits for every offloader (every step), reproducible per process
         self._sample = 0
@@ -181,7 +96,7 @@ class ActivationOffloader:
 
             def pack(t, _fmt=fmt, _self=self_ref):
                 off = _self()
-                return _alias(t) if off is None else off.pack(t, _fmt)
+                return alias(t) if off is None else off.pack(t, _fmt)
 
             pack._fp4offload_hook = True
             self._hook_fns[fmt] = pack
@@ -199,13 +114,13 @@ class ActivationOffloader:
 
             def fn(t, _reason=reason, _self=self_ref):
                 off = _self()
-                if off is not None and type(t) is torch.Tensor and not _from_parameter(t):
+                if off is not None and type(t) is torch.Tensor and not from_parameter(t):
                     off.stats.skip(_reason, t.numel() * t.element_size())
-                return _alias(t)
+                return alias(t)
 
             fn._fp4offload_hook = True
             self._hook_fns["shield:" + reason] = fn
-        return torch.autograd.graph.saved_tensors_hooks(fn, _unpack_alias)
+        return torch.autograd.graph.saved_tensors_hooks(fn, unpack_alias)
 
     @property
     def pool(self) -> HostSlabPool:
@@ -269,50 +184,37 @@ class ActivationOffloader:
 
     # -- pack -------------------------------------------------------------------------------------
     def _skip_reason(self, t: torch.Tensor) -> str | None:
-        if type(t) is not torch.Tensor:
-            return "parameter" if isinstance(t, torch.nn.Parameter) else "subclass"
-        if _from_parameter(t):
-            return "parameter"
-        if t.dtype not in FLOAT_DTYPES:
-            return "dtype"
-        if t.numel() < self.policy.min_numel:
-            return "small"
-        if t.grad_fn is not None and type(t.grad_fn).__name__ in self.policy.skip_outputs_of:
-            return "kept_op"
-        if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided or not is_dense(t):
-            return "layout"
-        if _in_backward():
-            return "backward"
-        if self._closed is not None:
+        reason = skip_reason(t, self.policy)
+        if reason is None and self._closed is not None:
             return "closed"
-        return None
+        return reason
 
     def pack(self, t: torch.Tensor, fmt: str | None = None):
         """The pack hook: returns `t` itself, or a handle to its stored copy."""
         reason = self._skip_reason(t)
         if reason is not None:
             self.stats.skip(reason, t.numel() * t.element_size())
-            return _alias(t)
+            return alias(t)
         t0 = time.perf_counter()
         with self._lock:
             try:
                 h = self._pack_locked(t, fmt or self.policy.format)
-            except _KeepAsIs:  # Inf/NaN on the CPU: kept exact (see the module docstring)
+            except KeepAsIs:  # Inf/NaN on the CPU: kept exact (see the module docstring)
                 h = None
         if h is None:
             self.stats.skip("nonfinite", t.numel() * t.element_size())
             self._drain()
-            return _alias(t)
+            return alias(t)
         self._drain()
         self.stats.add(pack_seconds=time.perf_counter() - t0, tensors_packed=1)
         return h
 
-    def _handle(self, e: _Entry, shape: torch.Size) -> _Saved:
-        h = _Saved(e, self, None if shape == e.layout.shape else shape)
+    def _handle(self, e: Entry, shape: torch.Size) -> Saved:
+        h = Saved(e, self, None if shape == e.layout.shape else shape)
         e.handles.add(id(h))
         return h
 
-    def _pack_locked(self, t: torch.Tensor, fmt: str) -> _Saved:
+    def _pack_locked(self, t: torch.Tensor, fmt: str) -> Saved:
         base = t._base if t._base is not None else t
         key = None
         if self.policy.dedup:
@@ -326,7 +228,7 @@ class ActivationOffloader:
             if e is not None and not e.released and e.base_ref() is base and e.version == t._version:
                 self.stats.add(tensors_deduped=1)
                 return self._handle(e, t.shape)
-        e = _Entry(self._next_id, t.device, t.numel() * t.element_size())
+        e = Entry(self._next_id, t.device, t.numel() * t.element_size())
         self._next_id += 1
         with torch.no_grad(), torch.autocast(t.device.type, enabled=False):
             if self.policy.device == "same":
@@ -347,8 +249,8 @@ class ActivationOffloader:
         self._entries[e.id] = e
         return self._handle(e, t.shape)
 
-    def _encode(self, t: torch.Tensor, fmt: str, e: _Entry | None = None):
-        """Compress `t`. A non-finite count known now (CPU) raises _KeepAsIs; one on the device goes to `e`
+    def _encode(self, t: torch.Tensor, fmt: str, e: Entry | None = None):
+        """Compress `t`. A non-finite count known now (CPU) raises KeepAsIs; one on the device goes to `e`
         (copied to the host behind the encode, on the current stream; _materialize reads it)."""
         salt = self._salt if self.policy.seed is None else self.policy.seed
         parts, layout, count = encode_counted(t, fmt, self.policy.stochastic(fmt),
@@ -363,7 +265,7 @@ class ActivationOffloader:
                 ev.record(torch.cuda.current_stream(count.device))
                 e.nonfinite = (cnt, ev)
         elif count:
-            raise _KeepAsIs()
+            raise KeepAsIs()
         every = self.policy.error_sample_every
         if fmt != "none" and every:
             self._sample += 1
@@ -373,7 +275,7 @@ class ActivationOffloader:
                 self.stats.error(err.norm() / x.norm().clamp_min(torch.finfo(torch.float32).tiny))
         return parts, layout
 
-    def _kept_on_device(self, e: _Entry, overflow: bool) -> None:
+    def _kept_on_device(self, e: Entry, overflow: bool) -> None:
         e.where = "device"
         n = e.layout.nbytes
         self.stats.add(bytes_on_device=n)
@@ -381,7 +283,7 @@ class ActivationOffloader:
             self.stats.add(overflow_tensors=1, overflow_bytes=n)
         self.stats.gauge("device_bytes", n)
 
-    def _store_cpu(self, e: _Entry, t: torch.Tensor, fmt: str) -> None:
+    def _store_cpu(self, e: Entry, t: torch.Tensor, fmt: str) -> None:
         parts, e.layout = self._encode(t, fmt)
         lay = e.layout
         if self.policy.device == "cpu":
@@ -410,7 +312,7 @@ class ActivationOffloader:
             s = self._streams[idx] = torch.cuda.Stream(device=idx)
         return s
 
-    def _store_cuda(self, e: _Entry, t: torch.Tensor, fmt: str) -> None:
+    def _store_cuda(self, e: Entry, t: torch.Tensor, fmt: str) -> None:
         side = self._side_stream(t.device)
         side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
@@ -455,7 +357,7 @@ class ActivationOffloader:
     # -- unpack -----------------------------------------------------------------------------------
     def unpack(self, h):
         """The unpack hook: the tensor back, on its device, with its dtype, shape and strides."""
-        if not isinstance(h, _Saved):
+        if not isinstance(h, Saved):
             return h
         t0 = time.perf_counter()
         with self._lock:
@@ -480,7 +382,7 @@ class ActivationOffloader:
         self.stats.add(unpack_seconds=time.perf_counter() - t0, unpacks=1)
         return out if h.shape is None else out.view(h.shape)
 
-    def _fetch(self, e: _Entry):
+    def _fetch(self, e: Entry):
         """Start bringing `e` back: (device buffer, event) for host entries on CUDA, a Future for files."""
         if e.where == "nvme":
             return self._nvme.read(e.id, e.future)
@@ -507,7 +409,7 @@ class ActivationOffloader:
                     e.fetched = self._fetch(e)
                     self.stats.add(prefetches=1)
 
-    def _materialize(self, e: _Entry) -> torch.Tensor:
+    def _materialize(self, e: Entry) -> torch.Tensor:
         lay = e.layout
         if e.nonfinite is not None:  # CUDA: how many Inf/NaN the codec met, known only now
             cnt, ev = e.nonfinite
@@ -548,7 +450,7 @@ class ActivationOffloader:
         return decode(parts, lay, copy=False)
 
     # -- release ----------------------------------------------------------------------------------
-    def _drop(self, e: _Entry, hid: int) -> None:
+    def _drop(self, e: Entry, hid: int) -> None:
         self._drops.append((e, hid))
         self._drain()
 
@@ -572,7 +474,7 @@ class ActivationOffloader:
         if finish:
             self._finish()
 
-    def _release(self, e: _Entry, why: str) -> None:
+    def _release(self, e: Entry, why: str) -> None:
         e.released, e.why = True, why
         lay = e.layout
         if e.block is not None:

@@ -14,7 +14,7 @@ import torch
 from benchmarks import harness
 from fp4offload import ActivationPolicy, ConfigError, offload_activations, quantize
 from fp4offload._offload import SavedTensorReleasedError
-from fp4offload._offload.hooks import _from_parameter
+from fp4offload._offload.selection import from_parameter as _from_parameter
 
 from helpers.activations import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 
