@@ -289,13 +289,12 @@ class _Resharder:
         sd = self.opt.packed_state_dict()
         pid_of = {id(proxy): i for i, (_, proxy) in enumerate(self.opt._fsdp_pairs)}
         new_state = dict(sd["state"])
+        group_of = {id(q): g for g, ps in zip(self.opt.param_groups, self.opt._fsdp_inner) for q in ps}
         for name, (p, proxy) in self.params.items():
             shape = tuple(p.shape)
             d0, inner = shape[0], math.prod(shape[1:])
             st = self.opt.state[proxy]
-            group = next((g for g, ps in zip(self.opt.param_groups, self.opt._fsdp_inner)
-                          if any(q is proxy for q in ps)), {})
-            v_format = st.get("v_format") or group.get("v_format", "ufp4")  # fp32 here: the group's format
+            v_format = st.get("v_format") or group_of[id(proxy)].get("v_format", "ufp4")  # fp32 here: the group's
             ms, vs = [], []
             for r in range(self.saved_world):
                 a, b = _shard_rows(d0, self.saved_world, r)

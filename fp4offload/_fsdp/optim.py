@@ -216,11 +216,14 @@ class ShardedOptimizerMixin:
             inner_groups.append({**g, "params": list(range(start, start + n))})
             start += n
         self.load_packed_state_dict({"state": state, "param_groups": inner_groups})
-        self._fsdp_after_step()  # the packed weight copies follow the (unchanged) masters anyway
 
     def step(self, closure=None):
         with self._proxies_in_groups():
-            return self._sharded_step(closure)
+            try:
+                return self._sharded_step(closure)
+            finally:  # bound again at the next step: holding them would keep the gradients alive past zero_grad
+                for _, proxy in self._fsdp_pairs:
+                    proxy.grad = None
 
     def _sharded_step(self, closure=None):
         loss = None

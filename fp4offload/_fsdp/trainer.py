@@ -35,10 +35,8 @@ Why a subclass, and what it changes (read in transformers 5.25's ``Trainer`` and
   ``trainer_state.json``. ``train(resume_from_checkpoint=...)`` reads it back with :func:`fp4offload.fsdp.load`
   and repeats the uninterrupted run's losses. ``save_model()`` outside checkpoints gathers the full fp32 weights
   (the masters, not the NVFP4 copies) and writes a ``from_pretrained`` folder from rank 0; every rank must call it.
-- Two details: after a forward without backward (``evaluate``) FSDP2's root unit keeps the gathered weights as its
-  parameters, so the shards are restored before the optimizer is built and before saving or loading; and since
-  the Trainer clears gradients with ``model.zero_grad()`` only, a callback also clears the optimizer's shard
-  proxies after each step (they would keep the last gradients alive through the next backward).
+- After a forward without backward (``evaluate``) FSDP2's root unit keeps the gathered weights as its parameters,
+  so the shards are restored before the optimizer is built and before saving or loading.
 
 ``--bf16`` (Accelerate's autocast, on top of the policy's ``param_dtype``), ``gradient_checkpointing`` and
 evaluation work unchanged. Refused with a ConfigError naming the setting, its value and the fix, in ``__init__``
@@ -59,7 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from ..errors import ConfigError
 from .apply import apply
@@ -119,7 +117,8 @@ def _refuse(args, model, given: dict) -> None:
         ("auto_find_batch_size", args.auto_find_batch_size, args.auto_find_batch_size, "False", "set "
          "per_device_train_batch_size yourself; a retry would re-create the optimizer over a sharded model"),
         ("parallelism_config", args.parallelism_config, args.parallelism_config is not None, "None",
-         "fp4offload.fsdp shards over one data-parallel dimension (all ranks); no TP, CP or HSDP yet"),
+         "FP4FSDPTrainer shards over one data-parallel dimension (all ranks); for HSDP meshes call "
+         "fp4offload.fsdp.apply(model, policy, mesh=...) in your own loop; TP and CP are not supported"),
         ("optim_args", args.optim_args, bool(args.optim_args), "None", "the optimizer's options come from the "
          "policy's optimizer_states"),
     ]
@@ -134,17 +133,6 @@ def _refuse(args, model, given: dict) -> None:
         raise ConfigError("ACCELERATE_USE_FSDP", "true", "unset", "launch with torchrun, or accelerate launch without "
                           "an FSDP config: FP4FSDPTrainer shards the model itself (for Accelerate's FSDP2 in your own "
                           "loop, use fp4offload.fsdp.prepare)")
-
-
-class _ReleaseShardGradients(TrainerCallback):
-    """After each step, ``zero_grad`` on the optimizer too: the Trainer calls only ``model.zero_grad()``, which leaves
-    the optimizer's shard proxies holding the last step's gradients through the next forward and backward."""
-
-    def __init__(self, trainer: "FP4FSDPTrainer"):
-        self.trainer = trainer
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.fp4_optimizer.zero_grad(set_to_none=True)
 
 
 class FP4FSDPTrainer(Trainer):
@@ -186,7 +174,6 @@ class FP4FSDPTrainer(Trainer):
             raise ConfigError("accelerator.distributed_type", str(self.accelerator.distributed_type),
                               "MULTI_GPU, MULTI_CPU or NO", "launch with torchrun: FP4FSDPTrainer shards the model "
                               "itself")
-        self.add_callback(_ReleaseShardGradients(self))
 
     # ---- the model: sharded already, never wrapped again
 

@@ -83,3 +83,17 @@ def train_lm(model, opt, steps: int, generator: torch.Generator, batch: int = 4,
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def config_errors(cases: dict) -> dict[str, str]:
+    """Call each case; its ConfigError message, or "no error" when it raised none (other errors propagate)."""
+    from fp4offload.errors import ConfigError
+
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except ConfigError as e:
+            out[name] = str(e)
+    return out

@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # helpers
 MODEL = dict(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
 BATCH, SEQ, LR = 8, 64, 3e-3
 
@@ -116,7 +117,7 @@ def train(model, opt, acc, steps: int, counter, rank: int) -> list[float]:
 def bad_settings(acc) -> dict[str, str]:
     """ConfigError messages of ``prepare`` for settings it refuses (raised before anything changes)."""
     import fp4offload.fsdp as ff
-    from fp4offload.errors import ConfigError
+    from helpers.fsdp import config_errors
 
     from benchmarks import harness
 
@@ -131,14 +132,7 @@ def bad_settings(acc) -> dict[str, str]:
     }
     if type(plugin.cpu_offload).__name__ != "CPUOffloadPolicy":  # a policy that offloads, Accelerate does not
         cases["cpu_offload"] = lambda: ff.prepare(acc, llama(), ff.Policy(cpu_offload=True))
-    out = {}
-    for name, fn in cases.items():
-        try:
-            fn()
-            out[name] = "no error"
-        except ConfigError as e:
-            out[name] = str(e)
-    return out
+    return config_errors(cases)
 
 
 def _with(obj, attr, value, fn):

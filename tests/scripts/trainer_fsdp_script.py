@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # helpers
 MODEL = dict(hidden=64, layers=2, heads=4, intermediate=172, seed=0)
 SEQ, BATCH, ACCUM, LR = 64, 4, 2, 3e-3
 
@@ -125,7 +126,7 @@ def reload_check(trainer, out_dir: Path, data) -> dict:
 def refusals(work: Path) -> dict[str, str]:
     """ConfigError messages for settings FP4FSDPTrainer refuses (raised before anything is sharded)."""
     from fp4offload._fsdp.trainer import FP4FSDPTrainer
-    from fp4offload.errors import ConfigError
+    from helpers.fsdp import config_errors
 
     from benchmarks import harness
 
@@ -139,14 +140,7 @@ def refusals(work: Path) -> dict[str, str]:
              "load_best_model_at_end": make(load_best_model_at_end=True),
              "policy": lambda: FP4FSDPTrainer(model=harness.small_llama(**MODEL), args=training_args(work, 4),
                                               fsdp_policy=3)}
-    out = {}
-    for name, fn in cases.items():
-        try:
-            fn()
-            out[name] = "no error"
-        except ConfigError as e:
-            out[name] = str(e)
-    return out
+    return config_errors(cases)
 
 
 def refused_resume(trainer, folder: Path) -> str:
