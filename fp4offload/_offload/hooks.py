@@ -47,6 +47,8 @@ from ..errors import NonFiniteError
 from .errors import SavedTensorReleasedError
 from .entries import Entry, Saved
 from .nvme_store import ActivationFileStore
+from .ops import classify as op_class
+from .ops import scope as op_scope
 from .packing import decode, encode_counted, read_parts, write_parts
 from .pinned_pool import HostSlabPool, shared_pool
 from .policy import ActivationPolicy
@@ -54,6 +56,27 @@ from .selection import KeepAsIs, alias, from_parameter, skip_reason, unpack_alia
 from .stats import ActivationStats
 
 _SALTS = itertools.count(1)
+
+
+class _Hooks:
+    """saved_tensors_hooks entered together with the op classes' scope (left in the reverse order)."""
+
+    __slots__ = ("_hooks", "_ops")
+
+    def __init__(self, hooks):
+        self._hooks, self._ops = hooks, op_scope()
+
+    def __enter__(self):
+        self._ops.__enter__()
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self._hooks.__exit__(*exc)
+        finally:
+            self._ops.__exit__(*exc)
+        return False
 
 class ActivationOffloader:
     """Pack and unpack hooks with their store, prefetcher and counters.
@@ -87,8 +110,9 @@ class ActivationOffloader:
         self._hook_fns: dict[str, object] = {}
 
     # -- public -----------------------------------------------------------------------------------
-    def hooks(self, fmt: str | None = None) -> torch.autograd.graph.saved_tensors_hooks:
-        """A saved_tensors_hooks context that stores what autograd saves in `fmt` (default: the policy's)."""
+    def hooks(self, fmt: str | None = None) -> _Hooks:
+        """A context that stores what autograd saves in `fmt` (default: the policy's): saved_tensors_hooks, and
+        the op classes (fp4offload._offload.ops) that give attention's and norms' tensors their own forms."""
         fmt = fmt or self.policy.format
         pack = self._hook_fns.get(fmt)
         if pack is None:
@@ -100,7 +124,7 @@ class ActivationOffloader:
 
             pack._fp4offload_hook = True
             self._hook_fns[fmt] = pack
-        return torch.autograd.graph.saved_tensors_hooks(pack, self.unpack)
+        return _Hooks(torch.autograd.graph.saved_tensors_hooks(pack, self.unpack))
 
     def shield_hooks(self, reason: str) -> torch.autograd.graph.saved_tensors_hooks:
         """A saved_tensors_hooks context that leaves every tensor alone (counted as passed through for `reason`).
@@ -191,14 +215,21 @@ class ActivationOffloader:
 
     def pack(self, t: torch.Tensor, fmt: str | None = None):
         """The pack hook: returns `t` itself, or a handle to its stored copy."""
+        fmt = fmt or self.policy.format
         reason = self._skip_reason(t)
+        if reason is None:
+            cls = op_class(t)  # saved by an op whose backward recombines it with a statistic
+            if cls is not None:
+                fmt = self.policy.class_format(cls, fmt)
+                if fmt == "keep":
+                    reason = cls
         if reason is not None:
             self.stats.skip(reason, t.numel() * t.element_size())
             return alias(t)
         t0 = time.perf_counter()
         with self._lock:
             try:
-                h = self._pack_locked(t, fmt or self.policy.format)
+                h = self._pack_locked(t, fmt)
             except KeepAsIs:  # Inf/NaN on the CPU: kept exact (see the module docstring)
                 h = None
         if h is None:

@@ -8,6 +8,10 @@ from .._config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NU
                       ACTIVATION_MODULES, ACTIVATION_NORM_CHOICES, ROUNDINGS)
 from ..errors import ConfigError
 
+# how much of a tensor a form keeps: an op rule may only move a tensor to a gentler form than its module's
+_GENTLE = {"nvfp4": 0, "mxfp4": 0, "mxfp8": 1, "bf16": 2, "none": 3, "keep": 4}
+
+
 def _patterns(key: str, value) -> tuple[str, ...]:
     if value is None:
         return ()
@@ -85,6 +89,17 @@ class ActivationPolicy:
             ``format="none"`` (which stays exact).
         norm_classes: fnmatch patterns over module class names that are normalization layers
             (default ``("*Norm*",)``: LayerNorm, RMSNorm, LlamaRMSNorm, GroupNorm, BatchNorm2d, ...).
+            Norm ops called directly (``F.layer_norm``, ``F.rms_norm``, ...) are found by the op and get
+            ``norm_format`` too.
+        attention_qk_format: how the query and key that fused attention saves are stored (default
+            ``"bf16"``). Its backward recomputes the probabilities from them against the forward's exact
+            log-sum-exp (kept exactly, as every saved statistic is): a 4-bit q and k move the logits by units
+            and the error grows exponentially (SmolLM2-135M: the median gradient 100x to 20,000x off with
+            NVFP4, 1.2x with MXFP8, 1.0x with bf16). Found by the op (``F.scaled_dot_product_attention`` on
+            every backend, flash-attn's ops), not by module name. Choices as ``norm_format``.
+        attention_format: the rest of what fused attention saves (value and output; default ``"mxfp8"``).
+            A 4-bit output biases the row sums backward subtracts. ``"inherit"`` (both attention keys):
+            stored like the module around them, as before 2026-12-05.
     """
 
     format: str = "nvfp4"
@@ -105,6 +120,8 @@ class ActivationPolicy:
     seed: int | None = None
     norm_format: str = "bf16"
     norm_classes: tuple[str, ...] = ("*Norm*",)
+    attention_qk_format: str = "bf16"
+    attention_format: str = "mxfp8"
 
     def __post_init__(self):
         k = "ActivationPolicy."
@@ -143,6 +160,10 @@ class ActivationPolicy:
         object.__setattr__(self, "norm_classes", _patterns(k + "norm_classes", self.norm_classes))
         if self.norm_format not in ACTIVATION_NORM_CHOICES:
             raise ConfigError(k + "norm_format", self.norm_format, " | ".join(repr(f) for f in ACTIVATION_NORM_CHOICES))
+        for name in ("attention_qk_format", "attention_format"):
+            if getattr(self, name) not in ACTIVATION_NORM_CHOICES:
+                raise ConfigError(k + name, getattr(self, name), " | ".join(repr(f) for f in ACTIVATION_NORM_CHOICES),
+                                  "'inherit' stores them like the module around them")
         if self.norm_format in ("nvfp4", "mxfp4", "mxfp8") and self.format == "none":
             raise ConfigError(k + "norm_format", self.norm_format, "'bf16', 'keep' or 'inherit' with format='none'",
                               "format='none' moves tensors exactly; compressing only the norms is not what it is for")
@@ -176,6 +197,17 @@ class ActivationPolicy:
         if self.format == "none" or self.norm_format == "inherit":
             return None
         return self.norm_format
+
+    def class_format(self, cls: str, fmt: str) -> str:
+        """The form of a tensor of op class `cls` (fp4offload._offload.ops) saved where `fmt` applies: a format,
+        or ``"keep"``. Never harsher than `fmt`: an op rule only makes storage gentler."""
+        if cls == "statistic":
+            return "keep"
+        want = {"attention_qk": self.attention_qk_format, "attention": self.attention_format,
+                "norm": self.norm_format}.get(cls, "inherit")
+        if want == "inherit" or self.format == "none":
+            return fmt
+        return want if _GENTLE[want] > _GENTLE[fmt] else fmt
 
     @property
     def scoped(self) -> bool:
