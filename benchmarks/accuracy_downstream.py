@@ -391,7 +391,8 @@ def train_run(arm: str, *, seed: int, steps: int, test_per_work: int, base=None,
     if diverged:
         s["accuracy"] = float("nan")
     return {"arm": arm, "seed": seed, **s, "train_loss_curve": losses, "train_loss_final": _tail_mean(losses),
-            "diverged": diverged, "optimizer": settings, **({"activations": act} if act else {}), "params": sum(p.numel() for p in model.parameters()),
+            "diverged": diverged, "optimizer": settings, **({"activations": act} if act else {}),
+            "params": sum(p.numel() for p in model.parameters()),
             "seconds": train_s + score_s, "train_seconds": train_s, "seconds_per_step": train_s / max(1, len(losses)),
             "score_seconds": score_s, "threads": torch.get_num_threads(), **_meta(steps, test_per_work, data)}
 

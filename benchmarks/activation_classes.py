@@ -283,7 +283,8 @@ def main(argv=None) -> None:
         for r in out["rows"]:
             seen[(r["cls"], tuple(r["shape"]), r["dtype"], r["producer"], r["consumer"],
                   r["module"].split(".")[-1] if r["module"] else "")] += 1
-        print("| class | shape | dtype | producer (grad_fn) | saved by | module | count |\n|---|---|---|---|---|---|---|")
+        print("| class | shape | dtype | producer (grad_fn) | saved by | module | count |")
+        print("|---|---|---|---|---|---|---|")
         for (cls, shape, dt, prod, cons, mod), n in sorted(seen.items()):
             print(f"| {cls} | {list(shape)} | {dt} | {prod or '-'} | {cons} | {mod or '-'} | {n} |")
     if a.json:

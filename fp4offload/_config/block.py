@@ -19,9 +19,9 @@ from fp4offload.errors import ConfigError
 from .checks import (_as_tuple, _check_bool, _check_choice, _check_int, _check_names, _check_path, _error,
                      _plain_float, _prefix, _under)
 from .vocab import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NUMEL, ACTIVATION_MODULES,
-                    ALLOCATOR_CACHE, KEEP_BF16, MASTER_DEVICES, MASTER_FORMS, MMAP_THRESHOLD, MMAP_THRESHOLD_MAX,
-                    OFF_VALUES, OPTIMIZER_DEVICES, OPTIMIZER_FORMATS, PREFLIGHT_MODES, ROUNDINGS, STATE_MIN_NUMEL,
-                    V_FORMAT_DEFAULT, V_FORMATS, V_ROUNDING_DEFAULT, WEIGHT_DEVICES, WEIGHT_FORMATS)
+                    ACTIVATION_NORM_CHOICES, ALLOCATOR_CACHE, KEEP_BF16, MASTER_DEVICES, MASTER_FORMS, MMAP_THRESHOLD,
+                    MMAP_THRESHOLD_MAX, OFF_VALUES, OPTIMIZER_DEVICES, OPTIMIZER_FORMATS, PREFLIGHT_MODES, ROUNDINGS,
+                    STATE_MIN_NUMEL, V_FORMAT_DEFAULT, V_FORMATS, V_ROUNDING_DEFAULT, WEIGHT_DEVICES, WEIGHT_FORMATS)
 
 __all__ = ["OptimizerStatesConfig", "ActivationsConfig", "WeightsConfig", "MonitorConfig", "HostConfig",
            "Fp4OffloadConfig", "parse_block"]
@@ -131,6 +131,10 @@ class ActivationsConfig:
         max_host_bytes: cap on the pinned host RAM each rank's activation pool may hold, in bytes; past it
             tensors stay on their device, compressed. Default None: half of the RAM available when the pool
             is created, divided by the node's local ranks (LOCAL_WORLD_SIZE), so the ranks of a node share half.
+        attention_qk_format: the query and key fused attention saves (``"bf16"`` default): its backward
+            recomputes the probabilities from them against the exact log-sum-exp, so 4 bits there wreck the
+            gradient. ``"inherit"``: like the rest.
+        attention_format: the value and output fused attention saves (``"mxfp8"`` default).
     """
 
     format: str = "nvfp4"
@@ -140,12 +144,16 @@ class ActivationsConfig:
     modules: tuple[str, ...] = ACTIVATION_MODULES
     exclude: tuple[str, ...] = ()
     max_host_bytes: int | None = None
+    attention_qk_format: str = "bf16"
+    attention_format: str = "mxfp8"
 
     def __post_init__(self) -> None:
         _as_tuple(self, "modules")
         _as_tuple(self, "exclude")
         _check_choice("activations.format", self.format, ACTIVATION_FORMATS)
         _check_choice("activations.device", self.device, ACTIVATION_DEVICES)
+        _check_choice("activations.attention_qk_format", self.attention_qk_format, ACTIVATION_NORM_CHOICES)
+        _check_choice("activations.attention_format", self.attention_format, ACTIVATION_NORM_CHOICES)
         _check_path("activations.nvme_path", self.nvme_path)
         _check_int("activations.min_numel", self.min_numel)
         _check_names("activations.modules", self.modules)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["OpRule", "RULES", "classify", "scope", "rule_for"]
+__all__ = ["OpRule", "RULES", "classify", "scope", "rule_for", "register_op"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,18 @@ RULES: dict[str, OpRule] = {
     # norms with a saved mean / rstd; module-level norms (LlamaRMSNorm written in Python) are found by class name
     "layer_norm": _NORM, "rms_norm": _NORM, "group_norm": _NORM, "batch_norm": _NORM, "instance_norm": _NORM,
 }
+
+
+def register_op(name: str, cls: str = "attention", qk: tuple[int, ...] = (0, 1)) -> None:
+    """Class the tensors op `name` saves (a torch function's ``__name__`` or a custom op's ``ns::name``), for
+    a fused attention kernel of your own: `qk` are the positions of the arguments backward recombines with
+    the saved statistic (stored in ``attention_qk_format``)."""
+    if cls not in ("attention", "norm"):
+        from ..errors import ConfigError
+
+        raise ConfigError("register_op.cls", cls, "'attention' or 'norm'")
+    RULES[name] = OpRule(cls, tuple((i, "attention_qk") for i in qk))
+    _seen.clear()
 
 
 def _name(func) -> str:

@@ -183,7 +183,8 @@ class ActivationPolicy:
         as the DeepSpeed block and the FSDP2 policies apply it; everything the schema does not name keeps
         this class's defaults."""
         return cls(format=cfg.format, device=cfg.device, nvme_path=cfg.nvme_path, min_numel=max(1, int(cfg.min_numel)),
-                   modules=tuple(cfg.modules), exclude=tuple(cfg.exclude), max_host_bytes=cfg.max_host_bytes)
+                   modules=tuple(cfg.modules), exclude=tuple(cfg.exclude), max_host_bytes=cfg.max_host_bytes,
+                   attention_qk_format=cfg.attention_qk_format, attention_format=cfg.attention_format)
 
     def stochastic(self, fmt: str) -> bool:
         """Whether tensors stored in `fmt` are rounded stochastically under this policy."""

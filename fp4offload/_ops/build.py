@@ -16,11 +16,13 @@ def csrc_dir() -> Path:
     return Path(str(resources.files("fp4offload._csrc")))
 
 
-def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(), extra_cuda_cflags=()):
-    """Compile (or load the cached build of) an extension from files under csrc/."""
+def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(), extra_cuda_cflags=(),
+          root: Path | None = None):
+    """Compile (or load the cached build of) an extension from files under csrc/ (or under `root`, another copy of
+    it: benchmarks build an earlier revision's under its own module name)."""
     from torch.utils import cpp_extension
 
-    root = csrc_dir()
+    root = csrc_dir() if root is None else Path(root)
     verbose = switches.get("FP4OFFLOAD_VERBOSE_BUILD")
     # no fast math and no FMA contraction (every operation rounds as the reference's does); errno and FP traps off,
     # which change no value but let the compiler vectorize sqrt and turn selects of FP results into blends

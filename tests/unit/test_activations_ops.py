@@ -1,0 +1,153 @@
+"""Saved tensors classed by the op that saves them (fp4offload/_offload/ops.py): fused attention's query and key
+in bf16, its value and output in MXFP8, statistics (log-sum-exp, mean, rstd) exact; the rule found by the op,
+never harsher than the module's format, and gone when the context closes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import _get_current_function_mode_stack
+
+from fp4offload import ActivationPolicy, ConfigError, offload_activations, wrap_modules
+from fp4offload._offload import ops
+
+
+def _stored(off) -> list[tuple[tuple[int, ...], str]]:
+    """(shape, format) of every tensor the offloader stored, in order of saving."""
+    return [(tuple(e.layout.shape), e.layout.fmt) for e in off._order if e is not None]
+
+
+def _qkv(scale: float = 1.0, b=2, h=4, s=64, d=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(b, h, s, d, generator=g) * scale).requires_grad_() for _ in range(3)]
+
+
+def _sdpa_grads(policy, q, k, v):
+    for t in (q, k, v):
+        t.grad = None
+    if policy is None:  # the inputs as a model has them: outputs of earlier ops (a leaf is kept as a parameter)
+        out = F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)
+        off = forms = None
+    else:
+        with offload_activations(policy) as off:
+            out = F.scaled_dot_product_attention(q * 1.0, k * 1.0, v * 1.0, is_causal=True)
+        forms = _stored(off)
+    out.backward(torch.ones_like(out))
+    return [t.grad.clone() for t in (q, k, v)], off, forms
+
+
+def test_sdpa_query_key_bf16_value_output_mxfp8_statistic_kept():
+    q, k, v = _qkv()
+    _, off, forms = _sdpa_grads(ActivationPolicy(min_numel=1, seed=0), q, k, v)
+    assert forms.count(((2, 4, 64, 32), "bf16")) == 2  # query and key
+    assert forms.count(((2, 4, 64, 32), "mxfp8")) == 2  # value and output
+    assert not any(f == "nvfp4" for _, f in forms)
+    snap = off.snapshot()
+    assert snap["passthrough"].get("statistic") == 1  # the log-sum-exp, kept exactly though min_numel=1
+
+
+def test_sdpa_gradient_bounded_where_4bit_query_and_key_blow_it_up():
+    """Large logits (as in a pretrained model): NVFP4 q and k against the exact log-sum-exp wreck the gradient;
+    the op rule keeps it within what one tensor's rounding explains."""
+    q, k, v = _qkv(scale=3.0)
+    ref = _sdpa_grads(None, q, k, v)[0]
+
+    def err(policy):
+        g = _sdpa_grads(policy, q, k, v)[0]
+        return max(float((a - b).norm() / b.norm()) for a, b in zip(g, ref))
+
+    before = err(ActivationPolicy(min_numel=1, seed=0, attention_format="inherit", attention_qk_format="inherit"))
+    now = err(ActivationPolicy(min_numel=1, seed=0))
+    assert before > 1.0, before  # the failure the rule exists for
+    assert now < 0.1, now
+
+
+def test_norm_op_statistics_kept_input_in_norm_format():
+    x = torch.randn(64, 256, requires_grad=True)
+    w = torch.ones(256, requires_grad=True)
+    with offload_activations(ActivationPolicy(min_numel=1, seed=0)) as off:
+        y = F.layer_norm(x * 2, (256,), w)
+    forms = _stored(off)
+    y.sum().backward()
+    assert ((64, 256), "bf16") in forms  # the norm's input, in norm_format
+    assert off.snapshot()["passthrough"].get("statistic") == 2  # mean and rstd
+
+
+def test_rule_never_harsher_than_the_module_format():
+    pol = ActivationPolicy()
+    assert pol.class_format("attention", "none") == "none"
+    assert pol.class_format("attention", "bf16") == "bf16"
+    assert pol.class_format("attention", "nvfp4") == "mxfp8"
+    assert pol.class_format("attention_qk", "mxfp8") == "bf16"
+    assert pol.class_format("statistic", "none") == "keep"
+    assert ActivationPolicy(attention_format="inherit").class_format("attention", "nvfp4") == "nvfp4"
+    assert ActivationPolicy(attention_qk_format="keep").class_format("attention_qk", "nvfp4") == "keep"
+
+
+@pytest.mark.parametrize("key", ["attention_format", "attention_qk_format"])
+def test_bad_attention_format_named(key):
+    with pytest.raises(ConfigError) as e:
+        ActivationPolicy(**{key: "fp4"})
+    assert f"ActivationPolicy.{key}" in str(e.value) and "'fp4'" in str(e.value) and "inherit" in str(e.value)
+
+
+def test_custom_function_saving_after_its_op_is_classed_by_identity():
+    """flash-attn's shape: an autograd.Function whose forward calls a registered custom op and saves q, k, v,
+    the output and the log-sum-exp after the forward returned."""
+    lib = "fp4offload_test"
+    name = f"{lib}::attn"
+
+    @torch.library.custom_op(name, mutates_args=())
+    def attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = q @ k.transpose(-1, -2)
+        lse = torch.logsumexp(s, -1)
+        return torch.exp(s - lse[..., None]) @ v, lse
+
+    class Attn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = torch.ops.fp4offload_test.attn(q, k, v)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, g):
+            q, k, v, out, lse = ctx.saved_tensors
+            p = torch.exp(q @ k.transpose(-1, -2) - lse[..., None])
+            dp = g @ v.transpose(-1, -2)
+            ds = p * (dp - (g * out).sum(-1, keepdim=True))
+            return ds @ k, ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ g
+
+    ops.register_op(name)
+    try:
+        q, k, v = _qkv(s=256)
+        with offload_activations(ActivationPolicy(min_numel=1, seed=0)) as off:
+            out = Attn.apply(q * 1.0, k * 1.0, v * 1.0)
+        forms = _stored(off)
+        out.sum().backward()
+        assert forms.count(((2, 4, 256, 32), "bf16")) == 2 and forms.count(((2, 4, 256, 32), "mxfp8")) == 2, forms
+        assert off.snapshot()["passthrough"].get("statistic") == 1
+    finally:
+        ops.RULES.pop(name, None)
+        ops._seen.clear()
+
+
+def test_mode_pushed_once_and_popped_with_the_context():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Sequential(torch.nn.Linear(64, 64)))
+    assert not _get_current_function_mode_stack()
+    seen = []
+
+    def probe(mod, args):
+        seen.append(sum(isinstance(m, ops.OpClasses) for m in _get_current_function_mode_stack()))
+
+    h = model[1][0].register_forward_pre_hook(probe)
+    with wrap_modules(model, ActivationPolicy(modules=("*",), min_numel=1)):
+        model(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    h.remove()
+    assert seen == [1]  # nested offloaded modules share one mode
+    assert not _get_current_function_mode_stack()
+    with pytest.raises(RuntimeError):
+        with offload_activations(ActivationPolicy()):
+            raise RuntimeError("boom")
+    assert not _get_current_function_mode_stack() and ops._state.depth == 0
