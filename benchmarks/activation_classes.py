@@ -241,8 +241,10 @@ def measure(model=None, seeds=(0, 1, 2)) -> dict:
         print(f"{cls:13s} {100 * share:5.1f}% of saved bytes  grad error median "
               f"{statistics.median(med) if med else float('nan'):.3g} max {max([e['max'] for e in errs] or [0]):.3g}",
               flush=True)
+    inherit = {"attention_format": "inherit", "attention_qk_format": "inherit"}
     pols = {"default": {}, "nearest": {"rounding": "nearest"}, "mxfp8": {"format": "mxfp8"},
-            "attention inherit (before)": {"attention_format": "inherit", "attention_qk_format": "inherit"}}
+            "mxfp4": {"format": "mxfp4"}, "attention inherit (before)": inherit,
+            "all nvfp4 (norms too)": {**inherit, "norm_format": "inherit"}}
     out["policies"] = {}
     for name, kw in pols.items():
         errs, snap = [], None

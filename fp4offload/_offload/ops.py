@@ -15,8 +15,9 @@ saved mean and rstd. The rule, written once here for every such op:
 
 :class:`OpClasses` is a ``TorchFunctionMode`` that, while a registered op runs, tells the pack hook which op
 is saving (:func:`classify`). A custom ``autograd.Function`` (flash-attn's) saves only after its forward
-returned; the tensors its inner op took and gave are remembered until the next registered op, and a tensor
-packed later is recognized by identity. Nothing is matched by module name, so any model is covered.
+returned; the tensors its inner op (registered with ``after``) took and gave are remembered until the next
+registered op, and a tensor packed later is recognized by identity. Nothing is matched by module name, so any
+model is covered.
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ class OpRule:
 
     cls: str
     roles: tuple[tuple[int, str], ...] = ()
+    after: bool = False  # called inside a custom autograd.Function that saves once its forward returned
 
 
-_ATTENTION = OpRule("attention", ((0, "attention_qk"), (1, "attention_qk")))
+_QK = ((0, "attention_qk"), (1, "attention_qk"))
+_ATTENTION = OpRule("attention", _QK)
+_ATTENTION_AFTER = OpRule("attention", _QK, after=True)
 _NORM = OpRule("norm")
 
 #: op name -> rule. Names are what ``__name__`` of a torch function, or the qualified name of a custom op
@@ -54,10 +58,14 @@ RULES: dict[str, OpRule] = {
     # torch's fused attention, every backend (math, flash, memory-efficient, cuDNN; CPU and CUDA); Hugging
     # Face's "sdpa" attention calls it
     "scaled_dot_product_attention": _ATTENTION,
+    **{f"aten::{n}": _ATTENTION for n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+                                          "_scaled_dot_product_flash_attention_for_cpu",
+                                          "_scaled_dot_product_efficient_attention",
+                                          "_scaled_dot_product_cudnn_attention")},
     "multi_head_attention_forward": OpRule("attention"),  # nn.MultiheadAttention: projections and all
     # flash-attn 2's ops (Hugging Face's "flash_attention_2"), called inside its autograd.Function
-    "flash_attn::_flash_attn_forward": _ATTENTION,
-    "flash_attn::_flash_attn_varlen_forward": _ATTENTION,
+    "flash_attn::_flash_attn_forward": _ATTENTION_AFTER,
+    "flash_attn::_flash_attn_varlen_forward": _ATTENTION_AFTER,
     # norms with a saved mean / rstd; module-level norms (LlamaRMSNorm written in Python) are found by class name
     "layer_norm": _NORM, "rms_norm": _NORM, "group_norm": _NORM, "batch_norm": _NORM, "instance_norm": _NORM,
 }
@@ -71,7 +79,7 @@ def register_op(name: str, cls: str = "attention", qk: tuple[int, ...] = (0, 1))
         from ..errors import ConfigError
 
         raise ConfigError("register_op.cls", cls, "'attention' or 'norm'")
-    RULES[name] = OpRule(cls, tuple((i, "attention_qk") for i in qk))
+    RULES[name] = OpRule(cls, tuple((i, "attention_qk") for i in qk), after="::" in name)
     _seen.clear()
 
 
@@ -139,8 +147,11 @@ class OpClasses(TorchFunctionMode):
         finally:
             _state.running.pop()
         res = out if isinstance(out, (tuple, list)) else (out,)
-        call.results = [weakref.ref(r) for r in res if type(r) is torch.Tensor]
-        _state.last = call
+        if rule.after:  # its Function saves next: remember what the op took and gave until another rule runs
+            call.results = [weakref.ref(r) for r in res if type(r) is torch.Tensor]
+            _state.last = call
+        else:
+            _state.last = None
         return out
 
 

@@ -151,3 +151,15 @@ def test_mode_pushed_once_and_popped_with_the_context():
         with offload_activations(ActivationPolicy()):
             raise RuntimeError("boom")
     assert not _get_current_function_mode_stack() and ops._state.depth == 0
+
+
+def test_a_norm_output_a_linear_layer_saves_keeps_the_module_format():
+    """Only custom ops inside a Function are matched after they return: a 2-D LayerNorm output that the next
+    linear layer saves as its input is a linear input (NVFP4), not a norm tensor."""
+    x = torch.randn(128, 512, requires_grad=True)
+    lin = torch.nn.Linear(512, 512)
+    with offload_activations(ActivationPolicy(min_numel=1, seed=0)) as off:
+        y = lin(F.layer_norm(x * 1.0, (512,)))
+    forms = _stored(off)
+    y.sum().backward()
+    assert forms.count(((128, 512), "nvfp4")) == 1 and forms.count(((128, 512), "bf16")) == 1, forms
