@@ -266,14 +266,46 @@ def measure(model=None, seeds=(0, 1, 2)) -> dict:
     return out
 
 
+def step_times(model=None, reps: int = 5) -> dict:
+    """Median seconds of one training step (forward, backward) of SmolLM2 on the downstream batch, arms
+    interleaved: uncompressed, the op classes' mode alone (no hooks), the default policy, and attention stored
+    like the rest (before)."""
+    import fp4offload
+    from benchmarks import accuracy_downstream as ad
+    from fp4offload._offload import ops
+
+    model = model if model is not None else ad.load_model()
+    model.train()
+    x, y = _batch()
+    inherit = {"attention_format": "inherit", "attention_qk_format": "inherit"}
+    arms = {"uncompressed": contextlib.nullcontext, "op mode only": ops.scope,
+            "default": lambda: fp4offload.offload_activations(fp4offload.ActivationPolicy(seed=0)),
+            "attention inherit (before)": lambda: fp4offload.offload_activations(
+                fp4offload.ActivationPolicy(seed=0, **inherit))}
+    times = {k: [] for k in arms}
+    for _ in range(reps + 1):
+        for k, ctx in arms.items():
+            t0 = time.perf_counter()
+            _grads(model, x, y, ctx)
+            times[k].append(time.perf_counter() - t0)
+    out = {k: statistics.median(v[1:]) for k, v in times.items()}
+    for k, v in out.items():
+        print(f"step {k:28s} {v:.3f} s ({v / out['uncompressed']:.3f}x)", flush=True)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the inventory and the errors here")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--inventory", action="store_true", help="print every saved tensor")
+    ap.add_argument("--time", type=int, default=0, metavar="REPS", help="only time the step per arm, REPS rounds")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.time:
+        step_times(reps=a.time)
+        return
     t0 = time.time()
     out = measure()
     out["date"], out["seconds"] = time.strftime("%Y-%m-%d"), time.time() - t0

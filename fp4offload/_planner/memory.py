@@ -133,6 +133,23 @@ def _act_ratio(fmt: str, e: int) -> float:
     return 1.0 if fmt == "bf16" else ACT_BYTES[fmt] / e
 
 
+# the forms ActivationPolicy's defaults give each class (fp4offload/_offload/ops.py), never harsher than the format
+_CLASS_FORMS = {"norm": "bf16", "attention_qk": "bf16", "attention": "mxfp8", "statistic": "keep"}
+_GENTLE = ("nvfp4", "mxfp4", "mxfp8", "bf16", "keep")
+
+
+def _stored_per_token(m: ModelSpec, moe: bool, fmt: str, e: int) -> float:
+    """Bytes per token one block's saved activations take as the hooks store them in `fmt` ("bf16": as they are)."""
+    parts = m.kind_saved_classes(moe, e)
+    if fmt == "bf16":
+        return float(sum(b for _, b in parts.values()))
+    out = 0.0
+    for cls, (n, raw) in parts.items():
+        form = max(_CLASS_FORMS.get(cls, fmt), fmt, key=_GENTLE.index)
+        out += raw if form == "keep" else n * (BF16_BYTES if form == "bf16" else ACT_BYTES[form])
+    return out
+
+
 @dataclass
 class _Ledger:
     """Named byte terms, per GPU (static), per rank in host RAM, per rank on NVMe."""
@@ -273,24 +290,28 @@ def _activations(x: _Shape, led: _Ledger, checkpointing: bool) -> _Activations:
     kinds = set(count)
     layer_saved = {k: T * m.kind_saved_bytes_per_token(k, e) for k in kinds}
     final_saved = T * m._norm_saved(e)
-    ratio = _act_ratio(s.activations.format, e)
-    stored = {k: T * e * m.hidden for k in kinds} if checkpointing else layer_saved
+    fmt = s.activations.format
+    ratio = _act_ratio(fmt, e)
+    # in their stored forms: under checkpointing each block keeps its input (a linear-layer input's form)
+    stored = ({k: T * e * m.hidden * ratio for k in kinds} if checkpointing
+              else {k: T * _stored_per_token(m, k, fmt, e) for k in kinds})
     max_saved = max(layer_saved.values())
     offloaded = s.activations.device != "gpu"
-    saved_total = (sum(c * stored[k] for k, c in count.items()) + final_saved) * ratio
+    final_stored = final_saved * (1.0 if fmt == "bf16" else max(BF16_BYTES / e, ratio))  # the final norm: bf16
+    saved_total = sum(c * stored[k] for k, c in count.items()) + final_stored
     if offloaded:
         if s.activations.device == "cpu":
             led.put("cpu", "activations", saved_total * (1 + t.pinned_pool_overhead))
         else:
             led.put("nvme", "activations", saved_total)
-            led.put("cpu", "staging", 2 * t.act_window_layers * max_saved * ratio)
+            led.put("cpu", "staging", 2 * t.act_window_layers * max(stored.values()))
         window = t.act_window_layers * max_saved
         on_gpu = {k: 0.0 for k in kinds}
-        gpu_all = window + final_saved * ratio
+        gpu_all = window + final_stored
     else:
-        on_gpu = {k: stored[k] * ratio for k in kinds}
+        on_gpu = dict(stored)
         window = 0.0
-        gpu_all = sum(c * on_gpu[k] for k, c in count.items()) + final_saved * ratio
+        gpu_all = sum(c * on_gpu[k] for k, c in count.items()) + final_stored
     return _Activations(count, layer_saved, on_gpu, final_saved, window, gpu_all, saved_total, offloaded)
 
 

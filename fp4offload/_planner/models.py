@@ -293,6 +293,22 @@ class ModelSpec:
             n += self._mlp_saved(self.ffn, e)
         return n
 
+    def kind_saved_classes(self, moe: bool, e: int = 2) -> dict[str, tuple[int, int]]:
+        """:meth:`kind_saved_bytes_per_token` split by the class the activation hooks store each tensor in
+        (fp4offload/_offload/ops.py): class -> (elements, bytes in the compute dtype) per token. ``norm``: what a
+        norm layer saves besides its output; ``attention_qk``: q and k after rotary; ``attention``: v and the
+        attention output; ``statistic``: the log-sum-exp (fp32, kept exactly); ``rest``: linear-layer inputs
+        (the norms' outputs, the output projection's input) and the MLP's inner tensors."""
+        h, q, kv = self.hidden, self.q_dim, self.kv_dim
+        norm = (2 * h, 4 * h + e * h) if self.norm == "rms" else (h, e * h)
+        total = self.kind_saved_bytes_per_token(moe, e)
+        parts = {"norm": (self.norms_per_layer * norm[0], self.norms_per_layer * norm[1]),
+                 "attention_qk": (q + kv, e * (q + kv)), "attention": (kv + q, e * (kv + q)),
+                 "statistic": (self.heads, 4 * self.heads)}
+        rest = total - sum(b for _, b in parts.values())
+        parts["rest"] = (rest // e, rest)
+        return parts
+
     def layer_saved_bytes_per_token(self, i: int, e: int = 2) -> int:
         """:meth:`kind_saved_bytes_per_token` of block ``i``."""
         return self.kind_saved_bytes_per_token(self.is_moe_layer(i), e)

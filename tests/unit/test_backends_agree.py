@@ -163,3 +163,47 @@ def test_grouped_block_paths_bytes_equal(scope, variant, simd):
         for a, b in zip(ref, got):
             _eq(a, b)
         assert int(got[3]) == 1
+
+
+
+# (rows, cols): lengths that end inside a row of 16, an MX block of 32, a group of 4 or 16 blocks; 16x16 tiles cut
+# by both edges
+SR_SHAPES = [(1, 1), (1, 15), (1, 17), (1, 31), (1, 33), (1, 63), (1, 65), (1, 257), (1, 1000), (1, 4096 + 48 + 5),
+             (3, 31), (17, 33), (40, 25), (33, 127)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["nvfp4", "nvfp4-16x16", "nvfp4-scope", "ufp4", "mxfp4", "mxfp4-floor"])
+def test_stochastic_bytes_equal_for_every_seed_and_tail(fmt, dtype, simd):
+    """Stochastic rounding draws fp4::sr_bits(key, element index) lane by lane on the vector paths: for several seeds
+    and streams (the key's inputs), tails, and non-finite values (counted; their blocks zero, or NaN-scaled when
+    propagated), every path gives the reference's bytes. The bits matter: rounded to nearest, or with another seed,
+    the same tensor gives other bytes."""
+    mx = fmt.startswith("mxfp4")
+
+    def encode(backend, x, rows, cols, seed, stream, propagate, stochastic=True):
+        if mx:
+            return backend.mx_encode(x, False, fmt.endswith("floor"), stochastic, seed, stream, propagate)
+        tile, scope = (16 if fmt.endswith("16x16") else 1), (64 if fmt.endswith("scope") else 0)
+        return backend.nvfp4_encode(x, rows, cols, tile, scope, fmt == "ufp4", stochastic, seed, stream, propagate)
+
+    for rows, cols in SR_SHAPES:
+        n = rows * cols
+        x = _data((n,), dtype, (fmt, rows, cols))
+        if fmt == "ufp4":
+            x = x.abs()
+        bad = 2 if n > 300 else 0
+        if bad:
+            x[37] = float("nan")
+            x[n - 2] = float("inf")
+        for seed, stream in ((0, 0), (1, 2), (0xFFFFFFFF, 77), (123456789, 0xFFFFFFFF)):
+            for propagate in ((False, True) if mx else (True,)):  # NVFP4 without propagate raises in the API
+                ref = encode(reference, x, rows, cols, seed, stream, propagate)
+                got = encode(cpu, x, rows, cols, seed, stream, propagate)
+                for a, b in zip(ref, got):
+                    _eq(a, b)
+                assert int(got[-1]) == bad
+        if n >= 1000:
+            sr = [encode(cpu, x, rows, cols, seed, 2, True)[0] for seed in (1, 3)]
+            assert not torch.equal(sr[0], encode(cpu, x, rows, cols, 1, 2, True, stochastic=False)[0])
+            assert not torch.equal(sr[0], sr[1])

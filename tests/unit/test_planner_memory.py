@@ -380,3 +380,31 @@ def test_residual_bytes_on_nvme_are_what_the_state_files_hold():
 
     assert RESIDUAL_NVME_BYTES == 2 + 1 / 8
     assert segment_file_bytes(SEGMENT, True) - segment_file_bytes(SEGMENT, False) == RESIDUAL_NVME_BYTES * SEGMENT
+
+
+def test_saved_activations_counted_in_the_forms_the_hooks_store():
+    """The planner's stored activations per token against what the hooks keep for one step of a Llama with
+    torch's SDPA attention (fp32, min_numel 1): attention's q and k in bf16, v and output in MXFP8, the
+    log-sum-exp exact, norms in bf16, the rest NVFP4. Counted by class, not as one 4-bit ratio."""
+    import torch
+
+    from benchmarks import harness
+    from fp4offload import ActivationPolicy, offload_activations
+    from fp4offload._planner import memory
+    from fp4offload._planner.models import resolve_model
+
+    model = harness.small_llama(hidden=128, layers=2, heads=4, intermediate=344, attn="sdpa")
+    m = resolve_model("hidden=128,layers=2,heads=4,kv_heads=4,ffn=344,vocab=256")
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(0))
+    with offload_activations(ActivationPolicy(min_numel=1, seed=0)) as off:
+        loss = harness.lm_loss(model, tokens)
+    snap = off.snapshot()
+    loss.backward()
+    n_tok = 4 * 64
+    # what the hooks stored plus the statistics they kept (the loss's log-probabilities, also kept as they are,
+    # the planner counts with the logits)
+    measured = (snap["bytes_out"] + 2 * 4 * 4 * 64 * 4) / n_tok
+    planned = 2 * memory._stored_per_token(m, False, "nvfp4", 4) + m._norm_saved(4) / 2
+    assert measured <= planned < 1.1 * measured, (planned, measured)  # on the safe side, within 10%
+    flat = m.saved_bytes_per_token(4) * memory.ACT_BYTES["nvfp4"] / 4  # one 4-bit ratio for everything
+    assert planned > 1.3 * flat

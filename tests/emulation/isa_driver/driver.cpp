@@ -284,7 +284,7 @@ uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials, bool 
   const int64_t nb = (n + fp4::kMxBlock - 1) / fp4::kMxBlock;
   std::vector<uint8_t> data(fp8 ? nb * fp4::kMxBlock : nb * fp4::kMxBlock / 2), scales(nb);
   int64_t bad = 0;
-  fp4codec::mx_encode_impl<float>(x.data(), n, fp8, floor_mode, stochastic && !fp8, 0xC0DEu, 5u, specials,
+  fp4codec::mx_encode_impl<float>(x.data(), n, fp8, floor_mode, stochastic && !fp8, 0xC0DEu, 5u, specials, vec,
                                   data.data(), scales.data(), bad);
   h = fnv(h, data.data(), data.size());
   h = fnv(h, scales.data(), scales.size());
@@ -349,7 +349,7 @@ int main(int argc, char** argv) {
           char name[96];
           snprintf(name, sizeof name, "codec-%lldx%lld-v%d-s%d", (long long)sh[0], (long long)sh[1], variant, sp);
           printf("%s codec %016llx\n", name, (unsigned long long)run_codec(sh[0], sh[1], variant, sp, false));
-          if (FP4_CPU_VEC)  // the build's vector rows (nvfp4_rows.h)
+          if (FP4_CPU_VEC)  // the build's vector rows and MXFP4 blocks (nvfp4_rows.h)
             printf("%s codec-vector %016llx\n", name, (unsigned long long)run_codec(sh[0], sh[1], variant, sp, true));
         }
   }
