@@ -1,8 +1,10 @@
 """Which saved tensors the activation hooks leave alone, and how they hand them back.
 
 A parameter (or a view or cast of it) is already kept by the model; integer and bool tensors, small ones,
-outputs of the policy's ``skip_outputs_of`` ops, non-dense or exotic layouts and tensors saved while backward
-runs (checkpoint recomputation) are taken as they are. :func:`skip_reason` names the first that applies (the
+outputs of the policy's ``skip_outputs_of`` ops, tables (no autograd history, broadcast over batch and heads:
+rotary cos/sin and masks, which every layer saves and multiplies with: 4 bits there would bias every layer),
+non-dense or exotic layouts and tensors saved while backward runs (checkpoint recomputation) are taken as
+they are. :func:`skip_reason` names the first that applies (the
 name the stats count it under); :func:`alias` is what the pack hook returns for them.
 """
 
@@ -75,6 +77,8 @@ def skip_reason(t: torch.Tensor, policy) -> str | None:
         return "small"
     if t.grad_fn is not None and type(t.grad_fn).__name__ in policy.skip_outputs_of:
         return "kept_op"
+    if t.grad_fn is None and not t.requires_grad and t.dim() >= 3 and t.shape[0] == t.shape[1] == 1:
+        return "table"  # broadcast over batch and heads, no history: rotary cos/sin, masks, saved by every layer
     if t.device.type not in ("cpu", "cuda") or t.layout != torch.strided or not is_dense(t):
         return "layout"
     if in_backward():

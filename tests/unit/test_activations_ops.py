@@ -163,3 +163,16 @@ def test_a_norm_output_a_linear_layer_saves_keeps_the_module_format():
     forms = _stored(off)
     y.sum().backward()
     assert forms.count(((128, 512), "nvfp4")) == 1 and forms.count(((128, 512), "bf16")) == 1, forms
+
+
+def test_rotary_tables_are_kept_exactly_at_any_length():
+    """cos/sin of shape (1, 1, S, d), saved by the rotary products of every layer: past min_numel at S >= 1024
+    they were rounded to 4 bits once and multiplied into every layer's q and k gradient."""
+    cos = torch.randn(1, 1, 2048, 64)
+    q = torch.randn(2, 4, 2048, 64, requires_grad=True)
+    with offload_activations(ActivationPolicy(seed=0)) as off:
+        y = (q * 1.0) * cos
+    forms = _stored(off)
+    y.sum().backward()
+    assert forms == [] and off.snapshot()["passthrough"].get("table") == 1
+    assert torch.equal(q.grad, cos.expand_as(q))
