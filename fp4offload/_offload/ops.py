@@ -102,12 +102,16 @@ def rule_for(func) -> OpRule | None:
         return RULES.get(_name(func))
 
 
+_KW_POSITION = {"query": 0, "q": 0, "key": 1, "k": 1, "value": 2, "v": 2}  # q, k, v passed by keyword
+
+
 class _Call:
     __slots__ = ("rule", "args", "results")
 
-    def __init__(self, rule: OpRule, args):
+    def __init__(self, rule: OpRule, args, kwargs):
         self.rule = rule
         self.args = [(i, weakref.ref(a)) for i, a in enumerate(args) if type(a) is torch.Tensor]
+        self.args += [(_KW_POSITION.get(k, -1), weakref.ref(a)) for k, a in kwargs.items() if type(a) is torch.Tensor]
         self.results: list = []
 
     def role(self, t: torch.Tensor, inside: bool) -> str:
@@ -140,7 +144,7 @@ class OpClasses(TorchFunctionMode):
         rule = rule_for(func)
         if rule is None:
             return func(*args, **kwargs)
-        call = _Call(rule, args)
+        call = _Call(rule, args, kwargs)
         _state.running.append(call)
         try:
             out = func(*args, **kwargs)

@@ -47,6 +47,15 @@ def test_sdpa_query_key_bf16_value_output_mxfp8_statistic_kept():
     assert snap["passthrough"].get("statistic") == 1  # the log-sum-exp, kept exactly though min_numel=1
 
 
+def test_sdpa_roles_found_when_passed_by_keyword():
+    q, k, v = _qkv()
+    with offload_activations(ActivationPolicy(min_numel=1, seed=0)) as off:
+        out = F.scaled_dot_product_attention(query=q * 1.0, key=k * 1.0, value=v * 1.0, is_causal=True)
+    forms = _stored(off)
+    out.sum().backward()
+    assert forms.count(((2, 4, 64, 32), "bf16")) == 2 and forms.count(((2, 4, 64, 32), "mxfp8")) == 2, forms
+
+
 def test_sdpa_gradient_bounded_where_4bit_query_and_key_blow_it_up():
     """Large logits (as in a pretrained model): NVFP4 q and k against the exact log-sum-exp wreck the gradient;
     the op rule keeps it within what one tensor's rounding explains."""
