@@ -130,7 +130,7 @@ def test_bf16_parameters_keep_the_tied_embedding_tied():
     assert sum(p.numel() for p in model.parameters()) == n
 
 
-@pytest.mark.parametrize("arm", ["adamw", "fp4", "fp4_split", "act_nvfp4"])
+@pytest.mark.parametrize("arm", ["adamw", "fp4", "fp4_split", "act_nvfp4", "act_only_attention"])
 def test_a_few_steps_and_scoring_on_a_tiny_llama(data, arm):
     torch.set_num_threads(1)
     base = _tiny(49152)  # SmolLM2's vocabulary
@@ -142,3 +142,9 @@ def test_a_few_steps_and_scoring_on_a_tiny_llama(data, arm):
     assert 0.0 <= r["accuracy"] <= 1.0 and r["test_loss"] > 0
     # the base model is not touched: the run fine-tunes a copy
     assert all(p.dtype == torch.float32 for p in base.parameters())
+    if arm.startswith("act_"):  # each activation run records the policy it trained under
+        assert r["activations"]["format"] == "nvfp4"
+        if arm == "act_nvfp4":
+            assert (r["activations"]["attention_qk_format"], r["activations"]["attention_format"]) == ("bf16", "mxfp8")
+        else:
+            assert r["activations"]["only_class"] == "attention"
