@@ -307,7 +307,9 @@ def _attach_activations(model: Any, block: Fp4OffloadConfig) -> Any:
                           "a block this build can apply", f"fp4offload._offload does not import ({exc}); "
                           "remove the activations sub-block") from None
     policy = ActivationPolicy.from_config(block.activations)
-    return wrap_modules(model, policy)
+    wrapped = wrap_modules(model, policy)
+    announce(policy.describe())
+    return wrapped
 
 
 # ----------------------------------------------------------------------------------------------

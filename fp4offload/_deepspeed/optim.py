@@ -22,6 +22,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from fp4offload._announce import announce
 from fp4offload._config import OptimizerStatesConfig, check_adam_hyperparameters
 from fp4offload.errors import ConfigError
 
@@ -227,9 +228,22 @@ def convert_optimizer(opt: torch.optim.Optimizer, where: StatePlacement) -> torc
         extra = {k: v for k, v in g.items() if k in ("name",)}
         groups.append({"params": list(g["params"]), **hp, **extra})
     new = make_optimizer(groups, defaults, where)
-    log.info("fp4offload: replaced the client %s with %s over %d param group(s)", type(opt).__name__,
-             type(new).__name__, len(groups))
+    announce(f"replaced the client {type(opt).__name__} with {type(new).__name__} over {len(groups)} param "
+             f"group(s): {describe_states(where)}")
     return new
+
+
+def describe_states(where: StatePlacement) -> str:
+    """What the block keeps of Adam's states, where, and at what cost, in one phrase."""
+    from fp4offload._planner.sizes import STATE_BYTES as _STATE_BYTES  # the byte sizes' one home
+
+    if where.format != "nvfp4":
+        return f"fp32 m and v ({_STATE_BYTES['fp32']:.0f} B/param)"
+    place = {"same": "beside ZeRO's partition", "cpu": "in host RAM",
+             "nvme": f"in NVMe files under {where.nvme_path}"}.get(where.device, where.device)
+    master = "" if where.master == "fp32" else f", master {where.master}"
+    return (f"m in NVFP4, sqrt(v) on {where.v_format}, {place} ({_STATE_BYTES['nvfp4']:.2f} B/param instead of "
+            f"{_STATE_BYTES['fp32']:.0f}){master}")
 
 
 def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:

@@ -324,6 +324,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None, mp_polic
         from .._offload import wrap_modules
 
         model._fp4offload_activations = wrap_modules(model, act)
+        announce(act.describe())
     slots = conversion.slots
     if world < 2 and policy.packs_weights and not host_shards:
         log.info("fp4offload.fsdp: one rank without CPU offload: nothing is gathered or copied, weights are not "

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from .. import _keep_bf16 as keep_bf16
+from .._announce import announce
 from ..errors import ConfigError
 from .internals import local_tensor, shard_layout, unit_parameters
 from .policy import Policy
@@ -245,6 +246,7 @@ def convert(model: nn.Module, policy: Policy | None = None) -> nn.Module:
         from .._offload import wrap_modules
 
         model._fp4offload_activations = wrap_modules(model, act)
+        announce(act.describe())
     log.info("fp4offload.fsdp: %d weights converted for NVFP4 all-gathers; plain gathers: %s", len(to_pack),
              ", ".join(f"{v} {k}" for k, v in why.items() if v) or "none")
     return model

@@ -210,6 +210,22 @@ class ActivationPolicy:
             return fmt
         return want if _GENTLE[want] > _GENTLE[fmt] else fmt
 
+    def describe(self) -> str:
+        """One line: what is stored in which form, and where."""
+        if self.format == "none":
+            return f"saved activations moved as they are to {self.device}"
+        where = {"cpu": "host RAM", "nvme": f"NVMe files under {self.nvme_path}", "same": "where they are"}[self.device]
+        scope = f"modules {', '.join(self.modules)}" if self.modules else "every module"
+        if self.exclude:
+            scope += f" except {', '.join(self.exclude)}"
+        rnd = "stochastic" if self.stochastic(self.format) else "nearest"
+        parts = [f"saved activations in {self.format.upper()} ({rnd}) to {where}, {scope}"]
+        for label, form in (("attention q/k", self.attention_qk_format), ("attention v/output", self.attention_format),
+                            ("norms", self.norm_format)):
+            if form != "inherit":
+                parts.append(f"{label} {form if form == 'keep' else form.upper().replace('BF16', 'bf16')}")
+        return "; ".join(parts) + "; statistics exact"
+
     @property
     def scoped(self) -> bool:
         """True when the policy names modules, so it needs the model to find them."""

@@ -40,3 +40,28 @@ def test_the_host_settings_announce_what_they_change():
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("fp4offload: process:")]
     assert len(lines) == len(set(lines)) >= 1, out.stderr
     assert any("mmap threshold fixed at 131072 bytes" in ln for ln in lines), out.stderr
+
+
+def test_the_optimizer_replacement_says_what_it_keeps_and_where(capsys, monkeypatch):
+    import torch
+
+    from fp4offload._config import OptimizerStatesConfig
+    from fp4offload._deepspeed.optim import convert_optimizer
+
+    monkeypatch.setenv("RANK", "0")
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(64))], lr=1e-3)
+    convert_optimizer(opt, OptimizerStatesConfig(device="cpu", master="split"))
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["fp4offload: replaced the client AdamW with FP4AdamW over 1 param group(s): m in NVFP4, sqrt(v) "
+                   "on ue2m2, in host RAM (1.13 B/param instead of 8), master split"], err
+
+
+def test_the_activation_policy_says_each_form():
+    from fp4offload import ActivationPolicy
+
+    assert ActivationPolicy().describe() == ("saved activations in NVFP4 (stochastic) to host RAM, every module; "
+                                             "attention q/k bf16; attention v/output MXFP8; norms bf16; "
+                                             "statistics exact")
+    line = ActivationPolicy(format="mxfp8", modules=("*.mlp",), attention_format="inherit",
+                            attention_qk_format="inherit", norm_format="keep").describe()
+    assert line == "saved activations in MXFP8 (nearest) to host RAM, modules *.mlp; norms keep; statistics exact"
