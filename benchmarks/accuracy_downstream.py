@@ -30,6 +30,9 @@ Arms (``--arms``):
   recipe, whose master split holds exactly; here with fp32 states);
 - ``act_nvfp4`` / ``act_mxfp8``: torch AdamW with every saved activation offloaded through
   ``fp4offload.offload_activations(fp4offload.ActivationPolicy(format=..., device="cpu"))``;
+- ``gather_bf16`` / ``gather_nvfp4``: torch AdamW on the fp32 model whose forward computes with the weights as
+  an FSDP2 / ZeRO-3 all-gather hands them over: all rounded to bf16, or the linear weights outside
+  ``weights.keep_bf16``'s defaults as NVFP4 16x16 tiles (the rest bf16); scored on the fp32 weights;
 - ``deepspeed``: DeepSpeed ZeRO-2 with ``offload_optimizer`` to cpu and the ``"fp4offload":
   {"optimizer_states": {}}`` block (FP4AdamW on the fp32 master partitions), 2 ranks on the CPU accelerator
   (gloo), fp32 (bf16 off, so it is the ``fp4`` arm run data-parallel), launched as a child
@@ -90,7 +93,11 @@ ACT_ARMS = {"act_nvfp4": {"format": "nvfp4"}, "act_mxfp8": {"format": "mxfp8"},
             "act_nvfp4_inherit": {"format": "nvfp4", "attention_format": "inherit", "attention_qk_format": "inherit"},
             "act_mxfp8_inherit": {"format": "mxfp8", "attention_format": "inherit", "attention_qk_format": "inherit"},
             **{f"act_only_{c}": c for c in ("linear_input", "attention", "mlp_act", "norm", "first_last")}}
-ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "adamw_bf16m", *ACT_ARMS, "deepspeed")
+# weight all-gather arms: forward computes with the weights as an all-gather hands them over (the fp32 master is
+# what AdamW updates): every weight rounded to bf16, or the linear weights outside weights.keep_bf16's defaults
+# (embeddings, head, norms, biases, the first and last block) as NVFP4 16x16 tiles and the rest bf16
+GATHER_ARMS = {"gather_bf16": "bf16", "gather_nvfp4": "nvfp4"}
+ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "adamw_bf16m", *ACT_ARMS, *GATHER_ARMS, "deepspeed")
 BF16_ARMS = ("fp4_split", "fp4_bf16", "adamw_bf16m")
 LR = 5e-5
 BATCH = 8
@@ -273,7 +280,7 @@ bf16_parameters = harness.bf16_parameters
 
 def make_optimizer(arm: str, params, lr: float = LR):
     params = list(params)
-    if arm == "adamw" or arm in ACT_ARMS:
+    if arm == "adamw" or arm in ACT_ARMS or arm in GATHER_ARMS:
         return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
     if arm == "adamw_bf16m":
         from benchmarks.accuracy_long import MasterAdamW
@@ -323,6 +330,45 @@ def activation_arm(arm: str, model):
         "fields": sorted(f.name for f in dataclasses.fields(policy))}
 
 
+class _Gathered(torch.nn.Module):
+    """Forward reads the weight as an all-gather delivers it; the gradient goes to the fp32 weight unchanged."""
+
+    def __init__(self, fmt: str):
+        super().__init__()
+        self.fmt = fmt
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.fmt == "bf16":
+                q = w.to(torch.bfloat16).to(w.dtype)
+            else:
+                from fp4offload import dequantize, quantize
+
+                q = dequantize(quantize(w.detach(), "nvfp4", block="16x16"), w.dtype)
+        return w + (q - w).detach()
+
+
+def gathered_weights(model, fmt: str) -> dict:
+    """Make forward compute with `model`'s weights as an FSDP2 / ZeRO-3 gather in `fmt` gives them (see
+    GATHER_ARMS); returns what it did (counted once per tied parameter)."""
+    from torch.nn.utils import parametrize
+
+    from fp4offload._config import KEEP_BF16
+    from fp4offload._keep_bf16 import find_blocks, kept_parameters
+
+    kept = kept_parameters(model, KEEP_BF16, find_blocks(model)) if fmt == "nvfp4" else {}
+    done, n = {}, {"bf16": 0, "nvfp4": 0}
+    for mod in list(model.modules()):
+        for name, p in list(mod.named_parameters(recurse=False)):
+            form = "bf16" if (fmt == "bf16" or id(p) in kept or p.dim() != 2 or p.shape[0] % 16 or p.shape[1] % 16) \
+                else "nvfp4"
+            if id(p) not in done:
+                n[form] += p.numel()
+            done[id(p)] = form
+            parametrize.register_parametrization(mod, name, _Gathered(form), unsafe=True)
+    return {"format": fmt, "params_bf16": n["bf16"], "params_nvfp4": n["nvfp4"], "keep_bf16": list(KEEP_BF16)}
+
+
 def lr_factor(step: int, steps: int) -> float:
     """Linear warm-up over the first 10% of steps, then cosine decay to 0 at `steps` (step is 0-based: the
     factor of the step about to be taken)."""
@@ -355,6 +401,7 @@ def train_run(arm: str, *, seed: int, steps: int, test_per_work: int, base=None,
     model = copy.deepcopy(base) if base is not None else load_model()
     if arm in BF16_ARMS:
         bf16_parameters(model)
+    gathered = gathered_weights(model, GATHER_ARMS[arm]) if arm in GATHER_ARMS else None
     model.train()
     opt = make_optimizer(arm, model.parameters())
     settings = optimizer_settings(opt)
@@ -384,6 +431,12 @@ def train_run(arm: str, *, seed: int, steps: int, test_per_work: int, base=None,
     train_s = time.perf_counter() - t0
     if hasattr(opt, "close"):
         opt.close()
+    if gathered:  # scored on the fp32 weights the run trained (what a checkpoint holds), not through the gathers
+        from torch.nn.utils import parametrize
+
+        for mod in list(model.modules()):
+            for name in list(getattr(mod, "parametrizations", {}) or {}):
+                parametrize.remove_parametrizations(mod, name, leave_parametrized=False)
     t1 = time.perf_counter()
     ids, ys = held_out_set(data, test_per_work)
     s = score_summary(score(model, prompts(ids, data["suffix"]), ys, data["labels"]))
@@ -392,6 +445,7 @@ def train_run(arm: str, *, seed: int, steps: int, test_per_work: int, base=None,
         s["accuracy"] = float("nan")
     return {"arm": arm, "seed": seed, **s, "train_loss_curve": losses, "train_loss_final": _tail_mean(losses),
             "diverged": diverged, "optimizer": settings, **({"activations": act} if act else {}),
+            **({"gathered_weights": gathered} if gathered else {}),
             "params": sum(p.numel() for p in model.parameters()),
             "seconds": train_s + score_s, "train_seconds": train_s, "seconds_per_step": train_s / max(1, len(losses)),
             "score_seconds": score_s, "threads": torch.get_num_threads(), **_meta(steps, test_per_work, data)}

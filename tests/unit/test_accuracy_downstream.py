@@ -130,7 +130,7 @@ def test_bf16_parameters_keep_the_tied_embedding_tied():
     assert sum(p.numel() for p in model.parameters()) == n
 
 
-@pytest.mark.parametrize("arm", ["adamw", "fp4", "fp4_split", "act_nvfp4", "act_only_attention"])
+@pytest.mark.parametrize("arm", ["adamw", "fp4", "fp4_split", "act_nvfp4", "act_only_attention", "gather_nvfp4"])
 def test_a_few_steps_and_scoring_on_a_tiny_llama(data, arm):
     torch.set_num_threads(1)
     base = _tiny(49152)  # SmolLM2's vocabulary
@@ -148,3 +148,22 @@ def test_a_few_steps_and_scoring_on_a_tiny_llama(data, arm):
             assert (r["activations"]["attention_qk_format"], r["activations"]["attention_format"]) == ("bf16", "mxfp8")
         else:
             assert r["activations"]["only_class"] == "attention"
+
+
+def test_gathered_weights_round_forward_and_pass_the_gradient_through():
+    """The weight all-gather arms: forward reads NVFP4 16x16 (bf16 for what keep_bf16 names), the gradient reaches
+    the fp32 weight as if unrounded, and the fp32 weight itself stays as it was."""
+    from fp4offload import dequantize, quantize
+
+    model = harness.small_llama(hidden=64, layers=4, heads=4, intermediate=128, vocab=64, seed=0)
+    w = model.model.layers[1].mlp.up_proj.weight.detach().clone()
+    done = ad.gathered_weights(model, "nvfp4")
+    assert done["params_nvfp4"] > 0 and done["params_bf16"] > 0
+    lin = model.model.layers[1].mlp.up_proj
+    assert torch.equal(lin.weight, dequantize(quantize(w, "nvfp4", block="16x16"), torch.float32))
+    assert torch.equal(lin.parametrizations.weight.original, w)
+    first = model.model.layers[0].mlp.up_proj  # the first block stays bf16
+    assert torch.equal(first.weight, first.parametrizations.weight.original.to(torch.bfloat16).float())
+    x = torch.randn(5, 64)
+    lin(x).sum().backward()
+    assert torch.allclose(lin.parametrizations.weight.original.grad, torch.ones(128, 5) @ x)
