@@ -2,8 +2,9 @@
 // nearest or stochastic, an amax override) and MXFP4/MXFP8 encode and decode, parallel over blocks with
 // fp4cpu::parallel_for. csrc/cpu/fp4_cpu.cpp binds them to torch (at::parallel_for, fp32/bf16/fp16 tensors);
 // tests/emulation/isa_driver/driver.cpp runs them standalone (FP4_STANDALONE, serial, fp32), cross-built for aarch64.
-// The AVX-512 build adds its vector forms (nvfp4_avx512.h); every other build runs the scalar loops below,
-// compiled for its target.
+// With `simd` set, the AVX-512 build runs its vector forms (nvfp4_avx512.h) and the AVX2, NEON and SVE builds the
+// portable vector rows and MXFP4 blocks (nvfp4_rows.h); otherwise (and for what those leave out: partial blocks,
+// MXFP8 off AVX-512) the scalar loops below, compiled for the build's target. Every path gives the same bytes.
 #pragma once
 
 #include <stdint.h>
@@ -219,10 +220,9 @@ void nvfp4_decode_impl(const uint8_t* data, const uint8_t* scales, const float* 
 
 template <typename T>
 void mx_encode_impl(const T* x, int64_t n, bool fp8, bool floor_mode, bool stochastic, uint32_t seed,
-                    uint32_t stream, bool propagate, uint8_t* data, uint8_t* scales, int64_t& nonfinite) {
+                    uint32_t stream, bool propagate, bool simd, uint8_t* data, uint8_t* scales, int64_t& nonfinite) {
   const int64_t nb = ceil_div(n, kMxBlock);
   std::vector<int64_t> bad_per_block(nb);
-  const bool simd = fp4cpu::have_avx512();
   fp4cpu::parallel_for(0, nb, 1024, [&](int64_t b0, int64_t b1) {
     float v[kMxBlock];
     for (int64_t b = b0; b < b1; ++b) {
@@ -233,6 +233,15 @@ void mx_encode_impl(const T* x, int64_t n, bool fp8, bool floor_mode, bool stoch
         const uint32_t k = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
         bad_per_block[b] = fp4cpu::mx_block32(x + i0, cnt, fp8, floor_mode, propagate, stochastic, k, (uint32_t)i0,
                                               scales + b, data + (fp8 ? i0 : i0 / 2));
+        continue;
+      }
+#elif FP4_CPU_VEC
+      if (simd && !fp8 && cnt == kMxBlock) {
+        const uint32_t k = stochastic ? fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
+        bad_per_block[b] = stochastic ? fp4cpu::vrow::mx4_block32<true>(x + i0, floor_mode, propagate, k, (uint32_t)i0,
+                                                                        scales + b, data + i0 / 2)
+                                      : fp4cpu::vrow::mx4_block32<false>(x + i0, floor_mode, propagate, k,
+                                                                         (uint32_t)i0, scales + b, data + i0 / 2);
         continue;
       }
 #endif

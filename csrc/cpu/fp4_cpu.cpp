@@ -1,6 +1,7 @@
 // CPU codec for fp4offload: the torch bindings of the loops in codec_impl.h (around csrc/fp4_codec.h), parallel over
-// blocks with at::parallel_for (OpenMP in torch's CPU builds). NVFP4/ufp4 rows and MX blocks (amax, nearest encode,
-// decode) have AVX-512 versions in nvfp4_avx512.h (stochastic rounding included) in the AVX-512 build.
+// blocks with at::parallel_for (OpenMP in torch's CPU builds). NVFP4/ufp4 rows and MX blocks (amax, encode nearest
+// and stochastic, decode) have AVX-512 versions in nvfp4_avx512.h in the AVX-512 build; the AVX2, NEON and SVE
+// builds run the portable rows and MXFP4 blocks of nvfp4_rows.h.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -81,9 +82,10 @@ std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode,
   auto data = torch::empty({fp8 ? nb * kMxBlock : nb * kMxBlock / 2}, u8);
   auto scales = torch::empty({nb}, u8);
   int64_t nonfinite = 0;
+  const bool simd = fp4cpu::have_simd();  // AVX-512 blocks, or the portable MXFP4 blocks (nvfp4_rows.h)
   FP4_DISPATCH(x.scalar_type(), "mx_encode", [&] {
     mx_encode_impl<scalar_t>(x.data_ptr<scalar_t>(), n, fp8, floor_mode, stochastic, (uint32_t)seed, (uint32_t)stream,
-                             propagate, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), nonfinite);
+                             propagate, simd, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), nonfinite);
   });
   return {data, scales, torch::scalar_tensor(nonfinite, torch::kInt64)};
 }

@@ -1,5 +1,6 @@
-// AVX-512 building blocks for the NVFP4 paths (round to nearest; fp32, bf16 and fp16 sources). They produce
-// the same bytes as the scalar rules in fp4_codec.h (tests compare both with the switch set_avx512(False)).
+// AVX-512 building blocks for the NVFP4 and MX paths (round to nearest and stochastic rounding; fp32, bf16 and fp16
+// sources). They produce the same bytes as the scalar rules in fp4_codec.h (tests compare both with the switch
+// set_simd(False)).
 #pragma once
 
 #include <algorithm>
@@ -280,7 +281,7 @@ static inline __m512i ugrid_codes16_sr(__m512 y, __m512i rnd) {
 static inline __m512i ufp4_codes16_sr(__m512 y, __m512i rnd) { return ugrid_codes16_sr<1>(y, rnd); }
 
 // NVFP4 or ufp4 codes of 16 scaled values, nearest or stochastic (bits sr_bits(key, idx0 + j)).
-static inline __m512i nv_codes16(__m512 y, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0) {
+FP4_INLINE __m512i nv_codes16(__m512 y, bool ufp4, bool stochastic, uint32_t key, uint32_t idx0) {
   if (ufp4) return stochastic ? ufp4_codes16_sr(y, sr_bits16(key, idx0)) : ufp4_codes16(y);
   return stochastic ? e2m1_codes16_sr(y, sr_bits16(key, idx0)) : e2m1_codes16(y);
 }

@@ -71,9 +71,9 @@ class ActivationPolicy:
             so the error of what backward multiplies with averages out over steps. With norm layers in
             bf16 both train as well as uncompressed; with the norms compressed too, stochastic held up
             where nearest fell behind, so stochastic is the default for robustness (the training runs
-            are in benchmarks/RESULTS.md). It costs little on a GPU; the CPU kernel's
-            stochastic path is scalar (about 10x slower to encode than nearest), so on a CPU-only
-            host ``"nearest"`` is the cheap choice (benchmarks/accuracy_activations.py, RESULTS.md).
+            are in benchmarks/RESULTS.md). It costs little on a GPU, and little on a CPU: the CPU
+            kernels' stochastic encode is vectorized like the nearest one (AVX-512, AVX2, NEON, SVE)
+            and runs at 0.8-1.0x its speed (benchmarks/codec_rounding.py, RESULTS.md).
         seed: seed of the stochastic rounding bits (the codec's counter-based hash of seed, tensor
             position in the step, element). ``None`` (default): new bits for every offloader, i.e.
             every step (reproducible within a process). An int: the same bits every time, so two runs
