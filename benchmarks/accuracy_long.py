@@ -25,6 +25,9 @@ Arms (``--arms``), each from the same initialization and the same batches for a 
   fp32 master kept by hand over the same bf16 parameters (what the fp32 master of FP4AdamW does, with fp32
   states);
 - ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit.
+- ``act`` / ``fp4_act``: ``adamw`` / ``fp4`` with every saved activation stored by
+  ``fp4offload.ActivationPolicy()``'s defaults (host RAM; the run records the policy): what 4-bit saved
+  activations cost a run that goes all the way to a zero learning rate.
 
 Every matrix product runs under bf16 autocast when the CPU has AVX-512 BF16 or AMX (``--autocast auto``; the run
 records which), to keep the runs affordable; the optimizer sees fp32 gradients of fp32 parameters either way
@@ -52,6 +55,7 @@ its decoded value. fp32 AdamW's is about 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -74,7 +78,9 @@ SIZES = {"tiny": dict(d=64, layers=2, heads=2, batch=8, seq=64, lr=3e-3),  # the
          "small": dict(d=128, layers=4, heads=4, batch=8, seq=128, lr=3e-3),
          "medium": dict(d=320, layers=8, heads=8, batch=4, seq=64, lr=1e-3)}
 ARMS = ("adamw", "fp4", "fp4_nearest", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_split", "fp4_bf16",
-        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit")
+        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit", "act", "fp4_act")
+# saved activations compressed by fp4offload.ActivationPolicy()'s defaults (device "cpu"), over this optimizer arm
+ACT_ARMS = {"act": "adamw", "fp4_act": "fp4"}
 BF16_ARMS = ("fp4_split", "fp4_bf16", "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m")
 WEIGHT_DECAY = 0.1
 WARMUP_FRACTION = 0.05
@@ -188,6 +194,7 @@ class MasterAdamW(torch.optim.Optimizer):
 
 def make_optimizer(arm: str, params, lr: float):
     params = list(params)
+    arm = ACT_ARMS.get(arm, arm)
     if arm.startswith("sim:"):
         from benchmarks.quant_sim import QuantSimAdamW
 
@@ -328,13 +335,20 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: lr_factor(k, steps))
     g = torch.Generator().manual_seed(10_000 + seed)
     every = eval_every or max(1, steps // 20)
+    act_ctx, act_settings = contextlib.nullcontext, None
+    if arm in ACT_ARMS:
+        import fp4offload
+
+        policy = fp4offload.ActivationPolicy(device="cpu")
+        act_ctx, act_settings = (lambda: fp4offload.offload_activations(policy)), policy.describe()
     stale_step = int(STALE_AT * steps)
     curve, before, t0, diverged, first = [], None, time.perf_counter(), False, None
     for step in range(1, steps + 1):
         tokens = harness.batch(train, s["batch"], s["seq"], g)
-        loss = loss_of(model, tokens, autocast)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
+        with act_ctx():
+            loss = loss_of(model, tokens, autocast)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
         opt.step()
         sched.step()
         lv = float(loss.detach())
@@ -355,6 +369,8 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
                 if k in opt.param_groups[0]}
     if isinstance(getattr(opt, "master", None), str):
         settings["master"] = opt.master
+    if act_settings is not None:
+        settings["activations"] = act_settings
     if hasattr(opt, "close"):
         opt.close()
     return {"arm": arm, "size": size, "steps": steps, "seed": seed, "autocast_bf16": autocast,

@@ -7,6 +7,7 @@ import platform
 import shutil
 import subprocess
 import time
+import warnings
 
 import torch
 
@@ -44,6 +45,33 @@ def _try_backend(name: str) -> dict:
     if name == "cpu" and mod is not None:
         out["isa"] = mod.extension().isa()
     return out
+
+
+def _try_adam(name: str) -> dict:
+    """The FP4AdamW step kernel `name` ("cpu" or "cuda"), built (or loaded) as the first step would."""
+    from ._optim import fused
+
+    if name == "cuda" and not torch.cuda.is_available():
+        return {"builds": False, "why": "torch sees no CUDA device (CPU build of torch, or no GPU)"}
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mod = fused.cpu_extension() if name == "cpu" else fused.cuda_extension()
+    except Exception as e:  # a build failure is a finding here, not a crash
+        return {"builds": False, "why": f"{type(e).__name__}: {e}"[:300]}
+    if mod is None:
+        why = next((w for k, w in fused.failures().items() if k.split(" ")[0] == name), "the build failed")
+        return {"builds": False, "why": f"{why} (the torch reference step runs)"}
+    return {"builds": True, "why": "built", "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def stale_locks_report() -> list[dict]:
+    """Build locks left in the extension cache by builds that were killed, each with the command that clears it
+    (fp4offload's own builds clear theirs; another package's, such as DeepSpeed's ops, hang its next build)."""
+    from ._ops.build import stale_locks
+
+    return [{"path": str(p), "fix": f"rm -f {p}"} for p in stale_locks()]
 
 
 def deepspeed_report() -> dict:
@@ -176,8 +204,10 @@ def report(config: str | None = None) -> dict:
     isa, isa_why = cpu_isa.chosen()
     settings = settings_in_effect(config, isa)
     forced = forced_backend()
+    locks = stale_locks_report()  # before any build clears fp4offload's own
     backends = {"cpu": _try_backend("cpu"), "cuda": _try_backend("cuda"),
                 "reference": {"builds": True, "why": "pure torch"}}
+    adam = {"cpu": _try_adam("cpu"), "cuda": _try_adam("cuda")}
     if forced:
         active_cpu, why = forced, f"forced by FP4OFFLOAD_BACKEND={forced}"
     elif backends["cpu"]["builds"]:
@@ -203,6 +233,8 @@ def report(config: str | None = None) -> dict:
         "cpu_isa_available": cpu_isa.available(),
         "gpu": gpu_report(),
         "backends": backends,
+        "optimizer_kernels": adam,
+        "stale_locks": locks,
         "active": active,
         "deepspeed": deepspeed_report(),
         "host": host_report(config),
@@ -247,6 +279,14 @@ def render(r: dict) -> str:
             extra += f", {b['seconds']} s to load/build"
         state = "ok" if b["builds"] else "unavailable"
         lines.append(f"  {name:9s} {state}{extra}" + ("" if b["builds"] else f"  ({b['why']})"))
+    lines.append("FP4AdamW step kernels:")
+    for name, b in r["optimizer_kernels"].items():
+        extra = f", {b['seconds']} s to load/build" if "seconds" in b else ""
+        lines.append(f"  {name:9s} {'ok' if b['builds'] else 'unavailable'}{extra}"
+                     + ("" if b["builds"] else f"  ({b['why']})"))
+    if r["stale_locks"]:
+        lines.append("stale build locks (a build was killed; the next build of that kernel waits forever):")
+        lines.extend(f"  {lk['path']}  fix: {lk['fix']}" for lk in r["stale_locks"])
     for what, a in r["active"].items():
         lines.append(f"active for {what.replace('_', ' ')}: {a['backend']}  ({a['why']})")
     d = r["deepspeed"]
