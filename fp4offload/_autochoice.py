@@ -1,4 +1,4 @@
-"""What the automatic choices share (``"fp4offload": "auto"`` in DeepSpeed, ``Policy.auto()`` in FSDP2): a
+"""What the automatic choices share (``"fp4offload": {"auto": true}`` in DeepSpeed, ``Policy.auto()`` in FSDP2): a
 candidate, the decision and the line it logs, and deciding on rank 0 for every rank."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``"fp4offload": "auto"``: the block picks itself from the live readings and the model.
+"""``"fp4offload": {"auto": true}``: the block picks itself from the live readings and the model.
 
 At ``initialize``, with the model in hand, :func:`choose` walks the candidates from the least lossy to the most,
 and, within one master form, from the fastest to the slowest (host RAM before NVMe):
@@ -17,9 +17,11 @@ limit, and each candidate before it with why it did not fit; ``engine.fp4offload
 :class:`Decision` and ``engine.fp4offload.block`` the block that ran. When none fits, CapacityError names the
 smallest estimate and the limit. Rank 0 decides and broadcasts its choice, so every rank builds the same block.
 
-The block may be the string ``"auto"`` or an object ``{"auto": true, "nvme_path": ..., "host": {...},
-"monitor": {...}}``: ``nvme_path`` lets the NVMe candidates run, ``host`` and ``monitor`` are kept in the
-chosen block as written.
+The block is the object ``{"auto": true, "nvme_path": ..., "host": {...}, "monitor": {...}}``: ``nvme_path``
+lets the NVMe candidates run, ``host`` and ``monitor`` are kept in the chosen block as written. The string
+``"auto"`` is refused with that form as the fix: the Hugging Face Trainer and Accelerate treat every ``"auto"``
+string in a DeepSpeed config as a value for them to fill, and stop on this one before DeepSpeed starts, so a config
+written with it would work under ``deepspeed`` and fail under the launcher most users have.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from fp4offload.errors import CapacityError, ConfigError
 
 from .config import BLOCK_KEY, _zero, prepare_config
 
-__all__ = ["is_auto", "Candidate", "Decision", "candidates", "choose", "decide", "AUTO_KEYS"]
+__all__ = ["is_auto", "auto_options", "STRING_FORM_FIX", "Candidate", "Decision", "candidates", "choose", "decide",
+           "AUTO_KEYS"]
 
 #: keys the object form of an auto block takes
 AUTO_KEYS = ("auto", "nvme_path", "host", "monitor")
@@ -41,14 +44,20 @@ def is_auto(block: Any) -> bool:
     return block == "auto" or (isinstance(block, Mapping) and "auto" in block)
 
 
-def _auto_options(block: Any) -> dict:
-    """The object form's keys, checked (the string form has none)."""
+#: why the string form is refused, and the form that works under every launcher
+STRING_FORM_FIX = ('write "fp4offload": {"auto": true}: the Hugging Face Trainer and Accelerate fill every "auto" '
+                   "string of a DeepSpeed config themselves and stop on this one; the object form passes every "
+                   "launcher")
+
+
+def auto_options(block: Any) -> dict:
+    """The object form's keys, checked; the string form refused with the object form as its fix."""
     if block == "auto":
-        return {}
+        raise ConfigError(BLOCK_KEY, "auto", '{"auto": true}', STRING_FORM_FIX)
     opts = dict(block)
     if opts.get("auto") is not True:
         raise ConfigError(f"{BLOCK_KEY}.auto", opts.get("auto"), "true",
-                          'write "fp4offload": "auto", or {"auto": true, ...}; to choose by hand drop "auto" and '
+                          'write "fp4offload": {"auto": true, ...}; to choose by hand drop "auto" and '
                           "name optimizer_states")
     extra = sorted(set(opts) - set(AUTO_KEYS))
     if extra:
@@ -102,7 +111,7 @@ def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: in
     from . import preflight
 
     raw = copy.deepcopy(dict(ds_config))
-    opts = _auto_options(raw.get(BLOCK_KEY))
+    opts = auto_options(raw.get(BLOCK_KEY))
     raw.pop(BLOCK_KEY, None)
     params, held = model if isinstance(model, tuple) else preflight.model_bytes(model)
     lim = preflight.limits() if lim is None else lim
@@ -131,7 +140,8 @@ def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: in
         raise ConfigError(BLOCK_KEY, "auto", "a DeepSpeed config one of the candidates can run with",
                           f"no candidate block suits it ({tried}); write the block by hand")
     on_nvme = any("NVMe" in n for n, _, _ in decision.tried)
-    raise CapacityError(f'host RAM for {params / 1e6:.1f}M parameters with "fp4offload": "auto"', best[0], lim.free,
+    raise CapacityError(f'host RAM for {params / 1e6:.1f}M parameters with "fp4offload": {{"auto": true}}', best[0],
+                        lim.free,
                         f"the smallest candidate is {best[1]}; tried: {tried}. The process may use "
                         f"{lim.describe()}: more nodes, a smaller model, more RAM"
                         + ("" if on_nvme else " or an NVMe folder (nvme_path)"))

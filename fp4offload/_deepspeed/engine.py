@@ -41,6 +41,7 @@ from typing import Any, Mapping
 from fp4offload import _switches as switches
 from fp4offload._announce import announce
 from fp4offload._config import Fp4OffloadConfig
+from fp4offload._config.block import MonitorConfig
 from fp4offload.errors import ConfigError
 
 from . import optim as ds_optim
@@ -134,6 +135,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
 
     decision = None
     if is_auto(_block_of(source)):  # choose the block from the live readings and the model (rank 0 decides)
+        auto.auto_options(_block_of(source))  # its form and keys, before the process group or the model
         if model is None or not hasattr(model, "parameters"):
             raise ConfigError(BLOCK_KEY, "auto", "a model passed to initialize",
                               "auto sizes the block by the model's parameters; pass model=..., or write the block")
@@ -200,10 +202,13 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         from . import weights
 
         attached.weights = weights.attach(engine, block.weights)
-    if block.monitor is not None:
+    ds_monitor = getattr(engine, "monitor", None)
+    if block.monitor is not None or getattr(ds_monitor, "enabled", False):
         from . import monitor
 
-        attached.monitor = monitor.attach(engine, block.monitor, attached)
+        # a DeepSpeed monitor in the JSON (csv_monitor, tensorboard, wandb, comet) is enough: the block writes to
+        # it every monitor.every steps (default MonitorConfig().every) without a key of its own
+        attached.monitor = monitor.attach(engine, block.monitor or MonitorConfig(), attached)
     engine.fp4offload = attached
     return result
 
@@ -265,9 +270,31 @@ class Attached:
     bf16_grad_bytes_saved: int = 0  # bf16_gradient_partition
     bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (zero12.bf16_grads_at_init)
     zero3_grads_at_init: bool = False  # ZeRO-3's master gradients allocated unfilled (zero3.zero3_grads_at_init)
-    preflight: Any = None  # the host-memory estimate (planner.host_model.HostEstimate); None when off
-    auto: Any = None  # with "fp4offload": "auto", what it chose and why (_deepspeed.auto.Decision)
+    preflight: Any = None  # the host-memory estimate (fp4offload._memory.host_model.HostEstimate); None when off
+    auto: Any = None  # with "fp4offload": {"auto": true}, what it chose and why (_deepspeed.auto.Decision)
     block: Any = None  # the block that ran, as JSON (auto's choice in place of "auto")
+
+    def __repr__(self) -> str:
+        """A few lines for a person: what the block does on this engine; the fields hold the details."""
+        gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+        states = self.prepared.states
+        lines = ["fp4offload block on this engine:",
+                 "  optimizer: " + (ds_optim.describe_states(states) if states is not None else "not replaced")]
+        policy = getattr(self.activations, "policy", None)
+        lines.append("  activations: " + (policy.describe() if policy is not None else
+                                          "on" if self.activations is not None else "not compressed"))
+        lines.append("  weights: " + ("ZeRO-3 partitions packed as NVFP4" if self.weights is not None
+                                      else "DeepSpeed's own"))
+        if self.monitor is not None:
+            lines.append(f"  metrics: every {self.monitor.every} steps to the engine's monitor "
+                         f"({self.monitor.written} written)")
+        if self.preflight is not None:
+            est = self.preflight
+            lines.append(f"  host RAM estimate: {gib(est.per_rank)} per rank, {gib(est.node_total)} per node")
+        if self.auto is not None:
+            lines.append(f"  auto: {self.auto.line()}")
+        lines.append("  details: .prepared, .block, .preflight, .auto, .monitor.last, .activations, .weights")
+        return "\n".join(lines)
 
 
 def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, model: Any, model_parameters: Any):
@@ -278,9 +305,14 @@ def _client_optimizer(prepared: Prepared, optimizer: Any, lr_scheduler: Any, mod
     if optimizer is None:
         hp = ds_optim.settings_from_ds_section(prepared.ds_config.get("optimizer"))
 
+        kind = str((prepared.ds_config.get("optimizer") or {}).get("type", "Adam"))
+
         def build(params):
             params = list(params)
-            return ds_optim.make_optimizer(params, hp, where)
+            new = ds_optim.make_optimizer(params, hp, where)
+            announce(f"replaced DeepSpeed's {kind} (the config's optimizer section) with {type(new).__name__}: "
+                     f"{ds_optim.describe_states(where)}")
+            return new
 
         return build, lr_scheduler
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -139,6 +140,8 @@ def _collector(engine: Any, attached: Any) -> Callable[[], dict[str, float]]:
                 if isinstance(snap.get(k), (int, float)):
                     out[f"activations/{k}"] = float(snap[k])
         inner = dsi.read(engine, "basic_optimizer")
+        if isinstance(getattr(inner, "skipped_steps", None), int):  # written from step one, not from the first skip
+            out["optimizer/skipped_steps"] = float(inner.skipped_steps)
         for name in ("metrics", "counters", "stats"):
             fn = getattr(inner, name, None)
             if callable(fn):
@@ -163,7 +166,13 @@ def _collector(engine: Any, attached: Any) -> Callable[[], dict[str, float]]:
 
 def attach(engine: Any, monitor_cfg: Any, attached: Any) -> Writer:
     """Wrap ``engine.step`` to write the counters every ``monitor_cfg.every`` optimizer steps."""
-    writer = Writer(engine=engine, every=int(monitor_cfg.every), collect=_collector(engine, attached))
+    every = int(monitor_cfg.every)
+    writer = Writer(engine=engine, every=every, collect=_collector(engine, attached))
+    inner = dsi.read(engine, "basic_optimizer")
+    if isinstance(getattr(inner, "metrics_every", None), int) and inner.metrics_every > 0:
+        # FP4AdamW samples its quantization error every metrics_every steps (100 by default): at each write
+        # instead, so the first write has one
+        inner.metrics_every = math.gcd(inner.metrics_every, every)
     inner_step = engine.step
 
     def step(*args, **kwargs):

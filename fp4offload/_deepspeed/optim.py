@@ -235,7 +235,7 @@ def convert_optimizer(opt: torch.optim.Optimizer, where: StatePlacement) -> torc
 
 def describe_states(where: StatePlacement) -> str:
     """What the block keeps of Adam's states, where, and at what cost, in one phrase."""
-    from fp4offload._planner.sizes import STATE_BYTES as _STATE_BYTES  # the byte sizes' one home
+    from fp4offload._memory.sizes import STATE_BYTES as _STATE_BYTES  # the byte sizes' one home
 
     if where.format != "nvfp4":
         return f"fp32 m and v ({_STATE_BYTES['fp32']:.0f} B/param)"

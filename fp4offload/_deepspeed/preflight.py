@@ -1,7 +1,7 @@
 """Host-memory preflight of the DeepSpeed block: does this config fit in the RAM this process may use?
 
 ``initialize`` calls :func:`check` after the config is validated and before DeepSpeed allocates anything.
-It estimates the host RAM this rank will hold (:mod:`fp4offload._planner.host_model`, fed with the model's
+It estimates the host RAM this rank will hold (:mod:`fp4offload._memory.host_model`, fed with the model's
 parameter count, the ZeRO stage, the offload targets, the block and the accelerator) and the node's total
 across its local ranks, and compares what initialize and training will add with what the process may still
 take (:func:`fp4offload._machine.limits`): the smaller of the machine's available memory and, inside a memory
@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from fp4offload.errors import CapacityError
-from fp4offload._planner import host_model
+from fp4offload._memory import host_model
 from fp4offload._machine import Limits, cgroup_limit, launcher_ranks, limits
 
 from . import internals as dsi

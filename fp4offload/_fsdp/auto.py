@@ -28,8 +28,8 @@ from torch import nn
 
 from fp4offload._autochoice import Candidate, Decision, gib, on_rank_0
 from fp4offload._config import OptimizerStatesConfig
-from fp4offload._planner.host_model import UNMODELLED
-from fp4offload._planner.sizes import STATE_BYTES
+from fp4offload._memory.host_model import UNMODELLED
+from fp4offload._memory.sizes import STATE_BYTES
 from fp4offload.errors import CapacityError
 
 __all__ = ["candidates", "estimate", "choose", "decide"]

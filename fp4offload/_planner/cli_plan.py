@@ -379,7 +379,7 @@ def run_check(args: argparse.Namespace) -> int:
     block, against what this machine (and its cgroup) lets a process use. Exit 0 fits, 1 does not, 2 bad input."""
     import copy
 
-    from fp4offload._planner import host_model
+    from fp4offload._memory import host_model
     from fp4offload._planner.models import resolve_model
 
     try:
@@ -418,7 +418,7 @@ def run_check(args: argparse.Namespace) -> int:
     lim = ds_preflight.limits()
     params = model.param_count()
     decision = None
-    if choose_block:  # what "fp4offload": "auto" would pick on this machine, by the preflight's own model
+    if choose_block:  # what "fp4offload": {"auto": true} would pick on this machine, by the preflight's own model
         from fp4offload._deepspeed import auto as ds_auto
         from fp4offload.errors import CapacityError
 

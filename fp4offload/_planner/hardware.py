@@ -13,7 +13,7 @@ from typing import Mapping
 
 from fp4offload.errors import ConfigError
 from fp4offload._planner.readings import Readings
-from fp4offload._planner.sizes import STATE_BYTES, step_bytes_per_param
+from fp4offload._memory.sizes import STATE_BYTES, step_bytes_per_param
 
 __all__ = ["GpuSpec", "NodeSpec", "Cluster", "GPU_PRESETS", "NODE_PRESETS", "DEFAULT_MFU", "match_gpu",
            "pcie_bandwidth", "build_cluster", "DEFAULT_CPU_ADAM_PER_CORE", "CPU_ADAM_BYTES_PER_PARAM",

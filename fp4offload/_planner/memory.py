@@ -7,7 +7,7 @@ partition). On top of the phase peak come the persistent tensors (weights, maste
 on the GPU), gathered ZeRO-3/FSDP units, communication buckets, the CUDA runtime, and a
 fragmentation margin of the caching allocator.
 
-Byte sizes per element come from sizes.py, which derives them from the formats' size functions: bf16 2;
+Byte sizes per element come from fp4offload._memory.sizes, which derives them from the formats' size functions: bf16 2;
 fp32 4; NVFP4 1x16 0.5625 (4-bit code + E4M3 scale per 16); NVFP4 16x16 weights 0.50390625; MXFP4
 0.53125; MXFP8 1.03125; packed Adam states (m NVFP4 + sqrt(v) ufp4, one fp32 scale per 1024-element
 chunk each) 1.1328125 per parameter; split's residual in the NVMe state files (16-bit half + a bitmap of tie
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 from fp4offload.errors import ConfigError
 from fp4offload._planner.hardware import Cluster
-from fp4offload._planner import host_model
-from fp4offload._planner.host_model import NVME_SEGMENT, NVME_SEGMENTS_IN_FLIGHT
+from fp4offload._memory import host_model
+from fp4offload._memory.host_model import NVME_SEGMENT, NVME_SEGMENTS_IN_FLIGHT
 from fp4offload._planner.models import ModelSpec
-from fp4offload._planner.sizes import (ACT_BYTES, BF16_BYTES, MASTER_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES,
+from fp4offload._memory.sizes import (ACT_BYTES, BF16_BYTES, MASTER_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES,
                                       WEIGHT_PACKED_BYTES)
 from fp4offload._planner.strategies import Strategy
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from fp4offload._planner.hardware import Cluster
 from fp4offload._planner.memory import MemoryEstimate, TrainSetup, weight_host_bytes
 from fp4offload._planner.models import ModelSpec
-from fp4offload._planner.sizes import ACT_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, step_bytes_per_param
+from fp4offload._memory.sizes import ACT_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, step_bytes_per_param
 from fp4offload._planner.strategies import Strategy
 
 __all__ = ["StepTime", "estimate_time", "GPU_STEP_BYTES_PER_PARAM"]

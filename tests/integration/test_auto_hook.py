@@ -161,6 +161,16 @@ def _launch(argv: list[str], port: int, tmp_path: Path, out: Path, timeout: floa
     return json.loads(out.read_text())
 
 
+def _torchrun_trainer(tmp_path: Path, config: Path, out: Path, *, ranks: int, steps: int) -> dict:
+    """The Hugging Face Trainer under torchrun with ``--deepspeed config`` (the script's trainer mode)."""
+    port = free_port()
+    return _launch([_which("torchrun"), "--nproc_per_node", str(ranks), "--master_port", str(port), str(SCRIPT),
+                    "--mode", "trainer", "--out", str(out), "--output_dir", str(tmp_path / "o"), "--deepspeed",
+                    str(config), "--max_steps", str(steps), "--per_device_train_batch_size", "2", "--bf16", "true",
+                    "--use_cpu", "true", "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
+                    "--dataloader_num_workers", "0", "--learning_rate", "3e-4"], port, tmp_path, out)
+
+
 def _which(name: str) -> str:
     path = Path(sys.executable).with_name(name)
     return str(path) if path.exists() else name
@@ -198,7 +208,7 @@ def test_deepspeed_launcher_two_ranks_gets_the_block_and_auto_off_is_plain_deeps
 @pytest.mark.distributed
 def test_two_ranks_with_auto_train_the_block_rank_0_chose(tmp_path):
     cfg = json.loads(_ds_config(tmp_path).read_text())
-    cfg["fp4offload"] = "auto"
+    cfg["fp4offload"] = {"auto": True}
     path = tmp_path / "ds_auto.json"
     path.write_text(json.dumps(cfg))
     port = free_port()
@@ -213,15 +223,29 @@ def test_two_ranks_with_auto_train_the_block_rank_0_chose(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_hf_trainer_on_two_ranks_trains_with_the_documented_auto_form(tmp_path):
+    """The Trainer (through Accelerate) fills every "auto" string itself, so the documented spelling of automatic
+    selection is the object form: it must pass the Trainer on 2 ranks, choose once on rank 0 and say so, and
+    say once that the optimizer was replaced."""
+    cfg = json.loads(_ds_config(tmp_path, trainer=True).read_text())
+    cfg["fp4offload"] = {"auto": True}
+    path = tmp_path / "ds_trainer_auto.json"
+    path.write_text(json.dumps(cfg))
+    r = _torchrun_trainer(tmp_path, path, tmp_path / "trainer_auto.json", ranks=2, steps=3)
+    assert r["inner"] == "FP4AdamW" and r["has_block"] and r["world_size"] == 2
+    assert len(r["losses"]) == 3
+    log = (tmp_path / "trainer_auto.log").read_text().splitlines()
+    chose = [x for x in log if "fp4offload: auto: chose" in x]
+    assert len(chose) == 1 and "fp32 master, NVFP4 states in host RAM" in chose[0], chose
+    replaced = [x for x in log if "fp4offload: replaced " in x]  # DeepSpeed's AdamW, from the JSON
+    assert len(replaced) == 1 and "FP4AdamW" in replaced[0], replaced
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_torchrun_hf_trainer_deepspeed_flag_gets_the_block_with_no_fp4offload_import(tmp_path):
     cfg = _ds_config(tmp_path, trainer=True)
-    out = tmp_path / "trainer.json"
-    port = free_port()
-    r = _launch([_which("torchrun"), "--nproc_per_node", "1", "--master_port", str(port), str(SCRIPT), "--mode",
-                 "trainer", "--out", str(out), "--output_dir", str(tmp_path / "o"), "--deepspeed", str(cfg),
-                 "--max_steps", "4", "--per_device_train_batch_size", "2", "--bf16", "true", "--use_cpu", "true",
-                 "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
-                 "--dataloader_num_workers", "0", "--learning_rate", "3e-4"], port, tmp_path, out)
+    r = _torchrun_trainer(tmp_path, cfg, tmp_path / "trainer.json", ranks=1, steps=4)
     assert r["inner"] == "FP4AdamW" and r["has_block"] and not r["fp4offload_imported_before_initialize"]
     assert abs(r["state_B_per_param"] - PACKED_B_PER_PARAM) < 0.01
     assert len(r["losses"]) == 4

@@ -1,4 +1,4 @@
-"""``"fp4offload": "auto"`` and the preflight in a real memory cgroup, from a plain DeepSpeed script.
+"""``"fp4offload": {"auto": true}`` and the preflight in a real memory cgroup, from a plain DeepSpeed script.
 
 The script (tests/scripts/linear_deepspeed_script.py, 8 x Linear(2048, 2048): 33.6M parameters, ZeRO-2 with the
 optimizer on the CPU) never imports fp4offload. Between the fp32 master's peak and the split master's, the

@@ -260,7 +260,8 @@ def _run_trainer(spec: dict, train) -> dict:
     out = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
            "engine": type(engine).__name__, "inner": type(engine.basic_optimizer).__name__,
            "has_block": att is not None, "global_steps": int(engine.global_steps),
-           "monitor_written": att.monitor.written if att is not None and att.monitor is not None else 0}
+           "monitor_written": att.monitor.written if att is not None and att.monitor is not None else 0,
+           "repr": repr(att)}
     fds.uninstall()
     return out
 

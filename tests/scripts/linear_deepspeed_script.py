@@ -5,7 +5,7 @@
 The model is ``layers`` x ``Linear(dim, dim, bias=False)`` built in fp32 (8 x 4096 x 4096 = 134.2M parameters),
 trained with ZeRO-2, ``offload_optimizer`` on the CPU and bf16, on random inputs. ``--block`` picks the
 ``"fp4offload"`` block of its config: ``none`` (plain DeepSpeed), ``fp32``, ``split`` or ``bf16`` (NVFP4 states
-with that master form), or ``auto`` (``"fp4offload": "auto"``). Whatever applies the block is the installed
+with that master form), or ``auto`` (``"fp4offload": {"auto": true}``). Whatever applies the block is the installed
 package's start-up hook. The last stdout line is ``RESULT {json}``: whether it trained, the error if initialize
 raised, the inner optimizer, the block the engine ran and the preflight's estimate (from ``engine.fp4offload``),
 and the RSS before initialize and its peak from initialize on.
@@ -23,7 +23,7 @@ BLOCKS = {
     "fp32": {"optimizer_states": {"format": "nvfp4"}},
     "split": {"optimizer_states": {"format": "nvfp4", "master": "split"}},
     "bf16": {"optimizer_states": {"format": "nvfp4", "master": "bf16"}},
-    "auto": "auto",
+    "auto": {"auto": True},
 }
 
 

@@ -1,5 +1,5 @@
-"""``"fp4offload": "auto"``: the candidates, the choice against a given limit, the line it logs, what it refuses,
-and the errors crossing a broadcast (they pickle)."""
+"""``"fp4offload": {"auto": true}``: the candidates, the choice against a given limit, the line it logs, what it
+refuses, and the errors crossing a broadcast (they pickle)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 
 P = 200_000_000
 RSS = 600 << 20
+AUTO = {"auto": True}  # the documented form (the string "auto" is refused: the Trainer fills it)
 
 
-def _cfg(block="auto", offload="cpu", stage=2, **extra):
+def _cfg(block=AUTO, offload="cpu", stage=2, **extra):
     off = {"device": offload, **({"nvme_path": "/tmp/ds-nvme"} if offload == "nvme" else {})}
     cfg = {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
            "zero_optimization": {"stage": stage, "offload_optimizer": off}, **extra}
@@ -31,7 +32,7 @@ def _choose(cfg, free):
 
 def _sizes(cfg):
     """Each candidate's bytes to add, from the same estimate the choice uses."""
-    opts = auto._auto_options(cfg["fp4offload"])
+    opts = auto.auto_options(cfg["fp4offload"])
     base = {k: v for k, v in cfg.items() if k != "fp4offload"}
     from fp4offload._deepspeed.config import prepare_config
 
@@ -98,7 +99,7 @@ def test_nothing_fits_names_the_smallest_estimate_and_the_limit():
 
 def test_candidates_this_config_cannot_run_are_named_with_the_reason():
     # compact masters need bf16 and an offloaded optimizer; the fp32 candidate needs nothing, so it is tried first
-    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "fp4offload": "auto"}
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}, "fp4offload": AUTO}
     _, d = _choose(cfg, 1 << 50)
     assert d.choice.name == "fp32 master, NVFP4 states"  # states on the device: no offload in this config
     with pytest.raises(CapacityError) as e:
@@ -113,6 +114,15 @@ def test_the_object_form_is_checked(block, key):
     with pytest.raises(ConfigError) as e:
         _choose(_cfg(block), 1 << 50)
     assert e.value.key == key
+
+
+def test_the_string_form_is_refused_with_the_form_every_launcher_passes():
+    """Accelerate fills every "auto" string of a DeepSpeed config itself and stops on ours before DeepSpeed runs; the
+    block refuses the string everywhere, so a config that trains under deepspeed also trains under the Trainer."""
+    with pytest.raises(ConfigError) as e:
+        _choose(_cfg("auto"), 1 << 50)
+    assert e.value.key == "fp4offload" and e.value.value == "auto"
+    assert '{"auto": true}' in str(e.value) and "Trainer" in str(e.value)
 
 
 def test_host_and_monitor_are_kept_in_the_chosen_block():

@@ -206,7 +206,7 @@ def test_no_planner_module_imports_cli_plan():
 
 
 @pytest.mark.parametrize("first", ["fp4offload._planner.hardware", "fp4offload._planner.cli_plan",
-                                   "fp4offload._planner.sizes", "fp4offload._planner.memory"])
+                                   "fp4offload._memory.sizes", "fp4offload._planner.memory"])
 def test_each_planner_module_imports_first_in_a_fresh_interpreter(first):
     code = (f"import {first}\n"
             "from fp4offload._planner.hardware import DEFAULT_GPU, build_cluster\n"

@@ -376,7 +376,7 @@ def test_split_master_with_the_residual_on_nvme_bytes_by_hand(name):
 def test_residual_bytes_on_nvme_are_what_the_state_files_hold():
     from fp4offload._optim import SEGMENT
     from fp4offload._optim.nvme import segment_file_bytes
-    from fp4offload._planner.sizes import RESIDUAL_NVME_BYTES
+    from fp4offload._memory.sizes import RESIDUAL_NVME_BYTES
 
     assert RESIDUAL_NVME_BYTES == 2 + 1 / 8
     assert segment_file_bytes(SEGMENT, True) - segment_file_bytes(SEGMENT, False) == RESIDUAL_NVME_BYTES * SEGMENT

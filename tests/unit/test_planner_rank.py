@@ -11,7 +11,7 @@ from fp4offload._planner.memory import STATE_BYTES, TrainSetup, estimate_memory,
 from fp4offload._planner.models import PRESETS
 from fp4offload._planner.rank import RISK_ORDER, TIE_TOLERANCE, evaluate, make_plan
 from fp4offload._planner.readings import HostReading, Readings
-from fp4offload._planner.sizes import ACT_BYTES
+from fp4offload._memory.sizes import ACT_BYTES
 from fp4offload._planner.strategies import load_catalogue
 from fp4offload._planner.timing import estimate_time
 

@@ -18,8 +18,8 @@ from fp4offload._config import parse_block
 from fp4offload.errors import CapacityError, ConfigError
 from fp4offload._deepspeed import config as dsc
 from fp4offload._deepspeed import preflight as ds_preflight
-from fp4offload._planner import host_model
-from fp4offload._planner.sizes import STATE_BYTES
+from fp4offload._memory import host_model
+from fp4offload._memory.sizes import STATE_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 P = 100_000_000

@@ -5,8 +5,8 @@ memory model, memory.py) and :func:`step_bytes_per_param` (the memory traffic of
 hardware.py's CPU rate cap, timing.py's GPU step). No packed size is typed in here: each comes from
 :func:`fp4offload.formats.layout.bytes_per_element`, the function the codecs' own sizes come from (and split's
 NVMe residual from :func:`fp4offload._optim.state.residual_sizes`, what the state files hold), so the planner
-cannot disagree with what is allocated. Imports nothing else of the planner (memory, hardware and
-timing all import it).
+cannot disagree with what is allocated. Imports nothing of the planner or the runtime (the host model, the
+planner's memory, hardware and timing, and the DeepSpeed block's announcement all import it).
 """
 
 from __future__ import annotations

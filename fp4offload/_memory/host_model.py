@@ -11,7 +11,7 @@ process's own bytes (Python, torch, DeepSpeed, the data) are not modelled: the c
 (``runtime_bytes``: the RSS before initialize, less the model's parameters, which DeepSpeed's flattening
 replaces).
 
-Byte sizes per element come from :mod:`fp4offload._planner.sizes`. What each term is in DeepSpeed (the
+Byte sizes per element come from :mod:`fp4offload._memory.sizes`. What each term is in DeepSpeed (the
 attribute holding it, 0.19.8) is written beside it; docs/design.md section 9 ("Host preflight") has the
 table and how the model compares with measured peaks.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from fp4offload._planner.sizes import BF16_BYTES, FP32_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
+from fp4offload._memory.sizes import BF16_BYTES, FP32_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
 
 __all__ = ["Inputs", "HostEstimate", "estimate_host", "inputs_from_config", "alternatives"]
 
