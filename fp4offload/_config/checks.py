@@ -249,7 +249,7 @@ def _check_names(key: str, value: Any, *, non_empty: bool = False) -> None:
 _ENV_VAR = re.compile(r"\$(\w+)|\$\{(\w+)\}")
 
 
-def prepare_path(key: str, value: Any) -> Path:
+def prepare_path(key: str, value: Any, *, create: bool = True) -> Path:
     """The folder ``value`` names, made ready on this machine where it is first used: every nvme_path
     (``optimizer_states.nvme_path`` and ``activations.nvme_path`` of the block and the FSDP policy, DeepSpeed's
     ``offload_optimizer.nvme_path`` that the block reads, FP4AdamW's ``nvme_path``).
@@ -260,7 +260,8 @@ def prepare_path(key: str, value: Any) -> Path:
     and is not a directory (a regular file, a device, a FIFO), a folder this process cannot write to (a read-only
     mount, permissions), and a missing folder whose parent does not exist (a mistyped mount point is not created
     with its parents; a dangling symlink counts as its missing target). Relative paths are taken from the working
-    directory. A missing folder under an existing, writable parent is created (one level, mode 0700). Returns the
+    directory. A missing folder under an existing, writable parent is created (one level, mode 0700; not with
+    ``create=False``, which only checks). Returns the
     resolved path; raises ConfigError naming ``key``, the value and the fix.
     """
     if isinstance(value, os.PathLike):
@@ -306,6 +307,8 @@ def prepare_path(key: str, value: Any) -> Path:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise _error(key, value, "a folder this process can create",
                      f"{p} does not exist and {parent} is not writable (a read-only mount, or its permissions)")
+    if not create:  # checking only (plan --check): what initialize would refuse, without making the folder
+        return p
     try:
         os.mkdir(p, 0o700)
     except FileExistsError:
@@ -324,7 +327,7 @@ def _kind(mode: int) -> str:
     return "not a directory"
 
 
-def with_checked_paths(cfg: Any, prefix: str = "") -> Any:
+def with_checked_paths(cfg: Any, prefix: str = "", *, create: bool = True) -> Any:
     """``cfg`` (an Fp4OffloadConfig or FsdpPolicyConfig) with each nvme_path of ``optimizer_states`` and
     ``activations`` prepared by :func:`prepare_path` (created under an existing parent) and replaced by the
     resolved folder. For where a run starts on this machine (``Prepared.checked_paths``, which
@@ -335,7 +338,7 @@ def with_checked_paths(cfg: Any, prefix: str = "") -> Any:
         sub = getattr(cfg, name, None)
         path = getattr(sub, "nvme_path", None)
         if path is not None:
-            resolved = str(prepare_path(f"{prefix}{name}.nvme_path", path))
+            resolved = str(prepare_path(f"{prefix}{name}.nvme_path", path, create=create))
             if resolved != path:
                 changes[name] = dataclasses.replace(sub, nvme_path=resolved)
     return dataclasses.replace(cfg, **changes) if changes else cfg

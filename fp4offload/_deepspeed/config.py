@@ -113,20 +113,21 @@ class Prepared:
     rewrites: tuple[str, ...] = field(default=())
     host: HostSettings = field(default_factory=lambda: resolve(None))
 
-    def checked_paths(self) -> "Prepared":
+    def checked_paths(self, *, create: bool = True) -> "Prepared":
         """These settings with their NVMe folders checked on this machine and resolved (fp4offload._config.
         prepare_path: ``~`` and ``$VARS`` expanded, made absolute, created one level deep under an existing
         parent, refused when a file, a device, in /proc or /sys, unwritable or under a missing parent), for
         ``optimizer_states``, ``activations`` and DeepSpeed's ``offload_optimizer.nvme_path`` when the block takes
         it. :func:`initialize` calls it before anything is built; ``prepare_config`` does not look at the disk
-        (a config may be prepared on one machine for another)."""
-        block = with_checked_paths(self.block, f"{BLOCK_KEY}.")
+        (a config may be prepared on one machine for another). ``create=False`` checks without making a folder
+        (``plan --check``)."""
+        block = with_checked_paths(self.block, f"{BLOCK_KEY}.", create=create)
         states = self.states
         if states is not None and states.device == "nvme":
             st = self.block.optimizer_states
             key = (f"{BLOCK_KEY}.optimizer_states.nvme_path" if st is not None and st.nvme_path is not None
                    else "zero_optimization.offload_optimizer.nvme_path")
-            folder = prepare_path(key, str(Path(states.nvme_path).parent))
+            folder = prepare_path(key, str(Path(states.nvme_path).parent), create=create)
             states = replace(states, nvme_path=str(folder / "optimizer_states"))
         return replace(self, block=block, states=states)
 

@@ -89,15 +89,20 @@ def fits(est: host_model.HostEstimate, lim: Limits, held_now: int) -> bool:
     return max(0, est.added - held_now) * est.local_ranks <= lim.free
 
 
-def render(est: host_model.HostEstimate, lim: Limits | None = None, held_now: int = 0) -> str:
-    """The estimate as lines: per consumer, the rank's total, the node's total and the limit."""
+def render(est: host_model.HostEstimate, lim: Limits | None = None, held_now: int = 0, *,
+           node_ram: int | None = None) -> str:
+    """The estimate as lines: per consumer, the rank's total, the node's total and the limit (``node_ram``: a
+    named node's RAM, which the node's total must fit, instead of what this process may still use)."""
     rows = [f"  {k:36s} {v / GiB:8.2f} GiB" for k, v in sorted(est.consumers.items(), key=lambda kv: -kv[1])]
-    rows.append(f"  {'process before initialize (measured)':36s} {est.runtime / GiB:8.2f} GiB")
+    label = "process before initialize (measured)" if node_ram is None else "process before initialize (assumed)"
+    rows.append(f"  {label:36s} {est.runtime / GiB:8.2f} GiB")
     rows.append(f"  {'this rank':36s} {est.per_rank / GiB:8.2f} GiB")
     rows.append(f"  {f'node ({est.local_ranks} local ranks)':36s} {est.node_total / GiB:8.2f} GiB")
     for k, v in est.nvme.items():
         rows.append(f"  {'NVMe: ' + k:36s} {v / GiB:8.2f} GiB")
-    if lim is not None:
+    if node_ram is not None:
+        rows.append(f"  {'node RAM':36s} {node_ram / GiB:8.2f} GiB")
+    elif lim is not None:
         need = max(0, est.added - held_now) * est.local_ranks
         rows.append(f"  {'to allocate on this node':36s} {need / GiB:8.2f} GiB; may use {lim.describe()}")
     return "\n".join(rows)

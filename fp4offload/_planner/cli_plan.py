@@ -79,9 +79,15 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--emit", nargs=2, metavar=("KIND", "OUT"),
                    help="write the config of the best strategy of KIND: 'deepspeed OUT.json' or 'fsdp OUT.yaml'")
     s.add_argument("--check", metavar="CONFIG.json",
-                   help="instead of planning: the host-RAM estimate of this DeepSpeed config for --model on this "
-                        "machine (the preflight initialize runs), with and without its fp4offload block; "
-                        "--gpus the GPUs (ranks) per node, default 1; --nodes the nodes")
+                   help="instead of planning: the host-RAM estimate of this DeepSpeed config for --model (the "
+                        "preflight initialize runs), with and without its fp4offload block. On this machine as it "
+                        "is (its free memory and cgroup, DeepSpeed's accelerator here) unless a machine flag names "
+                        "the target node: --gpu PRESET, --host-ram-gb, --readings or --accelerator; then on that "
+                        "node, as plan's table counts it. --gpus: ranks per node (default: 1 here, the preset's "
+                        "on a named node); --nodes: nodes")
+    s.add_argument("--accelerator", choices=("cuda", "cpu"),
+                   help="with --check: the accelerator DeepSpeed runs on (default: cuda on a named GPU node; "
+                        "on this machine, DeepSpeed's own choice)")
     p.set_defaults(func=run_plan)
     return p
 
@@ -199,6 +205,9 @@ def check_plan_args(args: argparse.Namespace) -> None:
         raise ConfigError("--save-readings", args.save_readings, "another file than --readings")
     if args.model is not None and not args.model.strip():
         raise ConfigError("--model", args.model, "a preset, a config.json or dims")
+    if getattr(args, "accelerator", None) is not None:
+        raise ConfigError("--accelerator", args.accelerator, "only with --check",
+                          "plan's table is for GPU nodes; --check takes the accelerator a config runs on")
     args.nvme_dir = check_directory("--nvme-path", args.nvme_path, here=args.readings is None)
 
 
@@ -356,10 +365,24 @@ HF_AUTO = {("train_micro_batch_size_per_gpu",): 1, ("gradient_accumulation_steps
            ("scheduler", "params", "warmup_num_steps"): 0, ("scheduler", "params", "total_num_steps"): 1}
 
 
-def fill_hf_auto(cfg: dict, world: int) -> list[str]:
-    """Replaces the Hugging Face Trainer's "auto" values in `cfg` (in place) with HF_AUTO's, and
-    train_batch_size's with micro-batch x accumulation x ranks; returns what it filled, as "key=value"."""
+#: ZeRO keys the Trainer fills from the model's hidden size h (transformers' DeepSpeed integration): h*h, 0.9*h*h,
+#: 10*h
+HF_AUTO_HIDDEN = {("zero_optimization", "reduce_bucket_size"): lambda h: h * h,
+                  ("zero_optimization", "stage3_prefetch_bucket_size"): lambda h: int(0.9 * h * h),
+                  ("zero_optimization", "stage3_param_persistence_threshold"): lambda h: 10 * h}
+
+
+def fill_hf_auto(cfg: dict, world: int, hidden: int = 4096) -> list[str]:
+    """Replaces the Hugging Face Trainer's "auto" values in `cfg` (in place) as the Trainer fills them: HF_AUTO's
+    (its TrainingArguments' defaults), the ZeRO bucket sizes from the model's `hidden` size, train_batch_size as
+    micro-batch x accumulation x ranks; any other "auto" outside the block is dropped, so DeepSpeed's default
+    applies. Returns what it did, as "key=value"."""
     filled = []
+    for path, rule in HF_AUTO_HIDDEN.items():
+        node = cfg.get(path[0])
+        if isinstance(node, dict) and node.get(path[1]) == "auto":
+            node[path[1]] = rule(int(hidden))
+            filled.append(f"{'.'.join(path)}={node[path[1]]}")
     for path, value in HF_AUTO.items():
         node = cfg
         for k in path[:-1]:
@@ -371,7 +394,66 @@ def fill_hf_auto(cfg: dict, world: int) -> list[str]:
         mb, ga = cfg.get("train_micro_batch_size_per_gpu", 1), cfg.get("gradient_accumulation_steps", 1)
         cfg["train_batch_size"] = (mb if isinstance(mb, int) else 1) * (ga if isinstance(ga, int) else 1) * world
         filled.append(f"train_batch_size={cfg['train_batch_size']}")
+
+    def drop(node: dict, where: str) -> None:
+        for k in list(node):
+            if where == "" and k == "fp4offload":
+                continue
+            if node[k] == "auto":
+                del node[k]
+                filled.append(f"{where}{k}=(DeepSpeed's default)")
+            elif isinstance(node[k], dict):
+                drop(node[k], f"{where}{k}.")
+    drop(cfg, "")
     return filled
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckTarget:
+    """The machine ``plan --check`` checks a config for: this one as it is (``here``), or a named node."""
+
+    here: bool
+    accelerator: str  # host_model's "gpu" or "cpu"
+    local_ranks: int
+    limits: Any  # fp4offload._machine.Limits: free = what a rank may still use here, or the node's RAM
+    runtime: int  # one rank's process before initialize: measured here, TrainSetup's on a named node
+    describe: str
+
+
+def check_target(args: argparse.Namespace) -> CheckTarget:
+    """This machine unless a machine flag (--gpu, --host-ram-gb, --readings, --accelerator) names another node; a
+    named node is built as plan builds its cluster (same presets, same RAM), so the two print the same GiB."""
+    from fp4offload._deepspeed import preflight as ds_preflight
+    from fp4offload._planner.memory import TrainSetup
+
+    for name in ("nodes", "gpus", "host_ram_gb"):
+        check_number("--" + name.replace("_", "-"), getattr(args, name, None))
+    named = [f for f, v in (("--gpu", args.gpu), ("--host-ram-gb", args.host_ram_gb), ("--readings", args.readings),
+                            ("--accelerator", getattr(args, "accelerator", None))) if v is not None]
+    if not named:
+        acc = ds_preflight.accelerator_kind()
+        lim = ds_preflight.limits()
+        local = args.gpus or 1
+        why = ("DeepSpeed's CPU accelerator: device buffers are host RAM" if acc == "cpu"
+               else "DeepSpeed's GPU accelerator")
+        return CheckTarget(True, acc, local, lim, 0,
+                           f"this machine as it is ({local} rank(s), accelerator {acc}: {why}; may use "
+                           f"{lim.describe()}); for a GPU node pass --gpu PRESET [--gpus N] [--host-ram-gb GiB]")
+    from fp4offload._machine import Limits
+    from fp4offload._planner.hardware import build_cluster
+
+    if args.nvme_path is not None:
+        args.nvme_dir = check_directory("--nvme-path", args.nvme_path, here=args.readings is None)
+    cluster = build_cluster(readings=_readings(args), gpu=args.gpu, gpus=args.gpus, nodes=args.nodes or 1,
+                            host_ram_gb=args.host_ram_gb, host_cores=args.host_cores,
+                            nvme_path=getattr(args, "nvme_dir", None), nvme_gb=args.nvme_gb, mfu=args.mfu)
+    acc = "cpu" if getattr(args, "accelerator", None) == "cpu" else "gpu"
+    ram = int(cluster.host_ram)
+    text = (f"{cluster.describe()} (from {', '.join(named)}); accelerator {'cuda' if acc == 'gpu' else 'cpu'}; host "
+            f"RAM {ram / GiB:.0f} GiB per node ({cluster.host_ram_source}); each rank's process before initialize "
+            f"{TrainSetup().host_runtime_bytes / GiB:.0f} GiB, as plan counts it")
+    return CheckTarget(False, acc, cluster.gpus_per_node, Limits(available=ram, total=ram),
+                       TrainSetup().host_runtime_bytes, text)
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -393,7 +475,8 @@ def run_check(args: argparse.Namespace) -> int:
         from fp4offload._jsonfile import read_json
 
         model = resolve_model(args.model or DEFAULT_MODEL)
-        local = args.gpus or 1
+        node = check_target(args)
+        local = node.local_ranks
         world = local * (args.nodes or 1)
         raw = read_config(read_json(Path(args.check), "--check", args.check,
                                     readable="a readable DeepSpeed JSON file", valid="valid JSON",
@@ -401,9 +484,11 @@ def run_check(args: argparse.Namespace) -> int:
                                     top="a JSON object at the top level"))
         from fp4offload._deepspeed.auto import is_auto
 
-        auto = fill_hf_auto(raw, world)
+        auto = fill_hf_auto(raw, world, model.hidden)
         choose_block = is_auto(raw.get(BLOCK_KEY))
         prepared = prepare_config(raw, world_size=world) if BLOCK_KEY in raw and not choose_block else None
+        if prepared is not None and node.here:  # the folders initialize would refuse on this machine
+            prepared.checked_paths(create=False)
     except ConfigError as exc:
         print(f"fp4offload plan --check: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -413,9 +498,9 @@ def run_check(args: argparse.Namespace) -> int:
         import deepspeed  # noqa: F401
     except Exception:
         pass
-    runtime = psutil.Process().memory_info().rss
-    accelerator = ds_preflight.accelerator_kind()
-    lim = ds_preflight.limits()
+    runtime = psutil.Process().memory_info().rss if node.here else node.runtime
+    accelerator = node.accelerator
+    lim = node.limits
     params = model.param_count()
     decision = None
     if choose_block:  # what "fp4offload": {"auto": true} would pick on this machine, by the preflight's own model
@@ -444,19 +529,25 @@ def run_check(args: argparse.Namespace) -> int:
         x = host_model.inputs_from_config(cfg, params, world=world, local_ranks=local, accelerator=accelerator,
                                           host=host, states=states, free_bytes=lim.free)
         est = host_model.estimate_host(x, runtime)
-        fits = ds_preflight.fits(est, lim, 0)
-        fits_all = fits_all and (fits or label == "without the block")
+        # here: what each rank adds against what this process may still use; on a named node: the node's total
+        # against its RAM, as plan's table decides
+        fits = ds_preflight.fits(est, lim, 0) if node.here else est.node_total <= lim.free
+        # the config as written decides: its block when it has one, else DeepSpeed alone
+        if label == "with the block" or prepared is None:
+            fits_all = fits_all and fits
         out.append({"arm": label, "fits": fits, "per_rank_bytes": est.per_rank, "node_bytes": est.node_total,
                     "consumers": est.consumers, "runtime_bytes": est.runtime, "nvme": est.nvme, "text":
-                    ds_preflight.render(est, lim)})
+                    ds_preflight.render(est, lim, node_ram=None if node.here else lim.free)})
     if args.format == "json":
         print(json.dumps({"config": args.check, "model": model.name, "params": params, "accelerator": accelerator,
+                          "node": node.describe, "here": node.here,
                           "world": world, "local_ranks": local, "free_bytes": lim.free, "hf_auto_filled": auto,
                           "auto": None if decision is None else {
                               "choice": decision.choice.name, "block": raw[BLOCK_KEY], "line": decision.line(),
                               "tried": [{"candidate": n, "adds_bytes": b, "why": w} for n, b, w in decision.tried]},
                           "arms": [{k: v for k, v in a.items() if k != "text"} for a in out]}, indent=2))
     else:
+        print(f"checking for: {node.describe}")
         print(f"host RAM of {args.check} for {model.name} ({params / 1e9:.2f}B parameters), {world} rank(s), "
               f"{local} per node, accelerator {accelerator}:")
         if decision is not None:

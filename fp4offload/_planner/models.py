@@ -353,6 +353,8 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
        out_bias=True, mlp_bias=True, positions=1024),
     _p("gpt2-xl", "gpt2", 1600, 48, 25, 25, 6400, 50257, tied=True, gated=False, norm="layer", qkv_bias=True,
        out_bias=True, mlp_bias=True, positions=1024),
+    _p("llama-2-7b", "llama", 4096, 32, 32, 32, 11008, 32000),
+    _p("llama-2-13b", "llama", 5120, 40, 40, 40, 13824, 32000),
     _p("llama-3.2-1b", "llama", 2048, 16, 32, 8, 8192, tied=True, head_dim=64, **_LLAMA3),
     _p("llama-3.2-3b", "llama", 3072, 28, 24, 8, 8192, tied=True, head_dim=128, **_LLAMA3),
     _p("llama-3.1-8b", "llama", 4096, 32, 32, 8, 14336, **_LLAMA3),
@@ -373,7 +375,8 @@ PRESETS: dict[str, ModelSpec] = {m.name: m for m in (
 # Published totals (model cards / release notes), used by the tests: the counts above must
 # land within 1% of these.
 PUBLISHED_TOTALS: dict[str, float] = {
-    "gpt2": 124.44e6, "gpt2-xl": 1.558e9, "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9,
+    "gpt2": 124.44e6, "gpt2-xl": 1.558e9, "llama-2-7b": 6.738e9, "llama-2-13b": 13.016e9,
+    "llama-3.2-1b": 1.24e9, "llama-3.2-3b": 3.21e9,
     "llama-3.1-8b": 8.03e9, "llama-3.1-70b": 70.6e9, "llama-3.1-405b": 405.9e9, "mistral-7b": 7.25e9,
     "qwen2.5-7b": 7.61e9, "qwen3-8b": 8.2e9, "qwen3-32b": 32.8e9, "qwen3-30b-a3b": 30.5e9,
     "gemma-2-9b": 9.24e9, "mixtral-8x7b": 46.7e9, "llama-4-scout-17b-16e": 109e9,
