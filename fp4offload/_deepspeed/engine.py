@@ -286,8 +286,10 @@ class Attached:
         lines.append("  weights: " + ("ZeRO-3 partitions packed as NVFP4" if self.weights is not None
                                       else "DeepSpeed's own"))
         if self.monitor is not None:
-            lines.append(f"  metrics: every {self.monitor.every} steps to the engine's monitor "
-                         f"({self.monitor.written} written)")
+            mon = getattr(self.monitor.engine, "monitor", None)
+            dest = ("DeepSpeed's monitor" if getattr(mon, "enabled", False)
+                    else "the fp4offload.deepspeed logger at INFO (no DeepSpeed monitor in the JSON)")
+            lines.append(f"  metrics: every {self.monitor.every} steps to {dest} ({self.monitor.written} written)")
         if self.preflight is not None:
             est = self.preflight
             lines.append(f"  host RAM estimate: {gib(est.per_rank)} per rank, {gib(est.node_total)} per node")

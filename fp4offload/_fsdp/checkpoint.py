@@ -241,7 +241,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
 
     sd = _model_tensors(model)
     if optimizer is not None:
-        _check_opt(optimizer)
+        optimizer = _check_opt(optimizer)
         sd.update(_optim_save_tensors(model, optimizer))
     sd["meta.world_size"] = torch.tensor([_world()], dtype=torch.int64)
     sd["meta.version"] = torch.tensor([VERSION], dtype=torch.int64)
@@ -252,10 +252,23 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
                  no_dist=not dist.is_initialized())
 
 
-def _check_opt(optimizer) -> None:
-    if not hasattr(optimizer, "_fsdp_pairs"):
-        raise ConfigError("optimizer", type(optimizer).__name__, "the optimizer fp4offload.fsdp.optimizer built",
-                          "build it with fp4offload.fsdp.optimizer(model, policy)")
+def _unwrap(optimizer):
+    """The optimizer fp4offload.fsdp.optimizer built, inside the wrappers the Trainer and Accelerate put around it
+    (``AcceleratedOptimizer.optimizer``, and so on, a few levels at most)."""
+    seen = 0
+    while not hasattr(optimizer, "_fsdp_pairs") and hasattr(optimizer, "optimizer") and seen < 4:
+        optimizer, seen = optimizer.optimizer, seen + 1
+    return optimizer
+
+
+def _check_opt(optimizer):
+    inner = _unwrap(optimizer)
+    if not hasattr(inner, "_fsdp_pairs"):
+        raise ConfigError("optimizer", type(optimizer).__name__, "the optimizer fp4offload.fsdp.optimizer built "
+                          "(or a wrapper of it, as trainer.optimizer)",
+                          "pass the optimizer fp4offload.fsdp.optimizer(model, policy), ff.prepare or "
+                          "FP4FSDPTrainer built; for torch's own optimizers use torch.distributed.checkpoint")
+    return inner
 
 
 # --------------------------------------------------------------------------------------------------- load
@@ -341,7 +354,7 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
     hyper: list[str] = []
     resharder = None
     if optimizer is not None:
-        _check_opt(optimizer)
+        optimizer = _check_opt(optimizer)
         optimizer.init_state()
         sizes = {k: tuple(m.size) for k, m in meta.items() if hasattr(m, "size")}
         hyper = [k for k in list(meta) if k.startswith(_PG)]

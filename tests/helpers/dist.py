@@ -170,21 +170,19 @@ def run_ranks(fn: Callable, world_size: int = 2, *, args: Sequence[Any] = (), ti
     return [results[r] for r in range(world_size)]
 
 
-def launch(cmd: list[str], log: Path, out: Path, timeout: float, what: str) -> dict:
+def run_group(cmd: list[str], log: Path, timeout: float, *, cwd: Path | None = None, **env_extra: str) -> int | None:
     """Run a launcher command line (torchrun, ``accelerate launch``, ``deepspeed``) in its own process group with
-    the CPU-rank environment, kill the whole group when it ends or times out, and return the JSON it wrote to
-    ``out``; fails the test with the log's tail otherwise."""
-    import json
+    the CPU-rank environment, its output to ``log``; kill the whole group when it ends or times out. The exit
+    status, None on a timeout."""
     import signal
     import subprocess
 
-    import pytest
-
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])), **env_extra}
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd or root, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -195,6 +193,17 @@ def launch(cmd: list[str], log: Path, out: Path, timeout: float, what: str) -> d
             except ProcessLookupError:
                 pass
             proc.wait()
+    return rc
+
+
+def launch(cmd: list[str], log: Path, out: Path, timeout: float, what: str) -> dict:
+    """:func:`run_group`, then the JSON the command wrote to ``out``; fails the test with the log's tail
+    otherwise."""
+    import json
+
+    import pytest
+
+    rc = run_group(cmd, log, timeout)
     tail = log.read_text()[-4000:]
     if rc is None:
         pytest.fail(f"{what} did not finish in {timeout} s; killed. Log tail:\n{tail}")
