@@ -252,14 +252,25 @@ def test_example_fsdp_policies_validate(path):
     assert isinstance(load_fsdp_policy_yaml(path), FsdpPolicyConfig)
 
 
-def test_the_plain_offload_configs_carry_optimizer_states_only():
-    """The configs a host-RAM-short ZeRO-Offload user starts from pin no activation memory; activation offload has
-    its own file, and configs/README.md names every file."""
+def test_each_shipped_config_does_one_thing():
+    """Configs that store states keep states only (offload_cpu, states_nvme, the FSDP2 states files); activation
+    offload has its own file, in the format the fine-tune supports (MXFP8 until NVFP4 holds there); the weights files
+    add the gathers only; configs/README.md names every file."""
     for stage in (1, 2, 3):
-        cfg = json.loads((ROOT / "configs" / f"deepspeed_zero{stage}_offload_cpu.json").read_text())
-        assert set(cfg["fp4offload"]) <= {"optimizer_states", "monitor"}, cfg["fp4offload"]
+        for kind in ("offload_cpu", "states_nvme"):
+            cfg = json.loads((ROOT / "configs" / f"deepspeed_zero{stage}_{kind}.json").read_text())
+            assert set(cfg["fp4offload"]) <= {"optimizer_states", "monitor"}, (kind, cfg["fp4offload"])
     acts = json.loads((ROOT / "configs" / "deepspeed_zero2_offload_cpu_activations.json").read_text())
-    assert acts["fp4offload"]["activations"]["format"] == "nvfp4"
+    assert set(acts["fp4offload"]) <= {"optimizer_states", "activations", "monitor"}
+    assert acts["fp4offload"]["activations"]["format"] == "mxfp8"
+    weights = json.loads((ROOT / "configs" / "deepspeed_zero3_offload_param_fp4_weights.json").read_text())
+    assert set(weights["fp4offload"]) <= {"optimizer_states", "weights", "monitor"}
+    import yaml
+
+    for name, extra in (("fsdp_fp4.yaml", {"weights"}), ("fsdp_gpu_fp4_states.yaml", set()),
+                        ("fsdp_states_nvme.yaml", set())):
+        doc = yaml.safe_load((ROOT / "configs" / name).read_text())
+        assert {k for k in ("weights", "activations") if k in doc} == extra, (name, doc)
     readme = (ROOT / "configs" / "README.md").read_text()
     for p in (ROOT / "configs").iterdir():
         if p.suffix in (".json", ".yaml"):
