@@ -43,7 +43,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Read the machine (or --readings, or --gpu PRESET), estimate memory and step time of every "
                     "strategy in the catalogue, and rank those that fit.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="model presets: " + ", ".join(PRESETS) + "\nGPU presets: " + ", ".join(GPU_PRESETS))
+        epilog="model presets: " + ", ".join(PRESETS) + "\nGPU presets: " + ", ".join(GPU_PRESETS)
+               + f"\nwithout a GPU here and no --gpu: a {DEFAULT_GPU} node (8 GPUs, the preset's host RAM)\n\n"
+               + COLUMNS)
     p.add_argument("--model", default=None,
                    help=f"(default {DEFAULT_MODEL}) a preset, a Hugging Face config.json (or its folder), or dims "
                         "hidden=4096,layers=32,heads=32,kv_heads=8,ffn=14336,vocab=128256[,experts=8,top_k=2,...]")
@@ -244,6 +246,32 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f}"
 
 
+def packs(strategy) -> str:
+    """What a strategy stores in a compressed format, from its placements: ``states`` (Adam's m and v),
+    ``weights`` (the all-gathered or offloaded weights), ``acts`` (saved activations), and the master form when it
+    is not fp32 (``split``, ``bf16 master``); ``-`` when nothing is."""
+    out = []
+    if strategy.optimizer_states.format != "fp32":
+        out.append("states")
+    if strategy.weights.format not in ("bf16", "fp32", "fp16"):
+        out.append("weights")
+    if strategy.activations.format not in ("bf16", "fp32", "fp16", "none"):
+        out.append("acts")
+    if strategy.master.format == "split":
+        out.append("split")
+    elif strategy.master.format == "bf16":
+        out.append("bf16 master")
+    return "+".join(out) or "-"
+
+
+#: what the table's columns mean (printed under it, and in plan --help)
+COLUMNS = """columns: ckpt = activation checkpointing the plan assumes; GPU GiB = peak per GPU; host and NVMe GiB = per
+node; bound = what sets the step time (compute, collectives, pcie, nvme, cpu_optimizer); packs = what fp4offload
+stores in 4 bits (states: Adam's m and v; weights: all-gathered or offloaded weights; acts: saved activations;
+split / bf16 master: the master form); risk = accuracy risk of those compressions (none, low, medium, high: the
+notes under the winner say why)"""
+
+
 def format_table(plan) -> str:
     """The human-readable plan."""
     c, t = plan.cluster, plan.setup
@@ -258,18 +286,19 @@ def format_table(plan) -> str:
                  "`--readings` plans with the measurements")
     w = max([26] + [len(c.name) for c in (*plan.ranked, *plan.rejected)])  # the strategy column fits every name
     head = f"{'#':>2}  {'strategy':{w}s} {'ckpt':4s} {'GPU GiB':>8s} {'host GiB/node':>13s} {'NVMe GiB/node':>13s} " \
-           f"{'s/step':>8s} {'tokens/s':>10s}  {'bound':14s} risk"
+           f"{'s/step':>8s} {'tokens/s':>10s}  {'bound':14s} {'packs':19s} risk"
     lines += ["", head, "-" * len(head)]
     for i, cand in enumerate(plan.ranked, 1):
         m, tm = cand.memory, cand.time
         nv = f"{m.nvme_total / GiB:.0f}" if m.nvme_total else "-"
         lines.append(f"{i:>2}  {cand.name:{w}s} {'on' if m.checkpointing else 'off':4s} {_gib(m.device_total):>8s} "
                      f"{_gib(m.host_total):>13s} {nv:>13s} {tm.step_s:8.2f} {tm.tokens_per_s:10,.0f}  "
-                     f"{tm.bound:14s} {cand.risk}")
+                     f"{tm.bound:14s} {packs(cand.strategy):19s} {cand.risk}")
     if plan.rejected:
         lines += ["", "does not fit:"]
         for cand in plan.rejected:
             lines.append(f"    {cand.name:{w}s} {'; '.join(cand.shortfalls)}")
+    lines += ["", COLUMNS]
     w = plan.winner
     if w is None:
         lines += ["", "no strategy fits this model on this machine."]
@@ -315,7 +344,8 @@ def plan_to_json(plan) -> dict[str, Any]:
                            "nvme_bytes_per_node": x.memory.nvme_total, "nvme": x.memory.nvme},
                 "time": {"step_s": x.time.step_s, "tokens_per_s": x.time.tokens_per_s, "bound": x.time.bound,
                          "terms_s": x.time.terms},
-                "risk": x.risk, "risk_notes": list(x.risk_notes), "why_lost": plan.why_lost.get(x.name)}
+                "risk": x.risk, "risk_notes": list(x.risk_notes), "why_lost": plan.why_lost.get(x.name),
+                "packs": packs(x.strategy)}
 
     return {
         "model": {"name": plan.model.name, "params": plan.model.param_count(),

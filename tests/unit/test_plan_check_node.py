@@ -139,3 +139,20 @@ def test_an_nvme_path_initialize_would_refuse_is_refused_here(tmp_path, capsys):
 def test_accelerator_is_a_check_flag(capsys):
     assert cli_plan.main(["plan", "--model", "llama-2-7b", "--accelerator", "cpu"]) == 2
     assert "only with --check" in capsys.readouterr().err
+
+
+def test_the_table_says_what_each_strategy_packs_and_what_its_columns_mean(capsys):
+    assert cli_plan.main(["plan", "--model", "llama-2-7b", "--gpu", "h100-80gb"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[1]: line for line in out.splitlines() if re.match(r"\s*\d+\s+\S+\s+(on|off)\s", line)}
+    assert rows["zero2-opt-cpu"].split()[-2:] == ["-", "none"]
+    assert rows["zero2-opt-cpu-fp4-split"].split()[-2:] == ["states+split", "low"]
+    assert "states+weights+acts" in rows["zero3-all-fp4"]
+    assert "columns: ckpt = activation checkpointing" in out and "risk = accuracy risk" in out
+    doc = _json_plan(capsys)
+    assert {c["name"]: c["packs"] for c in doc["ranked"]}["zero2-opt-cpu-fp4-bf16master"] == "states+bf16 master"
+
+
+def _json_plan(capsys) -> dict:
+    assert cli_plan.main(["plan", "--model", "llama-2-7b", "--gpu", "h100-80gb", "--format", "json"]) == 0
+    return json.loads(capsys.readouterr().out)
