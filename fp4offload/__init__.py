@@ -15,6 +15,11 @@ from .formats.packed import PackedTensor
 
 __version__ = "0.1.0"
 
+if "WORLD_SIZE" in __import__("os").environ:  # started by a launcher: an fp4offload error is one line per job
+    from ._oneline import install as _install_oneline
+
+    _install_oneline()
+
 __all__ = ["quantize", "dequantize", "PackedTensor", "FP4AdamW", "StateFormat", "NvmeOptions", "StepOptions",
            "read_kept", "offload_activations", "ActivationPolicy", "wrap_modules", "ConfigError", "NonFiniteError",
            "CorruptionError", "CapacityError", "__version__"]

@@ -93,6 +93,9 @@ SWITCHES: tuple[Switch, ...] = (
            values="compute capabilities, comma-separated (90, 90a, 100a; an sm_ prefix is dropped)"),
     Switch("FP4OFFLOAD_VERBOSE_BUILD", "on/off", False,
            "Prints the compiler's commands and output while an extension builds."),
+    Switch("FP4OFFLOAD_TRACEBACK", "on/off", False,
+           "Under a launcher (WORLD_SIZE set), an uncaught fp4offload error prints one line for the job; on prints "
+           "every rank's traceback instead."),
     Switch("FP4OFFLOAD_NVME_KEEP", "on/off", False,
            "Keeps the NVMe tier's folder of optimizer states when the optimizer closes (FP4AdamW's nvme_keep, "
            "when that is None)."),
