@@ -100,6 +100,8 @@ class ActivationOffloader:
         self._entries: dict[int, Entry] = {}
         self._order: list[Entry | None] = []
         self._dedup: dict[tuple, Entry] = {}
+        # bases of the tensors kept as they are, while they live: one kept by several ops holds its bytes once
+        self._kept = weakref.WeakValueDictionary()
         self._next_id = 0
         self._salt = next(_SALTS)  # new random bits for every offloader (every step), reproducible per process
         self._sample = 0
@@ -139,7 +141,7 @@ class ActivationOffloader:
             def fn(t, _reason=reason, _self=self_ref):
                 off = _self()
                 if off is not None and type(t) is torch.Tensor and not from_parameter(t):
-                    off.stats.skip(_reason, t.numel() * t.element_size())
+                    off.stats.skip(_reason, off.kept_bytes(t))
                 return alias(t)
 
             fn._fp4offload_hook = True
@@ -213,6 +215,18 @@ class ActivationOffloader:
             return "closed"
         return reason
 
+    def kept_bytes(self, t: torch.Tensor) -> int:
+        """The bytes a tensor kept as it is adds: 0 when a live tensor of the same base was kept already (an op's
+        input that another op saved too), else its own."""
+        base = t._base if t._base is not None else t
+        try:
+            if self._kept.get(id(base)) is base:
+                return 0
+            self._kept[id(base)] = base
+        except TypeError:  # a tensor subclass that takes no weak reference: counted each time
+            pass
+        return t.numel() * t.element_size()
+
     def pack(self, t: torch.Tensor, fmt: str | None = None):
         """The pack hook: returns `t` itself, or a handle to its stored copy."""
         fmt = fmt or self.policy.format
@@ -224,7 +238,7 @@ class ActivationOffloader:
                 if fmt == "keep":
                     reason = cls
         if reason is not None:
-            self.stats.skip(reason, t.numel() * t.element_size())
+            self.stats.skip(reason, self.kept_bytes(t))
             return alias(t)
         t0 = time.perf_counter()
         with self._lock:

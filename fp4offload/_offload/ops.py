@@ -22,6 +22,7 @@ model is covered.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -102,6 +103,12 @@ def rule_for(func) -> OpRule | None:
         return RULES.get(_name(func))
 
 
+@functools.lru_cache(maxsize=None)
+def _roles(rule: OpRule) -> dict[int, str]:
+    """`rule.roles` as a mapping, built once per rule (a saved tensor asks for its role on every save)."""
+    return dict(rule.roles)
+
+
 _KW_POSITION = {"query": 0, "q": 0, "key": 1, "k": 1, "value": 2, "v": 2}  # q, k, v passed by keyword
 
 
@@ -117,7 +124,7 @@ class _Call:
     def role(self, t: torch.Tensor, inside: bool) -> str:
         for i, r in self.args:
             if r() is t:
-                return dict(self.rule.roles).get(i, self.rule.cls if t.requires_grad else "statistic")
+                return _roles(self.rule).get(i, self.rule.cls if t.requires_grad else "statistic")
         if not inside and not any(r() is t for r in self.results):
             return ""
         if t.is_floating_point() and not t.requires_grad:

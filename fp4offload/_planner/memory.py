@@ -133,19 +133,18 @@ def _act_ratio(fmt: str, e: int) -> float:
     return 1.0 if fmt == "bf16" else ACT_BYTES[fmt] / e
 
 
-# the forms ActivationPolicy's defaults give each class (fp4offload/_offload/ops.py), never harsher than the format
-_CLASS_FORMS = {"norm": "bf16", "attention_qk": "bf16", "attention": "mxfp8", "statistic": "keep"}
-_GENTLE = ("nvfp4", "mxfp4", "mxfp8", "bf16", "keep")
-
-
 def _stored_per_token(m: ModelSpec, moe: bool, fmt: str, e: int) -> float:
-    """Bytes per token one block's saved activations take as the hooks store them in `fmt` ("bf16": as they are)."""
+    """Bytes per token one block's saved activations take as the hooks store them in `fmt` ("bf16": as they are):
+    each class in the form ActivationPolicy's defaults give it (fp4offload/_offload/ops.py), asked of the policy."""
+    from fp4offload._offload.policy import ActivationPolicy
+
     parts = m.kind_saved_classes(moe, e)
     if fmt == "bf16":
         return float(sum(b for _, b in parts.values()))
+    policy = ActivationPolicy(format=fmt, device="cpu")
     out = 0.0
     for cls, (n, raw) in parts.items():
-        form = max(_CLASS_FORMS.get(cls, fmt), fmt, key=_GENTLE.index)
+        form = policy.class_format(cls, fmt)  # the default policy's op rule, the one the hooks apply
         out += raw if form == "keep" else n * (BF16_BYTES if form == "bf16" else ACT_BYTES[form])
     return out
 

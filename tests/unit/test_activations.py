@@ -411,3 +411,19 @@ def test_the_block_sets_the_pool_cap():
         validate_deepspeed_config(cfg)
     cfg["fp4offload"]["activations"].pop("max_host_bytes")
     assert ActivationPolicy.from_config(validate_deepspeed_config(cfg).activations).max_host_bytes is None
+
+
+def test_a_tensor_kept_as_it_is_and_saved_by_two_ops_holds_its_bytes_once():
+    """x (too small to pack) is saved by both products: the bytes kept as they are count it once."""
+    from fp4offload._offload import ActivationOffloader
+
+    off = ActivationOffloader(P(format="nvfp4", min_numel=1 << 20))
+    x = torch.randn(64, 64, requires_grad=True)
+    w1, w2 = (torch.randn(64, 64, requires_grad=True) for _ in range(2))
+    with off.hooks():
+        h = torch.tanh(x)
+        y = (h * w1).sum() + (h * w2).sum()  # each product saves h (for its weight's gradient) and its weight
+    snap = off.snapshot()
+    y.backward()
+    # h (saved twice, held once), tanh's own output is h itself; w1 and w2 are parameters of this graph's leaves
+    assert snap["bytes_passthrough"] == h.numel() * h.element_size(), snap
