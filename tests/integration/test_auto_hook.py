@@ -254,7 +254,11 @@ def test_torchrun_hf_trainer_deepspeed_flag_gets_the_block_with_no_fp4offload_im
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_accelerate_launch_with_a_deepspeed_config_file_gets_the_block(tmp_path):
+    """The documented automatic form passes Accelerate's DeepSpeed plugin too, and chooses the fp32 master here."""
     cfg = _ds_config(tmp_path)
+    doc = json.loads(cfg.read_text())
+    doc["fp4offload"] = {"auto": True}
+    cfg.write_text(json.dumps(doc))
     acc = tmp_path / "accelerate.yaml"
     acc.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\ndeepspeed_config:\n"
                    f"  deepspeed_config_file: {cfg}\n  zero3_init_flag: false\nnum_machines: 1\nnum_processes: 1\n"
@@ -264,6 +268,8 @@ def test_accelerate_launch_with_a_deepspeed_config_file_gets_the_block(tmp_path)
     r = _launch([_which("accelerate"), "launch", "--config_file", str(acc), "--main_process_port", str(port),
                  str(SCRIPT), "--mode", "accelerate", "--steps", "4", "--out", str(out)], port, tmp_path, out)
     _assert_block(r)
+    chose = [x for x in (tmp_path / "acc.log").read_text().splitlines() if "fp4offload: auto: chose" in x]
+    assert len(chose) == 1 and "fp32 master, NVFP4 states in host RAM" in chose[0], chose
 
 
 def test_the_pth_line_and_the_switch_parser_agree_on_the_off_words():
