@@ -228,6 +228,7 @@ def report(config: str | None = None) -> dict:
         "nvcc_version": _nvcc_version(),
         "torch_extensions_dir": os.environ.get("TORCH_EXTENSIONS_DIR", "(torch default)"),
         "cpu_threads": torch.get_num_threads(),
+        "step_threads": _step_threads(),
         "cpu_isa": isa,
         "cpu_isa_why": isa_why,
         "cpu_isa_available": cpu_isa.available(),
@@ -240,6 +241,14 @@ def report(config: str | None = None) -> dict:
         "host": host_report(config),
         "settings": settings,
     }
+
+
+def _step_threads() -> dict:
+    """The threads a rank's host optimizer step would run on here (fp4offload._machine.step_threads)."""
+    from ._machine import step_threads
+
+    st = step_threads()
+    return {"threads": st.threads, "cpus": st.cpus, "local_ranks": st.local_ranks, "source": st.source}
 
 
 def _nvcc_version() -> str | None:
@@ -314,10 +323,16 @@ def render(r: dict) -> str:
     if m["cgroup"] and not m["source"].startswith("cgroup"):
         lines.append(f"  cgroup {m['cgroup']} leaves more: {m['describe']}")
     lines.append(f"local ranks: {ranks['local']} ({ranks['source']}); world size {ranks['world']}")
+    st = r["step_threads"]
+    lines.append(f"host optimizer step threads per rank: {st['threads']} ({st['source']}; FP4OFFLOAD_STEP_THREADS "
+                 "sets it)")
     lines.append("settings in effect (value, from: an FP4OFFLOAD_* variable, a JSON key of --config, or the default):")
     for name, st in r["settings"].items():
         value = ("on" if st["value"] else "off") if isinstance(st["value"], bool) else st["value"]
-        value = ",".join(value) if isinstance(value, tuple) else "every GPU" if value is None else value
+        if value is None:
+            from ._switches import BY_NAME, _shown
+
+            value = _shown(None, BY_NAME.get(name))
         over = f"  (override: {st['variable']})" if st["source"] not in (name, st["variable"]) else ""
         lines.append(f"  {name:42s} {value!s:10s} {st['source']}{over}")
     lines.append(f"extension cache: {r['torch_extensions_dir']}")

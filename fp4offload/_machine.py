@@ -15,6 +15,7 @@ the machine here and nowhere else. Nothing here needs a GPU or imports torch.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -328,6 +329,94 @@ def launcher_ranks(environ: Mapping[str, str] | None = None) -> Ranks:
         ignored.append(f"{var}={v!r} is not a positive integer")
     why = "; ".join(ignored) if ignored else "none of " + ", ".join(LOCAL_RANK_VARIABLES) + " is set"
     return Ranks(world, 1, f"default: {why}")
+
+
+# -- CPU threads for the host optimizer step --------------------------------------------------------
+
+
+def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[float, str] | None:
+    """(CPUs, cgroup path) of the tightest CPU quota on this process's cgroup path, v2 (``cpu.max``) and v1
+    (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, -1 for none); None when no quota is set."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    best: tuple[float, str] | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            base, tag = Path(root), "v2"
+        elif "cpu" in controllers.split(","):
+            base, tag = Path(root) / "cpu", "v1"
+            if not base.is_dir():
+                base = Path(root) / controllers
+        else:
+            continue
+        names = [p for p in rel.split("/") if p and p != "."]
+        d = base if ".." in names else base.joinpath(*names)
+        while True:
+            cpus = None
+            try:
+                if tag == "v2":
+                    quota, period = (d / "cpu.max").read_text().split()[:2]
+                    cpus = None if quota == "max" else int(quota) / int(period)
+                else:
+                    quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+                    cpus = quota / period if quota is not None and quota > 0 and period else None
+            except (OSError, ValueError):
+                cpus = None
+            if cpus is not None and (best is None or cpus < best[0]):
+                best = (cpus, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/")
+            if d == base:
+                break
+            d = d.parent
+    return best
+
+
+@dataclass(frozen=True)
+class StepThreads:
+    """The threads one rank's host optimizer step uses, and why: ``cpus`` the CPUs the rank may run on (affinity,
+    capped by a cgroup quota), ``local_ranks`` the ranks sharing them, ``source`` where the figure came from."""
+
+    threads: int
+    cpus: int
+    local_ranks: int
+    source: str
+
+    def describe(self) -> str:
+        return f"{self.threads} thread(s) ({self.source})"
+
+
+def step_threads(environ: Mapping[str, str] | None = None, proc_cgroup: str = "/proc/self/cgroup",
+                 root: str = "/sys/fs/cgroup") -> StepThreads:
+    """How many threads a rank's host optimizer step should use: ``FP4OFFLOAD_STEP_THREADS`` when set; else SLURM's
+    ``SLURM_CPUS_PER_TASK`` (CPUs given to each task) within what the rank may run on; else the CPUs it may run on
+    (its affinity mask, capped by the cgroup's CPU quota) shared by the ranks of this node. Never the machine's
+    total core count, and never OMP_NUM_THREADS, which launchers set to 1 for every rank."""
+    env = os.environ if environ is None else environ
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        affinity = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(proc_cgroup, root)
+    cpus, why = affinity, f"{affinity} CPU(s) in this process's affinity"
+    if quota is not None and math.floor(quota[0]) < affinity:  # 1.5 CPUs of time: one thread is never throttled
+        cpus, why = max(1, math.floor(quota[0])), f"cgroup {quota[1]} CPU quota {quota[0]:g}"
+    local = launcher_ranks(env).local
+    from . import _switches
+
+    forced = _switches.get("FP4OFFLOAD_STEP_THREADS", env)
+    if forced is not None:
+        return StepThreads(int(forced), cpus, local, "FP4OFFLOAD_STEP_THREADS")
+    slurm = env.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and int(slurm) > 0:
+        n = min(int(slurm), cpus)
+        return StepThreads(n, cpus, local, f"SLURM_CPUS_PER_TASK={slurm}, {why}")
+    n = max(1, cpus // local)
+    return StepThreads(n, cpus, local, f"{why}, shared by {local} local rank(s)")
 
 
 # -- disk space ---------------------------------------------------------------------------------

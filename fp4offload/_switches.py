@@ -34,7 +34,7 @@ __all__ = ["ON_WORDS", "OFF_WORDS", "KINDS", "Switch", "Setting", "SWITCHES", "B
            "setting", "host_settings", "in_effect", "markdown_table"]
 
 #: the kinds of value a variable takes
-KINDS = ("on/off", "choice", "number", "list")
+KINDS = ("on/off", "choice", "number", "count", "list")
 #: the key of the block a host variable overrides, as doctor and errors name it
 BLOCK_KEY = "fp4offload"
 
@@ -93,6 +93,10 @@ SWITCHES: tuple[Switch, ...] = (
            values="compute capabilities, comma-separated (90, 90a, 100a; an sm_ prefix is dropped)"),
     Switch("FP4OFFLOAD_VERBOSE_BUILD", "on/off", False,
            "Prints the compiler's commands and output while an extension builds."),
+    Switch("FP4OFFLOAD_STEP_THREADS", "count", None,
+           "The threads each rank's host optimizer step runs on (torch's intra-op threads, set at the block's "
+           "initialize); unset, the CPUs the rank may use (affinity, cgroup CPU quota, SLURM_CPUS_PER_TASK) "
+           "shared by the node's local ranks.", values="an integer, 1 to 4096"),
     Switch("FP4OFFLOAD_TRACEBACK", "on/off", False,
            "Under a launcher (WORLD_SIZE set), an uncaught fp4offload error prints one line for the job; on prints "
            "every rank's traceback instead."),
@@ -145,6 +149,8 @@ def _shown(value: Any, sw: Switch | None = None) -> str:
         return "on" if value else "off"
     if value is None and sw is not None and sw.kind == "list":
         return "every visible GPU"
+    if value is None and sw is not None and sw.name == "FP4OFFLOAD_STEP_THREADS":
+        return "the rank's share of its CPUs"
     if isinstance(value, tuple):
         return ",".join(value)
     return str(value)
@@ -174,6 +180,10 @@ def parse(name: str, raw: str | None) -> Any:
         if word not in sw.words:
             raise _refuse(sw, raw)
         return word
+    if sw.kind == "count":
+        if not word.isdigit() or not 1 <= int(word) <= 4096:
+            raise _refuse(sw, raw)
+        return int(word)
     if sw.kind == "number":
         return _host_number(sw, raw, word)
     archs = []

@@ -122,6 +122,11 @@ class FP4AdamW(Optimizer):
         self.skipped_steps = 0
         self._steps_taken = 0
         self._build_rooms({})
+        if state_device in ("cpu", "nvme") or any(p.device.type == "cpu" for g in self.param_groups
+                                                  for p in g["params"]):
+            from .threads import use_step_threads
+
+            use_step_threads()  # the host step's threads: the rank's share of its CPUs, said once
         # an engine that re-points the groups at its own partitions (DeepSpeed's ZeRO) checks at the first step
         for group in [] if _defer_master_check else self.param_groups:
             for p in group["params"]:

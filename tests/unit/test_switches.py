@@ -24,7 +24,8 @@ SPELLINGS = [(w, True) for w in ON_WORDS] + [(w, False) for w in OFF_WORDS]
 SPELLINGS += [(f" {w.upper()} ", on) for w, on in SPELLINGS] + [(w.capitalize(), on) for w, on in SPELLINGS]
 #: a value that is no variable's word, and one per kind that is close to a word
 STRAYS = {"on/off": ["of", "2", "enabled", "y"], "choice": ["avx1024", "gpu", "strict", "automatic"],
-          "number": ["lots", "2", "-1", "nan", "1e400"], "list": ["9.0", "sm90x", "ninety"]}
+          "number": ["lots", "2", "-1", "nan", "1e400"], "count": ["lots", "0", "-1", "2.5", "5000"],
+          "list": ["9.0", "sm90x", "ninety"]}
 
 
 def test_every_variable_the_code_reads_is_in_the_table():
