@@ -139,6 +139,40 @@ def _stat(path: Path, key: str) -> int:
     return 0
 
 
+def _cgroup_dirs(controller: str, proc_cgroup: str, root: str):
+    """(tag "v2"/"v1", hierarchy root, folder) for this process's cgroup of `controller` and each parent, innermost
+    first: the ``0::/path`` line (v2) and the v1 line whose controllers include `controller`. A path with ``..``
+    (a cgroup outside this namespace) starts at the root of the hierarchy."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, rel = parts
+        if controllers == "":
+            base, tag = Path(root), "v2"
+        elif controller in controllers.split(","):
+            base, tag = Path(root) / controller, "v1"
+            if not base.is_dir():
+                base = Path(root) / controllers  # mounted as "cpu,cpuacct"
+        else:
+            continue
+        names = [p for p in rel.split("/") if p and p != "."]
+        d = base if ".." in names else base.joinpath(*names)
+        while True:
+            yield tag, base, d
+            if d == base:
+                break
+            d = d.parent
+
+
+def _cgroup_name(tag: str, base: Path, d: Path) -> str:
+    return f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/"
+
+
 def cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> list[CgroupMemory]:
     """Every memory limit on this process's cgroup path, innermost first, v2 and v1.
 
@@ -147,39 +181,21 @@ def cgroups(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
     include ``memory``): ``memory.limit_in_bytes``, ``memory.usage_in_bytes`` and ``total_inactive_file`` less
     ``total_mapped_file`` under ``root``/memory/path and each parent. A path with ``..`` (a cgroup outside this
     namespace) starts at the root of the hierarchy."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return []
     out: list[CgroupMemory] = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        if controllers == "":
-            base, tag = Path(root), "v2"
+    for tag, base, d in _cgroup_dirs("memory", proc_cgroup, root):
+        if tag == "v2":
             lim_name, use_name, cache_key, mapped_key = "memory.max", "memory.current", "inactive_file", "file_mapped"
-        elif "memory" in controllers.split(","):
-            base, tag = Path(root) / "memory", "v1"
+        else:
             lim_name, use_name = "memory.limit_in_bytes", "memory.usage_in_bytes"
             cache_key, mapped_key = "total_inactive_file", "total_mapped_file"
-        else:
-            continue
-        names = [p for p in rel.split("/") if p and p != "."]
-        d = base if ".." in names else base.joinpath(*names)
-        while True:
-            lim = _read_int(d / lim_name)
-            if lim is not None:
-                use = _read_int(d / use_name) or 0
-                # inactive page cache that no process maps: the code pages of the running processes are
-                # reclaimable only by faulting them back in, so they count as used (the safe side)
-                stat = d / "memory.stat"
-                cache = min(use, max(0, _stat(stat, cache_key) - _stat(stat, mapped_key)))
-                out.append(CgroupMemory(lim, use, cache, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/"))
-            if d == base:
-                break
-            d = d.parent
+        lim = _read_int(d / lim_name)
+        if lim is not None:
+            use = _read_int(d / use_name) or 0
+            # inactive page cache that no process maps: the code pages of the running processes are
+            # reclaimable only by faulting them back in, so they count as used (the safe side)
+            stat = d / "memory.stat"
+            cache = min(use, max(0, _stat(stat, cache_key) - _stat(stat, mapped_key)))
+            out.append(CgroupMemory(lim, use, cache, _cgroup_name(tag, base, d)))
     return out
 
 
@@ -337,42 +353,19 @@ def launcher_ranks(environ: Mapping[str, str] | None = None) -> Ranks:
 def cgroup_cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> tuple[float, str] | None:
     """(CPUs, cgroup path) of the tightest CPU quota on this process's cgroup path, v2 (``cpu.max``) and v1
     (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, -1 for none); None when no quota is set."""
-    try:
-        lines = Path(proc_cgroup).read_text().splitlines()
-    except OSError:
-        return None
     best: tuple[float, str] | None = None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, rel = parts
-        if controllers == "":
-            base, tag = Path(root), "v2"
-        elif "cpu" in controllers.split(","):
-            base, tag = Path(root) / "cpu", "v1"
-            if not base.is_dir():
-                base = Path(root) / controllers
-        else:
-            continue
-        names = [p for p in rel.split("/") if p and p != "."]
-        d = base if ".." in names else base.joinpath(*names)
-        while True:
+    for tag, base, d in _cgroup_dirs("cpu", proc_cgroup, root):
+        try:
+            if tag == "v2":
+                quota, period = (d / "cpu.max").read_text().split()[:2]
+                cpus = None if quota == "max" else int(quota) / int(period)
+            else:
+                quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
+                cpus = quota / period if quota is not None and quota > 0 and period else None
+        except (OSError, ValueError):
             cpus = None
-            try:
-                if tag == "v2":
-                    quota, period = (d / "cpu.max").read_text().split()[:2]
-                    cpus = None if quota == "max" else int(quota) / int(period)
-                else:
-                    quota, period = _read_int(d / "cpu.cfs_quota_us"), _read_int(d / "cpu.cfs_period_us")
-                    cpus = quota / period if quota is not None and quota > 0 and period else None
-            except (OSError, ValueError):
-                cpus = None
-            if cpus is not None and (best is None or cpus < best[0]):
-                best = (cpus, f"{tag}:/{d.relative_to(base)}" if d != base else f"{tag}:/")
-            if d == base:
-                break
-            d = d.parent
+        if cpus is not None and (best is None or cpus < best[0]):
+            best = (cpus, _cgroup_name(tag, base, d))
     return best
 
 
