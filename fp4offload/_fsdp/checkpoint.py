@@ -242,6 +242,10 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
     sd = _model_tensors(model)
     if optimizer is not None:
         optimizer = _check_opt(optimizer)
+        if len(optimizer.state) < len(optimizer._fsdp_pairs):
+            raise ConfigError("optimizer", f"{len(optimizer.state)} of {len(optimizer._fsdp_pairs)} states",
+                              "an optimizer that has stepped", "the packed states exist from the first opt.step() "
+                              "on: save after it, or save the model alone (ff.save(path, model))")
         sd.update(_optim_save_tensors(model, optimizer))
     sd["meta.world_size"] = torch.tensor([_world()], dtype=torch.int64)
     sd["meta.version"] = torch.tensor([VERSION], dtype=torch.int64)

@@ -76,8 +76,14 @@ def _opt_states_full(model, opt) -> dict[str, torch.Tensor]:
 
 def _worker_2ranks(rank, world, tmp, ckpt):
     import fp4offload.fsdp as ff
+    from fp4offload.errors import ConfigError
 
     model, opt = _setup()
+    try:  # before the first step there are no packed states to save: refused at save, not at a later load
+        ff.save(ckpt + "-early", model, opt)
+        early = None
+    except ConfigError as exc:
+        early = str(exc)
     uninterrupted = []
     for step in range(SAVE_AT + MORE):
         if step == SAVE_AT:
@@ -91,7 +97,7 @@ def _worker_2ranks(rank, world, tmp, ckpt):
     ff.load(ckpt, model, opt)
     resumed = [_step(model, opt, step, rank, world) for step in range(SAVE_AT, SAVE_AT + MORE)]
     return {"uninterrupted": uninterrupted, "resumed": resumed, "masters": masters, "states": states,
-            "packed": packed, "inner": opt.fp4offload_inner}
+            "packed": packed, "inner": opt.fp4offload_inner, "early": early}
 
 
 def _keys(opt, model):
@@ -159,6 +165,7 @@ def test_save_on_2_load_on_2_continues_exactly_and_load_on_1_works(tmp_path):
     r2 = run_ranks(_worker_2ranks, 2, args=(ckpt,), timeout=240, pg_timeout=60)
     a = r2[0]
     assert a["inner"] == "fp4offload.FP4AdamW" and a["packed"], a["packed"]  # packed FP4AdamW states were saved
+    assert a["early"] and "save after it" in a["early"], a["early"]
     assert a["resumed"] == a["uninterrupted"][SAVE_AT:], (a["resumed"], a["uninterrupted"])
     assert r2[1]["resumed"] == r2[1]["uninterrupted"][SAVE_AT:]
 
