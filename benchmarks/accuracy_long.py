@@ -517,7 +517,8 @@ def main(argv=None) -> None:
         if not runs:
             sys.exit(f"no runs of {a.size} at {a.steps} steps under {out}")
         print_table(summarize(runs), runs)
-        png = ROOT / "benchmarks" / "plots" / f"accuracy_long_{a.size}.png"
+        suffix = "" if out.resolve() == DEFAULT_OUT.resolve() else f"_{out.name}"  # another sweep, another plot
+        png = ROOT / "benchmarks" / "plots" / f"accuracy_long_{a.size}{suffix}.png"
         plot(runs, png)
         print(f"\nplot: {png}")
         return
