@@ -86,16 +86,12 @@ def _fp4adamw(params: Any, hp: AdamSettings, where: StatePlacement) -> torch.opt
     if where.format == "fp32":  # the ablation: unpacked states, DeepSpeed's usual layout
         return torch.optim.AdamW(params, **hp.as_dict())
     try:
-        from fp4offload._optim import FP4AdamW, NvmeOptions, StateFormat, StepOptions
+        from fp4offload._optim import FP4AdamW, StepOptions
+        from fp4offload._optim.options import fp4adamw_kwargs
     except Exception as exc:  # pragma: no cover - depends on the tree's state
         raise ImportError(f"fp4offload.FP4AdamW does not import ({exc}); the optimizer_states block needs it") from exc
-    return FP4AdamW(params, **hp.as_dict(), master=where.master, state_device=where.device,
-                    nvme_path=where.nvme_path,
-                    state_format=StateFormat(m_rounding=where.rounding, v_rounding=where.v_rounding,
-                                             v_format=where.v_format, min_numel=max(1, where.min_numel)),
-                    nvme=NvmeOptions(master_device=where.master_device),
-                    step_options=StepOptions(tensor_key=ds_tensor_key),
-                    _defer_master_check=where.master != "fp32")
+    return FP4AdamW(params, **hp.as_dict(), **fp4adamw_kwargs(where),
+                    step_options=StepOptions(tensor_key=ds_tensor_key), _defer_master_check=where.master != "fp32")
 
 
 def ds_tensor_key(t: Any) -> str | None:

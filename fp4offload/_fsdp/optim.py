@@ -362,17 +362,9 @@ def inner_optimizer_class(policy: Policy) -> tuple[type, dict, str]:
     except ImportError as e:
         log.warning("fp4offload.fsdp: FP4AdamW is not available (%s); using torch.optim.AdamW with fp32 states", e)
         return torch.optim.AdamW, {}, "torch.optim.AdamW (FP4AdamW unavailable)"
-    return FP4AdamW, _fp4adamw_kwargs(st), "fp4offload.FP4AdamW"
+    from .._optim.options import fp4adamw_kwargs
 
-
-def _fp4adamw_kwargs(st) -> dict:
-    """Constructor kwargs of FP4AdamW for an OptimizerStatesConfig."""
-    from .._optim import NvmeOptions, StateFormat
-
-    return {"state_device": st.device, "nvme_path": st.nvme_path, "master": st.master,
-            "state_format": StateFormat(m_rounding=st.rounding, v_rounding=st.v_rounding, v_format=st.v_format,
-                                        min_numel=max(1, st.min_numel)),  # 0 and 1 both mean: every tensor
-            "nvme": NvmeOptions(master_device=st.master_device)}
+    return FP4AdamW, fp4adamw_kwargs(st), "fp4offload.FP4AdamW"
 
 
 def optimizer(model: nn.Module, policy: Policy | None = None, *, params: Iterable[Any] | None = None,

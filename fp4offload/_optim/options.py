@@ -137,4 +137,15 @@ class StepOptions:
             raise ConfigError("step_options.tensor_key", self.tensor_key, "None or a function tensor -> str | None")
 
 
-__all__ = ["StateFormat", "NvmeOptions", "StepOptions"]
+__all__ = ["StateFormat", "NvmeOptions", "StepOptions", "fp4adamw_kwargs"]
+
+
+def fp4adamw_kwargs(states) -> dict:
+    """FP4AdamW's constructor keywords for the ``optimizer_states`` section of the DeepSpeed block or the FSDP2
+    policy (an ``OptimizerStatesConfig``): the one mapping both engines use. ``device`` -> ``state_device``,
+    ``nvme_path``, ``master``; ``rounding`` (of m), ``v_rounding``, ``v_format``, ``min_numel`` (0 and 1 both
+    mean every tensor) -> ``state_format``; ``master_device`` -> ``nvme``."""
+    return {"state_device": states.device, "nvme_path": states.nvme_path, "master": states.master,
+            "state_format": StateFormat(m_rounding=states.rounding, v_rounding=states.v_rounding,
+                                        v_format=states.v_format, min_numel=max(1, states.min_numel)),
+            "nvme": NvmeOptions(master_device=states.master_device)}

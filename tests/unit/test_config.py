@@ -384,3 +384,26 @@ def test_prepare_path_creates_one_level_where_the_folder_is_first_used(tmp_path,
     with pytest.raises(ConfigError, match="mistyped mount point") as e:
         prepare_path("optimizer_states.nvme_path", str(tmp_path / "gone" / "states"))
     assert e.value.key == "optimizer_states.nvme_path" and not (tmp_path / "gone").exists()
+
+
+def test_one_mapping_from_the_states_section_to_fp4adamw_serves_both_engines():
+    """DeepSpeed's block and the FSDP2 policy build FP4AdamW from the same section through one function."""
+    from fp4offload._config.block import OptimizerStatesConfig
+    from fp4offload._deepspeed import optim as ds_optim
+    from fp4offload._fsdp import optim as fsdp_optim
+    from fp4offload._fsdp.policy import Policy
+    from fp4offload._optim.options import fp4adamw_kwargs
+
+    st = OptimizerStatesConfig(device="cpu", rounding="nearest", v_rounding="nearest", v_format="ufp4",
+                               min_numel=0, master="split")
+    kw = fp4adamw_kwargs(st)
+    assert kw["state_device"] == "cpu" and kw["master"] == "split"
+    sf = kw["state_format"]
+    assert (sf.m_rounding, sf.v_rounding, sf.v_format, sf.min_numel) == ("nearest", "nearest", "ufp4", 1)
+    _, extra, _ = fsdp_optim.inner_optimizer_class(Policy(optimizer_states=dataclasses.asdict(st)))
+    assert extra == kw
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = ds_optim.make_optimizer([p], ds_optim.AdamSettings(), st)
+    assert opt.param_groups[0]["v_format"] == "ufp4" and opt.state_format == sf and opt.master == "split"
