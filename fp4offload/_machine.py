@@ -258,8 +258,8 @@ class GpuMemory:
 
 @dataclass(frozen=True)
 class Gpus:
-    """The GPUs NVML sees, the driver and CUDA driver versions, and ``note``: why the list is empty (None when
-    NVML answered with at least one GPU)."""
+    """The GPUs NVML (or AMD SMI: ``source`` says) sees, the driver and CUDA driver versions, and ``note``: why the
+    list is empty (None when one answered with at least one GPU)."""
 
     devices: tuple[GpuMemory, ...] = ()
     driver: str | None = None
@@ -281,7 +281,53 @@ def _nvml(mod: Any, name: str, *args: Any) -> Any:
 
 
 def gpus() -> Gpus:
-    """Every GPU's memory, name, compute capability and link, through NVML (the ``pynvml`` module)."""
+    """Every GPU's memory, name, compute capability and link: NVIDIA's through NVML (the ``pynvml`` module), else
+    AMD's through AMD SMI (the ``amdsmi`` module, which needs ROCm's library), else none with both reasons."""
+    nv = _nvidia_gpus()
+    if nv.devices:
+        return nv
+    amd = amd_gpus()
+    if amd.devices:
+        return amd
+    return Gpus(note=f"{nv.note}; {amd.note}")
+
+
+def amd_gpus(module: Any = None) -> Gpus:
+    """AMD GPUs through AMD SMI: name (the ASIC's market name), VRAM total, used and free. ``module``: the
+    ``amdsmi`` module (default: imported here; the tests pass a stand-in)."""
+    if module is None:
+        try:
+            import amdsmi as module
+        except Exception as exc:  # not installed, or ROCm's libamd_smi.so is missing
+            return Gpus(note=f"amdsmi does not load ({type(exc).__name__}: {exc})"[:200], source="amdsmi")
+    try:
+        module.amdsmi_init()
+    except Exception as exc:
+        return Gpus(note=f"no AMD GPU driver for amdsmi here ({exc})"[:200], source="amdsmi")
+    try:
+        vram = module.AmdSmiMemoryType.VRAM
+        out: list[GpuMemory] = []
+        for i, h in enumerate(module.amdsmi_get_processor_handles()):
+            total = int(module.amdsmi_get_gpu_memory_total(h, vram))
+            used = int(module.amdsmi_get_gpu_memory_usage(h, vram))
+            try:
+                name = str(module.amdsmi_get_gpu_asic_info(h).get("market_name") or "AMD GPU")
+            except Exception:
+                name = "AMD GPU"
+            out.append(GpuMemory(index=i, name=name, total=total, free=max(0, total - used), used=used,
+                                 compute_capability=None))
+        return Gpus(devices=tuple(out), note=None if out else "amdsmi found no GPU", source="amdsmi")
+    except Exception as exc:
+        return Gpus(note=f"amdsmi could not read the GPUs ({type(exc).__name__}: {exc})"[:200], source="amdsmi")
+    finally:
+        try:
+            module.amdsmi_shut_down()
+        except Exception:
+            pass
+
+
+def _nvidia_gpus() -> Gpus:
+    """NVIDIA GPUs through NVML."""
     try:
         import pynvml
     except ImportError:

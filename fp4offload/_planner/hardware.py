@@ -108,6 +108,14 @@ GPU_PRESETS: dict[str, GpuSpec] = {g.key: g for g in (
     _g("l4-24gb", "NVIDIA L4", 23034, (8, 9), 121, 300, 4),
     _g("a10g-24gb", "NVIDIA A10G", 23028, (8, 6), 70, 600, 4),
     _g("v100-32gb", "Tesla V100-SXM2-32GB", 32768, (7, 0), 125, 900, 3, nvlink_gbps=150, bf16=False),
+    # AMD Instinct, vendor figures (dense bf16, HBM bandwidth, Infinity Fabric to each peer as the peer link).
+    # compute_capability is NVIDIA's notion: (0, 0) here. An MI250X is two devices (GCDs) to ROCm: one each.
+    _g("mi250x-64gb", "AMD Instinct MI250X (one GCD)", 65536, (0, 0), 191.5, 1638, 4, nvlink_gbps=100,
+       internode_gbps=25),
+    _g("mi300x-192gb", "AMD Instinct MI300X", 196608, (0, 0), 1307, 5300, 5, nvlink_gbps=448, internode_gbps=50),
+    _g("mi325x-256gb", "AMD Instinct MI325X", 262144, (0, 0), 1307, 6000, 5, nvlink_gbps=448, internode_gbps=50),
+    _g("mi355x-288gb", "AMD Instinct MI355X", 294912, (0, 0), 2516, 8000, 5, nvlink_gbps=1075, internode_gbps=50,
+       fp4_tensor_cores=True),
 )}
 
 NODE_PRESETS: dict[str, NodeSpec] = {
@@ -124,6 +132,10 @@ NODE_PRESETS: dict[str, NodeSpec] = {
     "l4-24gb": NodeSpec(4, 192 * GiB, 48, 2 * TB, 4, 3, 150),
     "a10g-24gb": NodeSpec(4, 192 * GiB, 48, 4 * TB, 4, 3, 150),
     "v100-32gb": NodeSpec(8, 512 * GiB, 40, 7 * TB, 6, 4, 150),
+    "mi250x-64gb": NodeSpec(8, 512 * GiB, 64, 4 * TB, 6, 4, 200),  # 4 MI250X = 8 GCDs, one 64-core EPYC
+    "mi300x-192gb": NodeSpec(8, 2048 * GiB, 192, 30 * TB, 25, 15, 700),  # 2 x EPYC 9654 (AVX-512)
+    "mi325x-256gb": NodeSpec(8, 2048 * GiB, 192, 30 * TB, 25, 15, 700),
+    "mi355x-288gb": NodeSpec(8, 3072 * GiB, 256, 30 * TB, 25, 15, 900),  # 2 x EPYC 9005
 }
 
 # NVML name -> preset, first match wins (order matters: GH200 before H200, L40S before L4).
@@ -132,6 +144,7 @@ _NVML_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"H100|H800", "h100-80gb"), (r"B200|B100", "b200-180gb"), (r"A100.*80", "a100-80gb"), (r"A100", "a100-40gb"),
     (r"L40S|L40\b", "l40s-48gb"), (r"RTX 6000 Ada", "rtx-6000-ada-48gb"), (r"4090", "rtx-4090-24gb"),
     (r"\bL4\b", "l4-24gb"), (r"A10G|A10\b", "a10g-24gb"), (r"V100", "v100-32gb"),
+    (r"MI355", "mi355x-288gb"), (r"MI325", "mi325x-256gb"), (r"MI300", "mi300x-192gb"), (r"MI250", "mi250x-64gb"),
 )
 # When a GPU matches no preset: dense bf16 TFLOPS by compute capability major/minor (conservative).
 _TFLOPS_BY_CC = {(10, 0): 2250, (9, 0): 756, (8, 9): 180, (8, 6): 70, (8, 0): 312, (7, 0): 125, (7, 5): 65}
@@ -248,8 +261,12 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
                      "(name the target with --gpu PRESET, --gpus N, --nodes N)")
     if gpu is not None:
         key = gpu.lower()
-        if key not in GPU_PRESETS:
-            raise ConfigError("--gpu", gpu, ", ".join(GPU_PRESETS), "unknown GPU preset")
+        if key not in GPU_PRESETS:  # a unique prefix names its preset: mi300x, b200, h200
+            starts = [k for k in GPU_PRESETS if k.startswith(key + "-")]
+            if len(starts) != 1:
+                raise ConfigError("--gpu", gpu, ", ".join(GPU_PRESETS),
+                                  f"{gpu!r} could be {' or '.join(starts)}" if starts else "unknown GPU preset")
+            key = starts[0]
         spec = GPU_PRESETS[key]
         memory = spec.memory_bytes
         source = "preset"
