@@ -9,13 +9,15 @@ Public names: `quantize`, `dequantize`, `PackedTensor`; `FP4AdamW` with its opti
 
 from __future__ import annotations
 
+import os as _os
+
 from ._codec import dequantize, quantize
 from .errors import CapacityError, ConfigError, CorruptionError, NonFiniteError
 from .formats.packed import PackedTensor
 
 __version__ = "0.1.0"
 
-if "WORLD_SIZE" in __import__("os").environ:  # started by a launcher: an fp4offload error is one line per job
+if "WORLD_SIZE" in _os.environ:  # started by a launcher: an fp4offload error is one line per job
     from ._oneline import install as _install_oneline
 
     _install_oneline()
