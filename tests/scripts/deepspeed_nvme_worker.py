@@ -29,7 +29,7 @@ def _worker(spec_path: str) -> None:
     import deepspeed
 
     import deepspeed_worker as W
-    import fp4offload._optim as optim_pkg
+    import fp4offload._optim.options as optim_options
     from benchmarks import harness
     from fp4offload.formats.container import read_container
     from fp4offload._deepspeed import optim as ds_optim
@@ -40,12 +40,19 @@ def _worker(spec_path: str) -> None:
     io = {"value": "auto"}
 
     def factory(params, hp, where):  # the block's own factory, with the case's I/O engine; keeps the optimizer
-        plain = optim_pkg.NvmeOptions  # what the factory builds FP4AdamW's NvmeOptions with, given io= here
-        optim_pkg.NvmeOptions = lambda **kw: plain(**kw, io=io["value"])
+        import dataclasses
+
+        plain = optim_options.fp4adamw_kwargs  # the block's mapping of the section, with the case's io on top
+
+        def with_io(states):
+            kw = plain(states)
+            return dict(kw, nvme=dataclasses.replace(kw["nvme"], io=io["value"]))
+
+        optim_options.fp4adamw_kwargs = with_io
         try:
             opt = ds_optim._fp4adamw(params, hp, where)
         finally:
-            optim_pkg.NvmeOptions = plain
+            optim_options.fp4adamw_kwargs = plain
         made.append(opt)
         return opt
 
