@@ -25,7 +25,8 @@ RISKS: dict[tuple[str, str], tuple[str, str]] = {
     ("weights", "nvfp4"): (
         "high", "forward and backward compute with 4-bit weights (gradients reach the fp32 master "
                 "straight-through); embeddings, head, norms and the first/last block stay bf16. A SmolLM2-135M "
-                "fine-tune lost 6.9 points of test accuracy with NVFP4 gathers (one seed, benchmarks/RESULTS.md): "
+                "fine-tune lost 6.7 +/- 0.4 points of test accuracy with NVFP4 gathers (3 seeds; bf16 gathers "
+                "-0.6, benchmarks/RESULTS.md): "
                 "keep weights bf16 for fine-tuning, and watch the loss against a bf16 run"),
     ("activations", "nvfp4"): (
         "medium", "gradients are computed from 4-bit copies of the saved activations (attention's and the norms' "
