@@ -38,6 +38,10 @@ def test_hf_trainer_with_deepspeed_flag_honours_the_block(tmp_path):
     assert tr["global_steps"] == 20 and len(tr["losses"]) == 20
     assert tr["losses"][-1] < tr["losses"][0]
     assert tr["monitor_written"] == 2  # monitor.every's default, 10
+    # "to see it working": the replacement said once, on rank 0, by default (no logging setup)
+    log = next(tmp_path.glob("rank0_spec_*.log")).read_text()
+    replaced = [x for x in log.splitlines() if x.startswith("fp4offload: replaced ")]
+    assert len(replaced) == 1 and "with FP4AdamW: m in NVFP4" in replaced[0], replaced
     # print(engine.fp4offload): a few lines for a person, not the dataclass's field dump
     summary = tr["repr"].splitlines()
     assert summary[0] == "fp4offload block on this engine:" and len(summary) <= 8 and len(tr["repr"]) < 800
