@@ -35,7 +35,7 @@ GiB = 1 << 30
 
 def node_gib(config: dict, model: str, gpu: str) -> dict[str, float]:
     """{"without the block": GiB, "with the block": GiB} per node, as plan --check prints them."""
-    from fp4offload._planner import cli_plan
+    from fp4offload._planner import check, cli_plan
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ds.json"
@@ -45,7 +45,7 @@ def node_gib(config: dict, model: str, gpu: str) -> dict[str, float]:
         args = parser.parse_args(["plan", "--check", str(path), "--model", model, "--gpu", gpu, "--format", "json"])
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            cli_plan.run_check(args)
+            check.run_check(args)
     doc = json.loads(out.getvalue())
     return {a["arm"]: a["node_bytes"] / GiB for a in doc["arms"]}
 
