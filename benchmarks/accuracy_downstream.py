@@ -92,6 +92,7 @@ DATA_VERSION = 1  # bump when the cleaning or the cutting changes (the cache fil
 ACT_ARMS = {"act_nvfp4": {"format": "nvfp4"}, "act_mxfp8": {"format": "mxfp8"},
             "act_nvfp4_inherit": {"format": "nvfp4", "attention_format": "inherit", "attention_qk_format": "inherit"},
             "act_mxfp8_inherit": {"format": "mxfp8", "attention_format": "inherit", "attention_qk_format": "inherit"},
+            "act_nvfp4_mlp4": {"format": "nvfp4", "mlp_format": "inherit"},  # the default of 2026-12-05
             **{f"act_only_{c}": c for c in ("linear_input", "attention", "mlp_act", "norm", "first_last")}}
 # weight all-gather arms: forward computes with the weights as an all-gather hands them over (the fp32 master is
 # what AdamW updates): every weight rounded to bf16, or the linear weights outside weights.keep_bf16's defaults
@@ -325,7 +326,7 @@ def activation_arm(arm: str, model):
     import fp4offload
 
     policy = fp4offload.ActivationPolicy(device="cpu", **spec)
-    keep = ("format", "rounding", "norm_format", "attention_qk_format", "attention_format", "min_numel")
+    keep = ("format", "rounding", "norm_format", "attention_qk_format", "attention_format", "mlp_format", "min_numel")
     return (lambda: fp4offload.offload_activations(policy)), {k: getattr(policy, k) for k in keep} | {
         "fields": sorted(f.name for f in dataclasses.fields(policy))}
 

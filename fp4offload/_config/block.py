@@ -135,6 +135,8 @@ class ActivationsConfig:
             recomputes the probabilities from them against the exact log-sum-exp, so 4 bits there wreck the
             gradient. ``"inherit"``: like the rest.
         attention_format: the value and output fused attention saves (``"mxfp8"`` default).
+        mlp_format: what activation functions and the gate products save, the MLP's inner tensors
+            (``"mxfp8"`` default; ``"inherit"``: like the rest).
     """
 
     format: str = "nvfp4"
@@ -146,6 +148,7 @@ class ActivationsConfig:
     max_host_bytes: int | None = None
     attention_qk_format: str = "bf16"
     attention_format: str = "mxfp8"
+    mlp_format: str = "mxfp8"
 
     def __post_init__(self) -> None:
         _as_tuple(self, "modules")
@@ -154,6 +157,7 @@ class ActivationsConfig:
         _check_choice("activations.device", self.device, ACTIVATION_DEVICES)
         _check_choice("activations.attention_qk_format", self.attention_qk_format, ACTIVATION_NORM_CHOICES)
         _check_choice("activations.attention_format", self.attention_format, ACTIVATION_NORM_CHOICES)
+        _check_choice("activations.mlp_format", self.mlp_format, ACTIVATION_NORM_CHOICES)
         _check_path("activations.nvme_path", self.nvme_path)
         _check_int("activations.min_numel", self.min_numel)
         _check_names("activations.modules", self.modules)

@@ -38,7 +38,8 @@ class OpRule:
     """How the tensors one op saves are classed.
 
     Attributes:
-        cls: the class of what it saves (``"attention"`` or ``"norm"``): the policy's format for that class.
+        cls: the class of what it saves (``"attention"``, ``"norm"`` or ``"mlp"``): the policy's format for that
+            class.
         roles: argument position -> class of that input (``"attention_qk"`` for the query and key whose
             product backward exponentiates against the saved log-sum-exp).
     """
@@ -52,6 +53,7 @@ _QK = ((0, "attention_qk"), (1, "attention_qk"))
 _ATTENTION = OpRule("attention", _QK)
 _ATTENTION_AFTER = OpRule("attention", _QK, after=True)
 _NORM = OpRule("norm")
+_MLP = OpRule("mlp")
 
 #: op name -> rule. Names are what ``__name__`` of a torch function, or the qualified name of a custom op
 #: (``torch.ops.ns.name``), reads.
@@ -69,6 +71,11 @@ RULES: dict[str, OpRule] = {
     "flash_attn::_flash_attn_varlen_forward": _ATTENTION_AFTER,
     # norms with a saved mean / rstd; module-level norms (LlamaRMSNorm written in Python) are found by class name
     "layer_norm": _NORM, "rms_norm": _NORM, "group_norm": _NORM, "batch_norm": _NORM, "instance_norm": _NORM,
+    # the MLP's inner tensors: what an activation function saves (its input, or its output for relu, sigmoid,
+    # tanh) and the operands of an elementwise product of two activations (SwiGLU's silu(gate) * up); a product
+    # with a constant or a tensor without history keeps that operand exactly, as a statistic
+    **{n: _MLP for n in ("silu", "gelu", "relu", "leaky_relu", "elu", "selu", "celu", "mish", "softplus",
+                         "hardswish", "sigmoid", "tanh", "glu", "mul", "__mul__", "__rmul__")},
 }
 
 
@@ -167,8 +174,8 @@ class OpClasses(TorchFunctionMode):
 
 
 def classify(t: torch.Tensor) -> str | None:
-    """The class of a tensor being packed: ``"attention_qk"``, ``"attention"``, ``"norm"``, ``"statistic"``,
-    or None (no registered op is saving it)."""
+    """The class of a tensor being packed: ``"attention_qk"``, ``"attention"``, ``"norm"``, ``"mlp"``,
+    ``"statistic"``, or None (no registered op is saving it)."""
     if _state.depth == 0:
         return None
     if _state.running:

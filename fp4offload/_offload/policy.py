@@ -100,6 +100,14 @@ class ActivationPolicy:
         attention_format: the rest of what fused attention saves (value and output; default ``"mxfp8"``).
             A 4-bit output biases the row sums backward subtracts. ``"inherit"`` (both attention keys):
             stored like the module around them, as before 2026-12-05.
+        mlp_format: the MLP's inner tensors (default ``"mxfp8"``): what an activation function saves (SiLU's
+            and GELU's input) and the operands of an elementwise product of two activations (SwiGLU's
+            SiLU(gate) and up). Found by the op (``F.silu``, ``F.gelu``, ..., ``*``), like the attention. Alone in
+            NVFP4 they are the largest remaining gradient error once the attention is protected (SmolLM2-135M:
+            median 0.15 against 0.075 for the linear layers' inputs); in MXFP8 the default policy's error halves
+            (0.175 to 0.085) for 19% more kept bytes. ``"inherit"``: stored like the module, as before
+            2026-12-06. The tensor a linear layer saves (the down projection's input) is a linear input and
+            keeps the module's format.
     """
 
     format: str = "nvfp4"
@@ -122,6 +130,7 @@ class ActivationPolicy:
     norm_classes: tuple[str, ...] = ("*Norm*",)
     attention_qk_format: str = "bf16"
     attention_format: str = "mxfp8"
+    mlp_format: str = "mxfp8"
 
     def __post_init__(self):
         k = "ActivationPolicy."
@@ -160,7 +169,7 @@ class ActivationPolicy:
         object.__setattr__(self, "norm_classes", _patterns(k + "norm_classes", self.norm_classes))
         if self.norm_format not in ACTIVATION_NORM_CHOICES:
             raise ConfigError(k + "norm_format", self.norm_format, " | ".join(repr(f) for f in ACTIVATION_NORM_CHOICES))
-        for name in ("attention_qk_format", "attention_format"):
+        for name in ("attention_qk_format", "attention_format", "mlp_format"):
             if getattr(self, name) not in ACTIVATION_NORM_CHOICES:
                 raise ConfigError(k + name, getattr(self, name), " | ".join(repr(f) for f in ACTIVATION_NORM_CHOICES),
                                   "'inherit' stores them like the module around them")
@@ -184,7 +193,8 @@ class ActivationPolicy:
         this class's defaults."""
         return cls(format=cfg.format, device=cfg.device, nvme_path=cfg.nvme_path, min_numel=max(1, int(cfg.min_numel)),
                    modules=tuple(cfg.modules), exclude=tuple(cfg.exclude), max_host_bytes=cfg.max_host_bytes,
-                   attention_qk_format=cfg.attention_qk_format, attention_format=cfg.attention_format)
+                   attention_qk_format=cfg.attention_qk_format, attention_format=cfg.attention_format,
+                   mlp_format=cfg.mlp_format)
 
     def stochastic(self, fmt: str) -> bool:
         """Whether tensors stored in `fmt` are rounded stochastically under this policy."""
@@ -205,7 +215,7 @@ class ActivationPolicy:
         if cls == "statistic":
             return "keep"
         want = {"attention_qk": self.attention_qk_format, "attention": self.attention_format,
-                "norm": self.norm_format}.get(cls, "inherit")
+                "norm": self.norm_format, "mlp": self.mlp_format}.get(cls, "inherit")
         if want == "inherit" or self.format == "none":
             return fmt
         return want if _GENTLE[want] > _GENTLE[fmt] else fmt
@@ -221,7 +231,7 @@ class ActivationPolicy:
         rnd = "stochastic" if self.stochastic(self.format) else "nearest"
         parts = [f"saved activations in {self.format.upper()} ({rnd}) to {where}, {scope}"]
         for label, form in (("attention q/k", self.attention_qk_format), ("attention v/output", self.attention_format),
-                            ("norms", self.norm_format)):
+                            ("MLP products", self.mlp_format), ("norms", self.norm_format)):
             if form != "inherit":
                 parts.append(f"{label} {form if form == 'keep' else form.upper().replace('BF16', 'bf16')}")
         return "; ".join(parts) + "; statistics exact"

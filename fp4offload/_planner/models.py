@@ -297,14 +297,18 @@ class ModelSpec:
         """:meth:`kind_saved_bytes_per_token` split by the class the activation hooks store each tensor in
         (fp4offload/_offload/ops.py): class -> (elements, bytes in the compute dtype) per token. ``norm``: what a
         norm layer saves besides its output; ``attention_qk``: q and k after rotary; ``attention``: v and the
-        attention output; ``statistic``: the log-sum-exp (fp32, kept exactly); ``rest``: linear-layer inputs
-        (the norms' outputs, the output projection's input) and the MLP's inner tensors."""
+        attention output; ``statistic``: the log-sum-exp (fp32, kept exactly); ``mlp``: what the activation
+        function and the gate product save (gated: the gate, its activation and up; otherwise the activation's
+        input); ``rest``: linear-layer inputs (the norms' outputs, the output projection's and the down
+        projection's inputs) and the router's."""
         h, q, kv = self.hidden, self.q_dim, self.kv_dim
         norm = (2 * h, 4 * h + e * h) if self.norm == "rms" else (h, e * h)
         total = self.kind_saved_bytes_per_token(moe, e)
+        inner = 3 if self.gated else 1  # of the _mlp_saved tensors per ffn unit, all but the down projection's input
+        mlp = (self.experts_per_token * self.expert_ffn + (self.shared_expert_ffn or 0)) if moe else self.ffn
         parts = {"norm": (self.norms_per_layer * norm[0], self.norms_per_layer * norm[1]),
                  "attention_qk": (q + kv, e * (q + kv)), "attention": (kv + q, e * (kv + q)),
-                 "statistic": (self.heads, 4 * self.heads)}
+                 "statistic": (self.heads, 4 * self.heads), "mlp": (inner * mlp, e * inner * mlp)}
         rest = total - sum(b for _, b in parts.values())
         parts["rest"] = (rest // e, rest)
         return parts

@@ -185,3 +185,53 @@ def test_rotary_tables_are_kept_exactly_at_any_length():
     y.sum().backward()
     assert forms == [] and off.snapshot()["passthrough"].get("table") == 1
     assert torch.equal(q.grad, cos.expand_as(q))
+
+
+def _swiglu_forms(policy, gated=True):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, 64, generator=g).requires_grad_()
+    gate, up, down = (torch.nn.Linear(64, 128), torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    with offload_activations(policy) as off:
+        h = x * 1.0  # an activation with history, as a block's norm output is
+        inner = F.silu(gate(h)) * up(h) if gated else F.gelu(gate(h))
+        out = down(inner)
+    forms = _stored(off)
+    out.sum().backward()
+    return forms
+
+
+def test_mlp_products_in_mlp_format_linear_inputs_in_the_module_format():
+    """What the activation function saves (SiLU's or GELU's input) and the gate product's operands go to
+    ``mlp_format`` (MXFP8); the linear layers' inputs, the down projection's included, stay NVFP4."""
+    forms = _swiglu_forms(ActivationPolicy(min_numel=1, seed=0))
+    assert forms.count(((4, 32, 128), "mxfp8")) == 3, forms  # gate output (SiLU's input), SiLU(gate), up
+    # a linear layer saves its input flattened to rows: the one gate and up share (stored once), and the
+    # down projection's, the product
+    assert forms.count(((128, 64), "nvfp4")) == 1 and forms.count(((128, 128), "nvfp4")) == 1, forms
+    assert len(forms) == 5, forms
+    forms = _swiglu_forms(ActivationPolicy(min_numel=1, seed=0), gated=False)
+    assert sorted(forms) == [((4, 32, 128), "mxfp8"), ((128, 64), "nvfp4"), ((128, 128), "nvfp4")], forms
+    inherit = _swiglu_forms(ActivationPolicy(min_numel=1, seed=0, mlp_format="inherit"))
+    assert {f for _, f in inherit} == {"nvfp4"}, inherit  # the form before 2026-12-06
+
+
+def test_a_product_with_a_tensor_without_history_keeps_it_exactly():
+    """A mask or a rotary table multiplied in is a statistic of the product: kept as it is, never rounded."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, 64, generator=g).requires_grad_()
+    table = torch.randn(8, 64, 64, generator=g)
+    with offload_activations(ActivationPolicy(min_numel=1, seed=0)) as off:
+        y = (x * 1.0) * table
+    assert _stored(off) == [] and off.snapshot()["passthrough"].get("statistic") == 1
+    y.sum().backward()
+    assert torch.equal(x.grad, table)
+
+
+def test_bad_mlp_format_named():
+    with pytest.raises(ConfigError, match="mlp_format"):
+        ActivationPolicy(mlp_format="fp3")
+    from fp4offload._config import ActivationsConfig
+
+    with pytest.raises(ConfigError, match="activations.mlp_format"):
+        ActivationsConfig(mlp_format="int4")
+    assert ActivationPolicy.from_config(ActivationsConfig(mlp_format="bf16")).mlp_format == "bf16"

@@ -90,22 +90,23 @@ def test_activation_compression_and_offload(cat, h100x8):
     plain = estimate_memory(cat["zero2"], m, h100x8, BARE, False)
     packed = estimate_memory(cat["zero2-act-fp4"], m, h100x8, BARE, False)
     # each class in the form the activation hooks store it (bf16 compute): norm inputs and attention's q, k bf16,
-    # attention's v and output MXFP8, the log-sum-exp as it is, the rest NVFP4; the final norm bf16
+    # attention's v and output and the MLP's inner tensors MXFP8, the log-sum-exp as it is, the rest NVFP4; the
+    # final norm bf16
     parts = m.kind_saved_classes(False, 2)
     per_token = (2 * parts["norm"][0] + 2 * parts["attention_qk"][0] + ACT_BYTES["mxfp8"] * parts["attention"][0]
-                 + parts["statistic"][1] + ACT_BYTES["nvfp4"] * parts["rest"][0])
+                 + ACT_BYTES["mxfp8"] * parts["mlp"][0] + parts["statistic"][1] + ACT_BYTES["nvfp4"] * parts["rest"][0])
     ratio = (m.layers * per_token + m._norm_saved(2)) / (m.layers * m.kind_saved_bytes_per_token(False, 2)
                                                           + m._norm_saved(2))
     assert packed.saved_activations == pytest.approx(plain.saved_activations * ratio, rel=1e-6)
-    assert 0.5625 / 2 < ratio < 0.5  # above one 4-bit ratio for everything, still half of bf16 or less
+    assert 0.5625 / 2 < ratio < 0.55  # 1.93x fewer than bf16: norms, q and k in bf16, MLP products in MXFP8
     assert packed.device_total < plain.device_total
     off = estimate_memory(cat["zero3-params-cpu-act-cpu"], m, h100x8, BARE, False)
     off4 = estimate_memory(cat["zero3-params-cpu-act-fp4"], m, h100x8, BARE, False)
-    assert off.host["activations"] > 2 * off4.host["activations"]  # 2.4x: attention and norms at 8-16 bits
+    assert off.host["activations"] > 1.8 * off4.host["activations"]  # attention, MLP products, norms at 8-16 bits
     assert off.pcie_activation_bytes == pytest.approx(plain.saved_activations, rel=1e-6)
     t, t4 = (estimate_time(cat[n], m, h100x8, BARE, e) for n, e in
              (("zero3-params-cpu-act-cpu", off), ("zero3-params-cpu-act-fp4", off4)))
-    assert t.terms["pcie"] > 2 * t4.terms["pcie"]
+    assert t.terms["pcie"] > 1.7 * t4.terms["pcie"]
 
 
 def test_checkpointing_auto_turns_on_only_when_needed(cat, h100x8):
