@@ -89,9 +89,9 @@ TRAIN_FRACTION = 0.8
 DATA_VERSION = 1  # bump when the cleaning or the cutting changes (the cache file's name holds it)
 
 # activation arms: ActivationPolicy keyword arguments (device "cpu"), or the class stored alone in NVFP4
+_INHERIT = {"attention_format": "inherit", "attention_qk_format": "inherit", "mlp_format": "inherit"}
 ACT_ARMS = {"act_nvfp4": {"format": "nvfp4"}, "act_mxfp8": {"format": "mxfp8"},
-            "act_nvfp4_inherit": {"format": "nvfp4", "attention_format": "inherit", "attention_qk_format": "inherit"},
-            "act_mxfp8_inherit": {"format": "mxfp8", "attention_format": "inherit", "attention_qk_format": "inherit"},
+            "act_nvfp4_inherit": {"format": "nvfp4", **_INHERIT}, "act_mxfp8_inherit": {"format": "mxfp8", **_INHERIT},
             "act_nvfp4_mlp4": {"format": "nvfp4", "mlp_format": "inherit"},  # the default of 2026-12-05
             **{f"act_only_{c}": c for c in ("linear_input", "attention", "mlp_act", "norm", "first_last")}}
 # weight all-gather arms: forward computes with the weights as an all-gather hands them over (the fp32 master is
@@ -311,8 +311,10 @@ def activation_arm(arm: str, model):
     """(per-step context factory, the settings to record) of an activation arm; (nullcontext, None) otherwise.
 
     ``act_nvfp4`` / ``act_mxfp8``: ``ActivationPolicy(format=...)`` with its other defaults (since 2026-12-05:
-    fused attention's query and key in bf16, its value and output in MXFP8, statistics exact);
-    ``act_nvfp4_inherit``: attention stored like the rest, the defaults before; ``act_only_<class>``: that class
+    fused attention's query and key in bf16, its value and output in MXFP8, statistics exact; later
+    that day the MLP's products in MXFP8); ``act_nvfp4_mlp4``: the MLP's products like the rest (the default
+    until ``mlp_format`` came); ``act_nvfp4_inherit``: attention and MLP stored like the rest, the defaults before;
+    ``act_only_<class>``: that class
     of saved tensor alone in NVFP4, everything else uncompressed (benchmarks/activation_classes.py)."""
     spec = ACT_ARMS.get(arm)
     if spec is None:

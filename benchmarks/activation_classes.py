@@ -241,9 +241,10 @@ def measure(model=None, seeds=(0, 1, 2)) -> dict:
         print(f"{cls:13s} {100 * share:5.1f}% of saved bytes  grad error median "
               f"{statistics.median(med) if med else float('nan'):.3g} max {max([e['max'] for e in errs] or [0]):.3g}",
               flush=True)
-    inherit = {"attention_format": "inherit", "attention_qk_format": "inherit"}
+    inherit = {"attention_format": "inherit", "attention_qk_format": "inherit", "mlp_format": "inherit"}
     pols = {"default": {}, "nearest": {"rounding": "nearest"}, "mxfp8": {"format": "mxfp8"},
-            "mxfp4": {"format": "mxfp4"}, "attention inherit (before)": inherit,
+            "mxfp4": {"format": "mxfp4"}, "MLP products NVFP4 (12-05)": {"mlp_format": "inherit"},
+            "MLP products, norms MXFP8": {"norm_format": "mxfp8"}, "attention inherit (before)": inherit,
             "all nvfp4 (norms too)": {**inherit, "norm_format": "inherit"}}
     out["policies"] = {}
     for name, kw in pols.items():
@@ -277,7 +278,7 @@ def step_times(model=None, reps: int = 5) -> dict:
     model = model if model is not None else ad.load_model()
     model.train()
     x, y = _batch()
-    inherit = {"attention_format": "inherit", "attention_qk_format": "inherit"}
+    inherit = {"attention_format": "inherit", "attention_qk_format": "inherit", "mlp_format": "inherit"}
     arms = {"uncompressed": contextlib.nullcontext, "op mode only": ops.scope,
             "default": lambda: fp4offload.offload_activations(fp4offload.ActivationPolicy(seed=0)),
             "attention inherit (before)": lambda: fp4offload.offload_activations(

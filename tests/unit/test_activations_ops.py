@@ -212,7 +212,7 @@ def test_mlp_products_in_mlp_format_linear_inputs_in_the_module_format():
     forms = _swiglu_forms(ActivationPolicy(min_numel=1, seed=0), gated=False)
     assert sorted(forms) == [((4, 32, 128), "mxfp8"), ((128, 64), "nvfp4"), ((128, 128), "nvfp4")], forms
     inherit = _swiglu_forms(ActivationPolicy(min_numel=1, seed=0, mlp_format="inherit"))
-    assert {f for _, f in inherit} == {"nvfp4"}, inherit  # the form before 2026-12-06
+    assert {f for _, f in inherit} == {"nvfp4"}, inherit  # the form before the MLP rule
 
 
 def test_a_product_with_a_tensor_without_history_keeps_it_exactly():
