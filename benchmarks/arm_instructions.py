@@ -1,9 +1,10 @@
 """Instructions per element of the host optimizer step on ARM, counted under qemu: a labelled proxy for speed.
 
 No ARM hardware here, so the aarch64 builds cannot be timed. This counts the instructions they execute instead:
-FP4AdamW's step on the portable vector path (benchmarks/arm_count/fp4_step.cpp over csrc/cpu/adam_chunk.h, the
-defaults) against DeepSpeed's cpu_adam vector loop (benchmarks/arm_count/ds_step.cpp over the installed
-DeepSpeed's csrc/includes/cpu_adam.h: Step_AVX in its NEON form, Step_SVE), each cross-built with
+FP4AdamW's step as the build runs it (benchmarks/arm_count/fp4_step.cpp calling step_range_fast: the SIMD-layer
+step of csrc/cpu/adam_simd.h on NEON, the portable path of csrc/cpu/adam_chunk.h on SVE; the defaults) against
+DeepSpeed's cpu_adam vector loop (benchmarks/arm_count/ds_step.cpp over the installed DeepSpeed's
+csrc/includes/cpu_adam.h: Step_AVX in its NEON form, Step_SVE), each cross-built with
 aarch64-linux-gnu-g++ -O3 and run under qemu-aarch64-static with its translation-block log
 (`-d in_asm,exec,nochain`): every executed block times its instruction count. Each program runs at n and 2n
 elements, and the difference over n is the count per element, without start-up. NEON runs on a cortex-a72

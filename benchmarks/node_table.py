@@ -40,7 +40,7 @@ NODES = [("Grace (GH200 / GB200, 72 Neoverse V2)", 72, 500.0, "neon"),
 # qemu (RESULTS.md, Optimizer). The defaults when --measure is not given.
 NS = {"avx512": (3.03, 1.66), "avx2": (3.23, 0.79)}  # (FP4AdamW, DeepSpeedCPUAdam built for that path)
 FP4_BYTES, DS_BYTES = 18.27, 28.0
-FP4_ARM_INSNS, DS_ARM_INSNS = 55.1, 8.5
+FP4_ARM_INSNS, DS_ARM_INSNS = 24.9, 8.5  # NEON: the SIMD-layer step (adam_simd.h), 2026-12-05
 
 
 def measure() -> dict:

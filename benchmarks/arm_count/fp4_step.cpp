@@ -1,12 +1,13 @@
 // One FP4AdamW step (the defaults: m stochastic, sqrt(v) on ue2m2 to nearest, weight decay, fp32 gradient) over n
-// elements on the portable vector path (csrc/cpu/adam_chunk.h), for benchmarks/arm_instructions.py to count
-// under qemu. n from argv[1].
+// elements on the build's vector step (step_range_fast: the SIMD-layer step of csrc/cpu/adam_simd.h on NEON, the
+// portable path of csrc/cpu/adam_chunk.h on SVE), for benchmarks/arm_instructions.py to count under qemu.
+// n from argv[1].
 #include <stdint.h>
 #include <stdlib.h>
 
 #include <vector>
 
-#include "cpu/adam_chunk.h"
+#include "cpu/adam_simd.h"
 
 int main(int argc, char** argv) {
   const int64_t n = argc > 1 ? atoll(argv[1]) : 65536;
@@ -31,6 +32,6 @@ int main(int argc, char** argv) {
   a.m_stochastic = true;
   a.v_kind = fp4::kVUe2m2;
   a.seed = 1;
-  fp4adam::step_range_vec(a, g.data(), 0, nc);
+  fp4adam::step_range_fast(a, g.data(), 0, nc);
   return mt[0] >= 0.0f ? 0 : 1;
 }

@@ -1,5 +1,5 @@
 // A standalone driver (no torch) of the host kernels' shared code: the fused FP4AdamW chunk step on the scalar
-// path and on the build's vector path (csrc/cpu/adam_chunk.h), the compact masters, the codec's loops
+// path and on the build's vector step (csrc/cpu/adam_chunk.h; on NEON csrc/cpu/adam_simd.h), the compact masters, the codec's loops
 // (csrc/cpu/codec_impl.h: NVFP4 1x16 and 16x16, per-scope scales, ufp4, MXFP4 rceil and floor, MXFP8; nearest and
 // stochastic; encode and decode) and the codec rules of csrc/fp4_codec.h. It prints one line per case, "<case> <path> <FNV-1a 64 of every output byte>", from inputs
 // it makes itself from integer hashes (no libm, so every architecture sees the same inputs).
@@ -16,6 +16,7 @@
 #define FP4_STANDALONE 1  // the codec without torch: serial parallel_for, no AVX-512 code (csrc/cpu/parallel.h)
 
 #include "cpu/adam_chunk.h"
+#include "cpu/adam_simd.h"
 #include "cpu/codec_impl.h"
 
 #ifndef FP4_CPU_VEC
@@ -135,7 +136,7 @@ template <typename G>
 void step(const ChunkArgs& a, const G* g, bool vec) {
   const int64_t nc = (a.n + kChunk - 1) / kChunk;
 #if FP4_CPU_VEC
-  if (vec) return fp4adam::step_range_vec(a, g, 0, nc);
+  if (vec) return fp4adam::step_range_fast(a, g, 0, nc);
 #endif
   (void)vec;
   fp4adam::step_range_scalar(a, g, 0, nc);
@@ -197,7 +198,7 @@ uint64_t run_master(int64_t n, int mode, int v_kind, bool msr, bool vec) {
       ag.param = buf.data() - e0;
 #if FP4_CPU_VEC
       if (vec)
-        fp4adam::step_range_vec(ag, g.data(), g0, g1);
+        fp4adam::step_range_fast(ag, g.data(), g0, g1);
       else
 #endif
         fp4adam::step_range_scalar(ag, g.data(), g0, g1);

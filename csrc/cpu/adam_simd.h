@@ -1,0 +1,270 @@
+// The fused FP4AdamW chunk step written once against the SIMD layer (simd.h); the NEON build runs it in place
+// of the portable vector path. Same operations in the same order as chunk_scalar (adam_chunk.h), so the bytes
+// are the scalar path's, which are reference_step.py's.
+//
+// Per chunk of 1024 elements:
+//   update   decode m and sqrt(v) by table lookup (one bf16-exact row per block scale, times the chunk's
+//            fp32 scale), step the weights, keep the new m and u (v for NVFP4 v) in a buffer and fold each
+//            block's maximum of the patterns as it goes;
+//   pass 1   the chunk's tensor scale, and the E4M3 scale and multiplier of 16 blocks at a time;
+//   pass 2   codes by integer arithmetic on the fp32 patterns: every code is (X >> S) of a lane value X that
+//            rounds in place (nearest even: + half - 1 + lsb; stochastic: + the top random bits), with the sign
+//            of E2M1 added at bit S + 3 and the unsigned grids' bias subtracted with saturation (below the
+//            grid: code 0); the encoder's lane order lets 16 codes pack with three shift-inserts.
+// Every v format and rounding, fp32 and bf16 gradients, the gradient scale, maximize, weight decay and the bf16
+// copy (hence the compact masters) run here. A partial last chunk runs the portable path; a buffer with a
+// non-finite value (only after an overflow) is encoded by the scalar rules, which drop its block, as the other
+// paths do.
+#pragma once
+
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu/adam_chunk.h"
+#include "cpu/simd.h"
+
+namespace fp4adam {
+
+#if FP4_SIMD_LAYER && FP4_CPU_VEC
+#define FP4_SIMD_STEP 1
+namespace simd_step {
+
+namespace S = fp4simd;
+using S::F16;
+using S::U16;
+
+// Row s of a grid: its 16 values times e4m3_value(s). Exact (at most 7 significant bits, far from the fp32
+// range's ends; a NaN scale gives a NaN row), so (value * scale) * s_dec is one multiply of a row by s_dec.
+struct Luts {
+  S::Lut256 e2m1, ufp4, ue2m2;
+  Luts() {
+    for (int s = 0; s < 256; ++s) {
+      const float sv = fp4::e4m3_value((uint8_t)s);
+      float a[16], b[16], c[16];
+      for (int k = 0; k < 16; ++k) {
+        a[k] = fp4::e2m1_value((uint8_t)k) * sv;
+        b[k] = fp4::ugrid_value((uint8_t)k, 1) * sv;
+        c[k] = fp4::ugrid_value((uint8_t)k, 2) * sv;
+      }
+      S::set_row(e2m1, s, a);
+      S::set_row(ufp4, s, b);
+      S::set_row(ue2m2, s, c);
+    }
+  }
+};
+inline const Luts& luts() {
+  static const Luts t;
+  return t;
+}
+
+FP4_SIMD_FN F16 load_grad16(const float* g) { return S::load(g); }
+FP4_SIMD_FN F16 load_grad16(const uint16_t* g) { return S::load_bf16(g); }
+
+// fp4::fmix32 on 16 lanes.
+FP4_SIMD_FN U16 fmix32(U16 h) {
+  h = S::ixor(h, S::shr<16>(h));
+  h = S::imul(h, S::splat_u(0x85EBCA6Bu));
+  h = S::ixor(h, S::shr<13>(h));
+  h = S::imul(h, S::splat_u(0xC2B2AE35u));
+  return S::ixor(h, S::shr<16>(h));
+}
+
+// ab + bit Sh of ab (the lsb that makes a round-half-up add round half to even): shift the bit to the top, add it back.
+template <int Sh>
+FP4_SIMD_FN U16 with_lsb(U16 ab) {
+  return S::shr_add<31>(ab, S::shl<31 - Sh>(ab));
+}
+
+// The 16 codes of y (scaled) on grid MB (0: signed E2M1), nearest or stochastic with bits rnd (fp4_codec.h).
+template <int MB, bool SR>
+FP4_SIMD_FN U16 codes(F16 y, U16 rnd) {
+  if (MB == 0) {
+    const U16 yb = S::bits(y), mag = S::bits(S::abs(y));
+    const F16 a = S::min(S::from_bits(mag), S::splat(fp4::kE2M1Max));
+    const U16 ab = S::bits(a);
+    U16 x;
+    if (SR) {  // a < 1: trunc(a * 2^23); else the pattern less (126 << 23), the larger of the two; then + rnd >> 10
+      x = S::smax(S::fix_trunc<23>(S::min(a, S::splat(1.0f))), S::isub(ab, S::splat_u(126u << 23)));
+      x = S::shr_add<10>(x, rnd);
+    } else {  // a < 1: rint(a * 2) (the pattern of a + 2^22 counts halves); else the pattern rounded to 1 bit
+      const U16 sub = S::shl<22>(S::bits(S::add(a, S::splat(4194304.0f))));
+      const U16 nrm = S::iadd(with_lsb<22>(ab), S::splat_u(0x1FFFFFu - (252u << 22)));
+      x = S::select(S::lt(a, S::splat(1.0f)), sub, nrm);
+    }
+    x = S::shr_add<6>(x, S::ixor(yb, mag));  // the sign: code bit 3
+    return S::shr<22>(x);
+  }
+  constexpr int kShift = 23 - MB;
+  // y >= 0. Subtracting the grid's bias saturates at 0 below its smallest value: code 0, as the rule says
+  const U16 ab = S::bits(S::min(y, S::splat(fp4::ugrid_max(MB))));
+  U16 x;
+  if (SR)
+    x = S::shr_add<32 - kShift>(S::isub_sat(ab, S::splat_u(fp4::ugrid_bias(MB) << 23)), rnd);
+  else
+    x = S::isub_sat(with_lsb<kShift>(ab), S::splat_u((fp4::ugrid_bias(MB) << 23) - ((1u << (kShift - 1)) - 1u)));
+  return S::shr<kShift>(x);
+}
+
+// Encodes one full chunk buffer whose block maxima (patterns of |x|) are bmax[64]: encode_chunk_scalar's rules.
+template <int MB, bool SR>
+static inline void encode_chunk(const float* buf, const uint32_t* bmax, uint32_t key, uint32_t index0,
+                                uint8_t* codes_out, uint8_t* scales, float* s_dec_out) {
+  constexpr int nb = kChunk / 16;
+  const float elem_max = fp4::grid_max(MB);
+  U16 all = S::load_u(bmax);
+  for (int q = 1; q < nb / 16; ++q) all = S::umax(all, S::load_u(bmax + 16 * q));
+  const uint32_t amax = S::hmax(all);
+  if (amax >= 0x7F800000u) {  // a non-finite value: the scalar rules, which drop its block
+    encode_chunk_scalar(buf, kChunk, MB, SR, key, index0, codes_out, scales, s_dec_out);
+    return;
+  }
+  const fp4::TensorScale ts = fp4::tensor_scale(fp4::u2f(amax), elem_max);
+  *s_dec_out = ts.dec;
+  // pass 1: fp4::block_scale of 16 blocks at a time. x = (amax_b / elem_max) * enc, at most 448; its E4M3 code
+  // rounds x * 2^9 to an integer below 2^-6, else the pattern to 3 mantissa bits (R), and the scale's value is
+  // that rounding itself: code / 2^9, or R with the dropped bits cleared. The code is 0 (a dead block, k 0)
+  // only on the first path.
+  alignas(64) float kb[nb];
+  for (int q = 0; q < nb / 16; ++q) {
+    const F16 x = S::min(S::mul(S::div(S::from_bits(S::load_u(bmax + 16 * q)), S::splat(elem_max)), S::splat(ts.enc)),
+                         S::splat(fp4::kE4M3Max));
+    const U16 sub = S::to_int_rne(S::mul(x, S::splat(512.0f)));
+    const U16 r = S::iadd(with_lsb<20>(S::bits(x)), S::splat_u(0x7FFFFu));
+    const U16 small = S::lt(x, S::splat(0.015625f));
+    const U16 sc = S::select(small, sub, S::isub(S::shr<20>(r), S::splat_u(120u << 3)));
+    const F16 val = S::from_bits(S::select(small, S::bits(S::mul(S::to_float(sub), S::splat(0.001953125f))),
+                                           S::iand(r, S::splat_u(0xFFF00000u))));
+    const F16 k = S::min(S::div(S::splat(1.0f), S::mul(val, S::splat(ts.dec))), S::splat(fp4::kF32Max));
+    S::store(kb + 16 * q, S::from_bits(S::select(S::ieq(sc, S::splat_u(0)), S::splat_u(0), S::bits(k))));
+    S::store_bytes(scales + 16 * q, sc);
+  }
+  // pass 2: codes; a dead block (scale 0) is all zeros. h: the hash inputs of the block's elements
+  // (fp4::sr_bits(key, index) = fmix32(key + index * 0x9E3779B1), index = index0 + 16 b + lane)
+  U16 h = S::iadd(S::splat_u(key + index0 * 0x9E3779B1u), S::imul(S::enc_index(), S::splat_u(0x9E3779B1u)));
+  const U16 h_step = S::splat_u(16u * 0x9E3779B1u);
+  for (int b = 0; b < nb; ++b, h = S::iadd(h, h_step)) {
+    if (MB == 0 && scales[b] == 0) {  // (the unsigned grids give code 0 for y = 0 * x by themselves)
+      memset(codes_out + b * 8, 0, 8);
+      continue;
+    }
+    const F16 y = S::mul(S::load_enc(buf + b * 16), kb[b]);
+    S::store_codes(codes_out + b * 8, codes<MB, SR>(y, SR ? fmix32(h) : h));
+  }
+}
+
+// The update of one full chunk: new weights (and their bf16 copy), the new m and u (v for NVFP4 v) in mbuf and
+// ubuf, and each block's maximum pattern of |m| and of u in mmax and umax.
+template <typename G, int VK, bool WD, bool BF16>
+void update(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows, const S::Lut256& vrows,
+            float* mbuf, float* ubuf, uint32_t* mmax, uint32_t* umax) {
+  constexpr bool VNv = VK == fp4::kVNvfp4;
+  const int64_t i0 = c * kChunk;
+  const uint8_t *mc = a.m_codes + i0 / 2, *ms = a.m_scales + i0 / 16, *vc = a.v_codes + i0 / 2,
+                *vs = a.v_scales + i0 / 16;
+  const float msd = a.m_ts[c], vsd = a.v_ts[c];
+  const Scalars s = a.s;
+  const F16 b1 = S::splat(s.b1), omb1 = S::splat(s.omb1), b2 = S::splat(s.b2), omb2 = S::splat(s.omb2),
+            eps = S::splat(s.eps), rsbc2 = S::splat(s.rsbc2), step = S::splat(s.step_size);
+  float* param = a.param + i0;
+  const G* g0 = grad + i0;
+  uint16_t* bf = BF16 ? a.bf16_out + i0 : nullptr;
+  const bool gscaled = a.gscaled, maximize = a.maximize;
+  const float gscale = a.gscale;
+  for (int b4 = 0; b4 < kChunk / 16; b4 += 4) {
+    S::Part mp[4], up[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int b = b4 + j;
+      const F16 mo = S::mul(S::lut(mrows, ms[b], mc + b * 8), msd);
+      const F16 uo = S::mul(S::lut(vrows, vs[b], vc + b * 8), vsd);
+      F16 g = load_grad16(g0 + b * 16);
+      if (gscaled) g = S::mul(g, gscale);
+      if (maximize) g = S::neg(g);
+      F16 p = S::load(param + b * 16);
+      if (WD) p = S::mul(p, s.decay);
+      const F16 m = S::add(S::mul(mo, b1), S::mul(g, omb1));
+      const F16 vo = VNv ? uo : S::mul(uo, uo);
+      const F16 v = S::add(S::mul(vo, b2), S::mul(S::mul(g, g), omb2));
+      const F16 u = S::sqrt(v);
+      const F16 d = S::add(S::mul(u, rsbc2), eps);
+      p = S::sub(p, S::mul(S::div(m, d), step));
+      const F16 un = VNv ? v : u;
+      S::store(param + b * 16, p);
+      if (BF16) S::store_bf16(bf + b * 16, p);
+      S::store(mbuf + b * 16, m);
+      S::store(ubuf + b * 16, un);
+      // |m| as patterns; u (or v) as they are: a sign bit set, like any non-finite value, lands >= 0x7F800000
+      mp[j] = S::max_bits(S::bits(S::abs(m)));
+      up[j] = S::max_bits(S::bits(un));
+    }
+    S::block_maxima(mp[0], mp[1], mp[2], mp[3], mmax + b4);
+    S::block_maxima(up[0], up[1], up[2], up[3], umax + b4);
+  }
+}
+
+template <typename G, int VK, bool SR, bool VSR>
+void chunk(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows, const S::Lut256& vrows) {
+  constexpr int VMB = VK == fp4::kVNvfp4 ? 0 : (VK == fp4::kVUe2m2 ? 2 : 1);
+  alignas(64) float mbuf[kChunk], ubuf[kChunk];
+  alignas(64) uint32_t mmax[kChunk / 16], umax[kChunk / 16];
+  switch ((a.s.weight_decay ? 2 : 0) | (a.bf16_out ? 1 : 0)) {
+    case 0: update<G, VK, false, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 1: update<G, VK, false, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 2: update<G, VK, true, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    default: update<G, VK, true, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+  }
+  const int64_t i0 = c * kChunk;
+  const uint32_t index0 = (uint32_t)(i0 % kSegment);
+  encode_chunk<0, SR>(mbuf, mmax, m_key(a, i0), index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
+  encode_chunk<VMB, VSR>(ubuf, umax, v_key(a, i0), index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+}
+
+template <typename G, int VK, bool SR, bool VSR>
+void range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  const Luts& t = luts();
+  const S::Lut256& vrows = VK == fp4::kVNvfp4 ? t.e2m1 : VK == fp4::kVUe2m2 ? t.ue2m2 : t.ufp4;
+  for (int64_t c = c0; c < c1; ++c) {
+    if ((c + 1) * kChunk <= a.n)
+      chunk<G, VK, SR, VSR>(a, grad, c, t.e2m1, vrows);
+    else
+      step_range_vec(a, grad, c, c + 1);  // the partial last chunk
+  }
+}
+
+template <typename G, int VK>
+void range_vk(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  switch ((a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0)) {
+    case 0: return range<G, VK, false, false>(a, grad, c0, c1);
+    case 1: return range<G, VK, false, true>(a, grad, c0, c1);
+    case 2: return range<G, VK, true, false>(a, grad, c0, c1);
+    default: return range<G, VK, true, true>(a, grad, c0, c1);
+  }
+}
+
+}  // namespace simd_step
+
+// Chunks [c0, c1) on the SIMD-layer step.
+template <typename G>
+void step_range_simd(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  switch (a.v_kind) {
+    case fp4::kVUfp4: return simd_step::range_vk<G, fp4::kVUfp4>(a, grad, c0, c1);
+    case fp4::kVNvfp4: return simd_step::range_vk<G, fp4::kVNvfp4>(a, grad, c0, c1);
+    default: return simd_step::range_vk<G, fp4::kVUe2m2>(a, grad, c0, c1);
+  }
+}
+#else
+#define FP4_SIMD_STEP 0
+#endif  // FP4_SIMD_LAYER && FP4_CPU_VEC
+
+// The build's vector step: the SIMD-layer step where the layer has an implementation (NEON), else the
+// portable vector path.
+template <typename G>
+void step_range_fast(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+#if FP4_SIMD_STEP
+  step_range_simd(a, grad, c0, c1);
+#else
+  step_range_vec(a, grad, c0, c1);
+#endif
+}
+
+}  // namespace fp4adam

@@ -1,0 +1,32 @@
+// The project's own SIMD layer: 16-element blocks of fp32 values (F16) and of 32-bit patterns (U16), with the
+// operations the optimizer step of adam_simd.h is written against. One implementation per instruction set, each
+// in its own file (simd_neon.h; an AVX2 or SVE one would sit beside it); a build includes this header and gets
+// the one for its target, or none (FP4_SIMD_LAYER 0: the build keeps the portable path of adam_chunk.h).
+//
+// The interface every implementation provides (namespace fp4simd):
+//   F16, U16                 16 fp32 / uint32 lanes (the implementation's registers; a NEON block is four)
+//   splat, splat_u           one value in every lane
+//   load, store, load_u      16 consecutive values, element order
+//   load_bf16, store_bf16    bf16 <-> fp32 (widening is exact; narrowing rounds to nearest even, NaN -> 0x7FC0)
+//   store_bytes              the low byte of each lane, 16 bytes
+//   add sub mul div sqrt     IEEE single operations, one rounding each (no contraction); mul(F16, float) too
+//   min, max, abs, neg       fp32; min/max of a NaN operand give NaN
+//   bits, from_bits          reinterpret
+//   iand ior ixor iadd isub imul umax umin smax ieq, isub_sat (unsigned, saturating at 0)
+//   shr<S>, shl<S>, shr_add<S>(a, b) = a + (b >> S)      logical shifts
+//   lt(a, b), select(mask, x, y)                         all-ones where a < b (fp32); bitwise select
+//   fix_trunc<N>(a), to_int_rne(a), to_float(u)          (int32)trunc(a * 2^N); (int32)rint(a); int32 -> fp32
+//   Part, max_bits, block_maxima, hmax                   block maxima of patterns (unsigned), four blocks at once
+//   Lut256, set_row, lut     decode: 16 packed 4-bit codes through one of 256 rows of 16 bf16-exact values
+//   load_enc, enc_index      the encoder's lane order: a block loaded in that order, and each lane's element
+//   store_codes              16 codes (0..15, encoder's lane order) packed into 8 bytes (fp4_codec.h layout)
+#pragma once
+
+#define FP4_SIMD_FN static inline __attribute__((always_inline))
+
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(__ARM_FEATURE_SVE)
+#include "cpu/simd_neon.h"
+#define FP4_SIMD_LAYER 1
+#else
+#define FP4_SIMD_LAYER 0
+#endif
