@@ -24,9 +24,6 @@ The block's ``host`` settings (fp4offload._config.HostConfig) each have an envir
 it); :mod:`fp4offload._deepspeed.host` applies the first two, :mod:`fp4offload._deepspeed.zero12` and
 :mod:`fp4offload._deepspeed.zero3` the next two, :mod:`fp4offload._deepspeed.preflight` the last. Why each
 exists, with measurements: docs/design.md sections 7 and 8, and benchmarks/RESULTS.md.
-
-:func:`features` names the block features a prepared config turns on, for
-:func:`fp4offload._deepspeed.internals.check`.
 """
 
 from __future__ import annotations
@@ -47,8 +44,7 @@ from fp4offload._switches import Setting
 
 from .schema import validate_deepspeed_config
 
-__all__ = ["BLOCK_KEY", "Prepared", "read_config", "prepare_config", "features", "ENV", "Setting", "HostSettings",
-           "resolve"]
+__all__ = ["BLOCK_KEY", "Prepared", "read_config", "prepare_config", "ENV", "Setting", "HostSettings", "resolve"]
 
 BLOCK_KEY = "fp4offload"
 
@@ -252,23 +248,3 @@ def _compact_master(ds: dict, master: str) -> list[str]:
         notes.append(f"bf16.bf16_master_weights_and_grads: {bf16.get('bf16_master_weights_and_grads')!r} -> True "
                      f"(master {master!r}: bf16 master and gradient partitions)")
     return notes
-
-
-def features(prepared: Prepared) -> tuple[str, ...]:
-    """The block features (internals.FEATURES) a prepared config turns on, for internals.check."""
-    block, out = prepared.block, []
-    stage = _zero(prepared.ds_config).get("stage", 0)
-    if block.optimizer_states is not None:
-        out.append("optimizer_states")
-        # ZeRO-3 shares its gradient partition whenever the dtypes agree (zero3.zero3_gradient_partition)
-        if stage in (1, 2, 3) and (prepared.host.bf16_gradient_partition.value or stage == 3):
-            out.append("bf16_gradient_partition")
-        if stage in (1, 2) and prepared.host.share_bf16_staging.value:
-            out.append("share_bf16_staging")
-        if prepared.states is not None and prepared.states.master != "fp32":
-            out.append("compact_master")
-    if block.weights is not None and block.weights.format == "nvfp4":
-        out.append("weights")
-    if block.monitor is not None:
-        out.append("monitor")
-    return tuple(out)

@@ -9,7 +9,8 @@ sets on its parameters (``param.ds_tensor``, ``param.ds_status``, ...): ``tests/
 on a read or write of a listed name anywhere else (names too common to search for, such as ``device``, aside).
 
 Each row of the table names the attribute, the class (or module) DeepSpeed defines it in, what the block
-does with it, and the block features that need it. :func:`check` runs at initialize, for the features the
+does with it, and the block features that need it (the ``feature`` of the records of
+:data:`fp4offload._deepspeed.surgeries.SURGERIES` that use it). :func:`check` runs at initialize, for the features the
 config turns on, before DeepSpeed builds anything: an unsupported DeepSpeed version, or one where a name
 the block needs is gone, is a :class:`~fp4offload.errors.ConfigError` naming the installed version, the
 missing names and the supported range, instead of an AttributeError deep inside a training step.
@@ -43,10 +44,6 @@ __all__ = ["SUPPORTED", "requirement", "TABLE", "Internal", "FEATURES", "check",
 
 #: DeepSpeed releases the block is run on, [low, high); pyproject.toml's bound is built from the same numbers.
 SUPPORTED = ((0, 19, 8), (0, 20, 0))
-
-#: The block's features that need private names (keys of the table's ``features``).
-FEATURES = ("optimizer_states", "bf16_gradient_partition", "share_bf16_staging", "weights", "monitor",
-            "compact_master")
 
 _ENGINE = "deepspeed.runtime.engine.DeepSpeedEngine"
 _Z12 = "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer"
@@ -158,6 +155,10 @@ TABLE: tuple[Internal, ...] = (
                 "ds_zero_partition_world_size", "ds_summary")),
     Internal(_PP, "ds_id", "param", "read: a parameter's stable id (names FP4AdamW's state files and streams)", _OPT),
 )
+
+#: The block's features that need private names: the tags of the table's rows, each the ``feature`` of records of
+#: fp4offload._deepspeed.surgeries.SURGERIES.
+FEATURES: tuple[str, ...] = tuple(dict.fromkeys(f for row in TABLE for f in row.features))
 
 _BY_NAME: dict[str, Internal] = {}
 for _row in TABLE:

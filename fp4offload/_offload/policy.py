@@ -106,8 +106,8 @@ class ActivationPolicy:
             NVFP4 they are the largest remaining gradient error once the attention is protected (SmolLM2-135M:
             median 0.15 against 0.075 for the linear layers' inputs); in MXFP8 the default policy's error halves
             (0.175 to 0.085) for 19% more kept bytes. ``"inherit"``: stored like the module (the default
-            until this key came, later on 2026-12-05). The tensor a linear layer saves (the down projection's input) is a linear input and
-            keeps the module's format.
+            until this key came, later on 2026-12-05). The tensor a linear layer saves (the down projection's
+            input) is a linear input and keeps the module's format.
     """
 
     format: str = "nvfp4"

@@ -173,7 +173,9 @@ def test_zero_1_2_3_one_rank_train_like_the_baseline(tmp_path):
     res = _launch(_pairs((1, 2, 3), acts_stage=2), 1, tmp_path)
     print("B/param (baseline, fp4):", _check_pairs(res, (1, 2, 3)), "optimizer:", res["factory"])
     acts = res["cases"]["z2_fp4"]["activations"]
-    assert acts["bytes_in"] > 0 and acts["compression_ratio"] > 3, acts  # MLP activations went through NVFP4
+    # the MLP's activations went through the hooks: its linear inputs NVFP4 (7.1x from fp32), the activation
+    # function's input and the gate product's operands MXFP8 (3.9x): 2.3x on what was stored
+    assert acts["bytes_in"] > 0 and acts["compression_ratio"] > 2, acts
 
 
 @pytest.mark.distributed

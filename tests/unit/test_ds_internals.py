@@ -105,7 +105,7 @@ def test_a_missing_private_name_fails_at_initialize_before_anything_is_built(mon
     # the feature that needs the name can be turned off in the config, and then the check passes
     cfg["fp4offload"]["host"] = {"bf16_gradient_partition": False}
     prepared = fds.prepare_config(cfg)
-    from fp4offload._deepspeed.config import features
+    from fp4offload._deepspeed.surgeries import features
 
     assert "bf16_gradient_partition" not in features(prepared)
     dsi.check(features(prepared))
