@@ -27,7 +27,8 @@ Arms (``--arms``), each from the same initialization and the same batches for a 
 - ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit.
 - ``act`` / ``fp4_act``: ``adamw`` / ``fp4`` with every saved activation stored by
   ``fp4offload.ActivationPolicy()``'s defaults (host RAM; the run records the policy): what 4-bit saved
-  activations cost a run that goes all the way to a zero learning rate.
+  activations cost a run that goes all the way to a zero learning rate; ``act_mlp4``: ``act`` with the MLP's
+  products in NVFP4 like the rest (``mlp_format="inherit"``, the default until that key came).
 
 Every matrix product runs under bf16 autocast when the CPU has AVX-512 BF16 or AMX (``--autocast auto``; the run
 records which), to keep the runs affordable; the optimizer sees fp32 gradients of fp32 parameters either way
@@ -78,9 +79,10 @@ SIZES = {"tiny": dict(d=64, layers=2, heads=2, batch=8, seq=64, lr=3e-3),  # the
          "small": dict(d=128, layers=4, heads=4, batch=8, seq=128, lr=3e-3),
          "medium": dict(d=320, layers=8, heads=8, batch=4, seq=64, lr=1e-3)}
 ARMS = ("adamw", "fp4", "fp4_nearest", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_split", "fp4_bf16",
-        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit", "act", "fp4_act")
+        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit", "act", "fp4_act", "act_mlp4")
 # saved activations compressed by fp4offload.ActivationPolicy()'s defaults (device "cpu"), over this optimizer arm
-ACT_ARMS = {"act": "adamw", "fp4_act": "fp4"}
+ACT_ARMS = {"act": "adamw", "fp4_act": "fp4", "act_mlp4": "adamw"}
+ACT_POLICY = {"act_mlp4": {"mlp_format": "inherit"}}  # ActivationPolicy keywords besides the defaults
 BF16_ARMS = ("fp4_split", "fp4_bf16", "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m")
 WEIGHT_DECAY = 0.1
 WARMUP_FRACTION = 0.05
@@ -339,7 +341,7 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
     if arm in ACT_ARMS:
         import fp4offload
 
-        policy = fp4offload.ActivationPolicy(device="cpu")
+        policy = fp4offload.ActivationPolicy(device="cpu", **ACT_POLICY.get(arm, {}))
         act_ctx, act_settings = (lambda: fp4offload.offload_activations(policy)), policy.describe()
     stale_step = int(STALE_AT * steps)
     curve, before, t0, diverged, first = [], None, time.perf_counter(), False, None
