@@ -5,7 +5,7 @@
 //
 // Parallel over chunks with at::parallel_for (OpenMP). The chunk itself is one of four paths, all with the
 // same bits: the AVX-512 kernels (adam_avx512.h) in the AVX-512 build, the step written on the SIMD layer
-// (adam_simd.h) in the NEON build, the portable vector path (adam_chunk.h) in the AVX2 and SVE builds, and the
+// (adam_simd.h) in the NEON and AVX2 builds, the portable vector path (adam_chunk.h) in the SVE build, and the
 // scalar path, which set_simd(False) selects for tests (isa.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -42,7 +42,7 @@ void step_range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1, bool 
 #if FP4_HAVE_AVX512
   if (simd) return fp4adam::step_range_avx512(a, grad, c0, c1);  // chunks pipelined (adam_avx512.h)
 #elif FP4_CPU_VEC
-  if (simd) return fp4adam::step_range_fast(a, grad, c0, c1);  // the SIMD-layer step on NEON, else portable
+  if (simd) return fp4adam::step_range_fast(a, grad, c0, c1);  // the SIMD-layer step (NEON, AVX2), else portable
 #endif
   (void)simd;
   fp4adam::step_range_scalar(a, grad, c0, c1);

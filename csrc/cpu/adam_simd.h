@@ -1,5 +1,5 @@
-// The fused FP4AdamW chunk step written once against the SIMD layer (simd.h); the NEON build runs it in place
-// of the portable vector path. Same operations in the same order as chunk_scalar (adam_chunk.h), so the bytes
+// The fused FP4AdamW chunk step written once against the SIMD layer (simd.h); the NEON and AVX2 builds run it in
+// place of the portable vector path. Same operations in the same order as chunk_scalar (adam_chunk.h), so the bytes
 // are the scalar path's, which are reference_step.py's.
 //
 // Per chunk of 1024 elements:
@@ -80,11 +80,11 @@ template <int MB, bool SR>
 FP4_SIMD_FN U16 codes(F16 y, U16 rnd) {
   if (MB == 0) {
     const U16 yb = S::bits(y), mag = S::bits(S::abs(y));
-    const F16 a = S::min(S::from_bits(mag), S::splat(fp4::kE2M1Max));
+    const F16 a = S::min(S::from_bits(mag), fp4::kE2M1Max);
     const U16 ab = S::bits(a);
     U16 x;
     if (SR) {  // a < 1: trunc(a * 2^23); else the pattern less (126 << 23), the larger of the two; then + rnd >> 10
-      x = S::smax(S::fix_trunc<23>(S::min(a, S::splat(1.0f))), S::isub(ab, S::splat_u(126u << 23)));
+      x = S::smax(S::fix_trunc<23>(S::min(a, 1.0f)), S::isub(ab, S::splat_u(126u << 23)));
       x = S::shr_add<10>(x, rnd);
     } else {  // a < 1: rint(a * 2) (the pattern of a + 2^22 counts halves); else the pattern rounded to 1 bit
       const U16 sub = S::shl<22>(S::bits(S::add(a, S::splat(4194304.0f))));
@@ -96,7 +96,7 @@ FP4_SIMD_FN U16 codes(F16 y, U16 rnd) {
   }
   constexpr int kShift = 23 - MB;
   // y >= 0. Subtracting the grid's bias saturates at 0 below its smallest value: code 0, as the rule says
-  const U16 ab = S::bits(S::min(y, S::splat(fp4::ugrid_max(MB))));
+  const U16 ab = S::bits(S::min(y, fp4::ugrid_max(MB)));
   U16 x;
   if (SR)
     x = S::shr_add<32 - kShift>(S::isub_sat(ab, S::splat_u(fp4::ugrid_bias(MB) << 23)), rnd);
@@ -127,14 +127,14 @@ static inline void encode_chunk(const float* buf, const uint32_t* bmax, uint32_t
   alignas(64) float kb[nb];
   for (int q = 0; q < nb / 16; ++q) {
     const F16 x = S::min(S::mul(S::div(S::from_bits(S::load_u(bmax + 16 * q)), S::splat(elem_max)), S::splat(ts.enc)),
-                         S::splat(fp4::kE4M3Max));
+                         fp4::kE4M3Max);
     const U16 sub = S::to_int_rne(S::mul(x, S::splat(512.0f)));
     const U16 r = S::iadd(with_lsb<20>(S::bits(x)), S::splat_u(0x7FFFFu));
     const U16 small = S::lt(x, S::splat(0.015625f));
     const U16 sc = S::select(small, sub, S::isub(S::shr<20>(r), S::splat_u(120u << 3)));
     const F16 val = S::from_bits(S::select(small, S::bits(S::mul(S::to_float(sub), S::splat(0.001953125f))),
                                            S::iand(r, S::splat_u(0xFFF00000u))));
-    const F16 k = S::min(S::div(S::splat(1.0f), S::mul(val, S::splat(ts.dec))), S::splat(fp4::kF32Max));
+    const F16 k = S::min(S::div(S::splat(1.0f), S::mul(val, S::splat(ts.dec))), fp4::kF32Max);
     S::store(kb + 16 * q, S::from_bits(S::select(S::ieq(sc, S::splat_u(0)), S::splat_u(0), S::bits(k))));
     S::store_bytes(scales + 16 * q, sc);
   }
@@ -256,7 +256,7 @@ void step_range_simd(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) 
 #define FP4_SIMD_STEP 0
 #endif  // FP4_SIMD_LAYER && FP4_CPU_VEC
 
-// The build's vector step: the SIMD-layer step where the layer has an implementation (NEON), else the
+// The build's vector step: the SIMD-layer step where the layer has an implementation (NEON, AVX2), else the
 // portable vector path.
 template <typename G>
 void step_range_fast(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {

@@ -2,10 +2,10 @@
 //
 // fp4offload builds each CPU extension once per instruction set, each with its own target flags and module
 // name (fp4offload/_ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build (0 scalar, 1 avx512, 2 avx2, 3 neon, 4 sve).
-// The AVX-512 build runs the hand-scheduled kernels (nvfp4_avx512.h, adam_avx512.h); the NEON build runs the
-// optimizer step written on the project's SIMD layer (simd.h, simd_neon.h, adam_simd.h); the AVX2 and SVE builds
-// run the portable vector path (adam_chunk.h), vectorized by the compiler for their target; every build keeps
-// the scalar path, which tests select with set_simd(false) to compare the two.
+// The AVX-512 build runs the hand-scheduled kernels (nvfp4_avx512.h, adam_avx512.h); the NEON and AVX2 builds
+// run the optimizer step written on the project's SIMD layer (simd.h, simd_neon.h / simd_avx2.h, adam_simd.h);
+// the SVE build runs the portable vector path (adam_chunk.h), vectorized by the compiler for its target; every
+// build keeps the scalar path, which tests select with set_simd(false) to compare the two.
 #pragma once
 
 #include <atomic>
@@ -13,7 +13,7 @@
 #ifndef FP4_CPU_ISA_ID
 #define FP4_CPU_ISA_ID 0
 #endif
-// The build has a vector step: the SIMD-layer step on NEON, the portable vector path on AVX2 and SVE.
+// The build has a vector step: the SIMD-layer step on NEON and AVX2, the portable vector path on SVE.
 #ifndef FP4_CPU_VEC
 #define FP4_CPU_VEC 0
 #endif

@@ -28,7 +28,8 @@ X86_NEEDS = {
     "avx2": ("avx2", "fma", "f16c"),
 }
 #: compiler flags per path: the x86 ones name each extension the code may use, so nothing depends on the
-#: build host; FP4_CPU_VEC selects the vector step (csrc/cpu/adam_simd.h on NEON, else csrc/cpu/adam_chunk.h)
+#: build host; FP4_CPU_VEC selects the vector step (csrc/cpu/adam_simd.h on NEON and AVX2, else
+#: csrc/cpu/adam_chunk.h)
 FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mbmi2", "-mavx2", "-mfma",
                "-mf16c", "-mtune=generic"],
