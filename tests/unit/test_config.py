@@ -254,7 +254,8 @@ def test_example_fsdp_policies_validate(path):
 
 def test_each_shipped_config_does_one_thing():
     """Configs that store states keep states only (offload_cpu, states_nvme, the FSDP2 states files); activation
-    offload has its own file, in the format the fine-tune supports (MXFP8 until NVFP4 holds there); the weights files
+    offload has its own file, NVFP4 under the default policy over the whole model (what the fine-tune and the long
+    run measured); the weights files
     add the gathers only; configs/README.md names every file."""
     for stage in (1, 2, 3):
         for kind in ("offload_cpu", "states_nvme"):
@@ -262,7 +263,7 @@ def test_each_shipped_config_does_one_thing():
             assert set(cfg["fp4offload"]) <= {"optimizer_states", "monitor"}, (kind, cfg["fp4offload"])
     acts = json.loads((ROOT / "configs" / "deepspeed_zero2_offload_cpu_activations.json").read_text())
     assert set(acts["fp4offload"]) <= {"optimizer_states", "activations", "monitor"}
-    assert acts["fp4offload"]["activations"]["format"] == "mxfp8"
+    assert acts["fp4offload"]["activations"] == {"format": "nvfp4", "device": "cpu", "min_numel": 65536}
     weights = json.loads((ROOT / "configs" / "deepspeed_zero3_offload_param_fp4_weights.json").read_text())
     assert set(weights["fp4offload"]) <= {"optimizer_states", "weights", "monitor"}
     import yaml
