@@ -2,7 +2,7 @@
 
 No ARM hardware here, so the aarch64 builds cannot be timed. This counts the instructions they execute instead:
 FP4AdamW's step as the build runs it (benchmarks/arm_count/fp4_step.cpp calling step_range_fast: the SIMD-layer
-step of csrc/cpu/adam_simd.h on NEON, the portable path of csrc/cpu/adam_chunk.h on SVE; the defaults) against
+step of csrc/cpu/adam_simd.h on the NEON layer, in the NEON and the SVE builds; the defaults) against
 DeepSpeed's cpu_adam vector loop (benchmarks/arm_count/ds_step.cpp over the installed DeepSpeed's
 csrc/includes/cpu_adam.h: Step_AVX in its NEON form, Step_SVE), each cross-built with
 aarch64-linux-gnu-g++ -O3 and run under qemu-aarch64-static with its translation-block log

@@ -1,6 +1,6 @@
 // One FP4AdamW step (the defaults: m stochastic, sqrt(v) on ue2m2 to nearest, weight decay, fp32 gradient) over n
 // elements on the build's vector step (step_range_fast: the SIMD-layer step of csrc/cpu/adam_simd.h on NEON, the
-// portable path of csrc/cpu/adam_chunk.h on SVE), for benchmarks/arm_instructions.py to count under qemu.
+// NEON layer in the SVE build too), for benchmarks/arm_instructions.py to count under qemu.
 // n from argv[1].
 #include <stdint.h>
 #include <stdlib.h>

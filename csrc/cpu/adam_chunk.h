@@ -6,8 +6,9 @@
 // Two paths, one rule set (csrc/fp4_codec.h, csrc/master_bits.h):
 //   * chunk_scalar: the rules element by element; the oracle of the other paths.
 //   * chunk_vec: the same operations in the same order, written as branch-free loops over 16-element blocks and
-//     1024-element chunks that the compiler vectorizes for the target it is built for (SVE at any vector length;
-//     the AVX2 and NEON builds run the SIMD-layer step of adam_simd.h and come here for a partial last chunk). Decoding is bit arithmetic on the code (no table gathers), block maxima are integer maxima of
+//     1024-element chunks that the compiler vectorizes for the target it is built for (AVX2, NEON, SVE at any
+//     vector length). The vector builds run the SIMD-layer step of adam_simd.h and come here for a partial
+//     last chunk. Decoding is bit arithmetic on the code (no table gathers), block maxima are integer maxima of
 //     the fp32 patterns, and every rounding is an integer operation on the pattern or a plain IEEE operation, so
 //     the bits do not depend on the vector width. Build without fast math and with -ffp-contract=off.
 // The AVX-512 path (adam_avx512.h) is hand-scheduled; all three give the same bits.

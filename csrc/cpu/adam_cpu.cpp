@@ -5,7 +5,7 @@
 //
 // Parallel over chunks with at::parallel_for (OpenMP). The chunk itself is one of four paths, all with the
 // same bits: the AVX-512 kernels (adam_avx512.h) in the AVX-512 build, the step written on the SIMD layer
-// (adam_simd.h) in the NEON and AVX2 builds, the portable vector path (adam_chunk.h) in the SVE build, and the
+// (adam_simd.h) in the NEON, SVE and AVX2 builds (a partial last chunk on the portable path, adam_chunk.h), and the
 // scalar path, which set_simd(False) selects for tests (isa.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -4,8 +4,8 @@
 // name (fp4offload/_ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build (0 scalar, 1 avx512, 2 avx2, 3 neon, 4 sve).
 // The AVX-512 build runs the hand-scheduled kernels (nvfp4_avx512.h, adam_avx512.h); the NEON and AVX2 builds
 // run the optimizer step written on the project's SIMD layer (simd.h, simd_neon.h / simd_avx2.h, adam_simd.h);
-// the SVE build runs the portable vector path (adam_chunk.h), vectorized by the compiler for its target; every
-// build keeps the scalar path, which tests select with set_simd(false) to compare the two.
+// the SVE build takes the NEON layer for the step too; the portable vector path (adam_chunk.h), vectorized by
+// the compiler for the target, runs a partial last chunk; every build keeps the scalar path, which tests select with set_simd(false) to compare the two.
 #pragma once
 
 #include <atomic>
@@ -13,7 +13,7 @@
 #ifndef FP4_CPU_ISA_ID
 #define FP4_CPU_ISA_ID 0
 #endif
-// The build has a vector step: the SIMD-layer step on NEON and AVX2, the portable vector path on SVE.
+// The build has a vector step: the SIMD-layer step on NEON, SVE (through the NEON layer) and AVX2.
 #ifndef FP4_CPU_VEC
 #define FP4_CPU_VEC 0
 #endif

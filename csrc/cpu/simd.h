@@ -28,7 +28,9 @@
 
 #define FP4_SIMD_FN static inline __attribute__((always_inline))
 
-#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(__ARM_FEATURE_SVE)
+// The SVE build takes the NEON layer too: every SVE core has Advanced SIMD, and on the 128-bit SVE of Grace's
+// Neoverse V2 a NEON register is as wide as an SVE one; an SVE layer would pay off on wider vectors only.
+#if defined(__aarch64__) && defined(__ARM_NEON)
 #include "cpu/simd_neon.h"
 #define FP4_SIMD_LAYER 1
 #elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
