@@ -4,9 +4,9 @@
 // every scalar rule comes from csrc/fp4_codec.h, so the bytes equal the torch reference's.
 //
 // Parallel over chunks with at::parallel_for (OpenMP). The chunk itself is one of four paths, all with the
-// same bits: the AVX-512 kernels (adam_avx512.h) in the AVX-512 build, the step written on the SIMD layer
-// (adam_simd.h) in the NEON, SVE and AVX2 builds (a partial last chunk on the portable path, adam_chunk.h), and the
-// scalar path, which set_simd(False) selects for tests (isa.h).
+// same bits: the AVX-512 kernels (adam_avx512.h; FP4_AVX512_LAYER_STEP=1 swaps in the SIMD-layer step) in the
+// AVX-512 build, the step written on the SIMD layer (adam_simd.h) in the NEON, SVE and AVX2 builds (a partial last
+// chunk on the portable path, adam_chunk.h), and the scalar path, which set_simd(False) selects for tests (isa.h).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -35,11 +35,20 @@ using fp4master::split_join;
 using fp4master::split_residual;
 using fp4master::to_bf16;
 
+// The AVX-512 build's step: 0 the hand-scheduled kernel (adam_avx512.h), 1 the SIMD-layer step (adam_simd.h on
+// simd_avx512.h). Both give the scalar path's bytes. On Zen 4 (16M parameters, 2 threads) they run within a few
+// percent of each other, the hand-scheduled one slightly ahead, hence the default.
+#ifndef FP4_AVX512_LAYER_STEP
+#define FP4_AVX512_LAYER_STEP 0
+#endif
+
 // Chunks [c0, c1) of one thread on the build's fast path, or the scalar path when simd is off.
 template <typename G>
 void step_range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1, bool simd) {
   if (c0 >= c1) return;
-#if FP4_HAVE_AVX512
+#if FP4_HAVE_AVX512 && FP4_AVX512_LAYER_STEP && FP4_SIMD_STEP
+  if (simd) return fp4adam::step_range_fast(a, grad, c0, c1);  // the SIMD-layer step (simd_avx512.h)
+#elif FP4_HAVE_AVX512
   if (simd) return fp4adam::step_range_avx512(a, grad, c0, c1);  // chunks pipelined (adam_avx512.h)
 #elif FP4_CPU_VEC
   if (simd) return fp4adam::step_range_fast(a, grad, c0, c1);  // the SIMD-layer step (NEON, AVX2), else portable

@@ -1,5 +1,6 @@
 // The fused FP4AdamW chunk step written once against the SIMD layer (simd.h); the NEON and AVX2 builds run it in
-// place of the portable vector path. Same operations in the same order as chunk_scalar (adam_chunk.h), so the bytes
+// place of the portable vector path, and the AVX-512 build carries it beside its hand-scheduled step
+// (FP4_AVX512_LAYER_STEP, adam_cpu.cpp). Same operations in the same order as chunk_scalar (adam_chunk.h), so the bytes
 // are the scalar path's, which are reference_step.py's.
 //
 // Per chunk of 1024 elements:
@@ -25,7 +26,7 @@
 
 namespace fp4adam {
 
-#if FP4_SIMD_LAYER && FP4_CPU_VEC
+#if FP4_SIMD_LAYER && (FP4_CPU_VEC || FP4_SIMD_AVX512)
 #define FP4_SIMD_STEP 1
 namespace simd_step {
 
@@ -254,10 +255,10 @@ void step_range_simd(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) 
 }
 #else
 #define FP4_SIMD_STEP 0
-#endif  // FP4_SIMD_LAYER && FP4_CPU_VEC
+#endif  // FP4_SIMD_LAYER && (FP4_CPU_VEC || FP4_SIMD_AVX512)
 
-// The build's vector step: the SIMD-layer step where the layer has an implementation (NEON, AVX2), else the
-// portable vector path.
+// The build's vector step: the SIMD-layer step where the layer has an implementation (NEON, AVX2, AVX-512), else
+// the portable vector path.
 template <typename G>
 void step_range_fast(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
 #if FP4_SIMD_STEP

@@ -1,11 +1,12 @@
 // The project's own SIMD layer: 16-element blocks of fp32 values (F16) and of 32-bit patterns (U16), with the
 // operations the optimizer step of adam_simd.h is written against. One implementation per instruction set, each
-// in its own file (simd_neon.h, simd_avx2.h; an SVE one would sit beside them); a build includes this header and
-// gets the one for its target, or none (FP4_SIMD_LAYER 0: the build keeps the portable path of adam_chunk.h, or,
-// with AVX-512, its own kernels).
+// in its own file (simd_neon.h, simd_avx2.h, simd_avx512.h; an SVE one would sit beside them); a build includes
+// this header and gets the one for its target, or none (FP4_SIMD_LAYER 0: the build keeps the portable path of
+// adam_chunk.h).
 //
 // The interface every implementation provides (namespace fp4simd):
-//   F16, U16                 16 fp32 / uint32 lanes (the implementation's registers: four on NEON, two on AVX2)
+//   F16, U16                 16 fp32 / uint32 lanes (the implementation's registers: four on NEON, two on AVX2,
+//                            one on AVX-512)
 //   splat, splat_u           one value in every lane
 //   load, store, load_u      16 consecutive values, element order
 //   load_bf16, store_bf16    bf16 <-> fp32 (widening is exact; narrowing rounds to nearest even, NaN -> 0x7FC0)
@@ -33,11 +34,19 @@
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include "cpu/simd_neon.h"
 #define FP4_SIMD_LAYER 1
+#elif defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VBMI__) && defined(__BMI2__)
+#include "cpu/simd_avx512.h"
+#define FP4_SIMD_LAYER 1
+#define FP4_SIMD_AVX512 1
 #elif defined(__x86_64__) && defined(__AVX2__) && !defined(__AVX512F__)
 #include "cpu/simd_avx2.h"
 #define FP4_SIMD_LAYER 1
 #else
 #define FP4_SIMD_LAYER 0
+#endif
+#ifndef FP4_SIMD_AVX512
+#define FP4_SIMD_AVX512 0
 #endif
 
 #if FP4_SIMD_LAYER && !FP4_SIMD_HAS_MIN_K

@@ -5,8 +5,8 @@ maximize, the bf16 copy, special values, tails shorter than a vector or a block)
 the codec rules, on the scalar path and on its build's vector path, and prints a digest of every output byte
 per case. The x86 scalar build is the reference (its step is the path the torch reference step is tested against,
 and its codec digests are checked here against the torch reference codec);
-the AVX2 build runs natively, the aarch64 builds (NEON; SVE, vector-length agnostic) under qemu-aarch64-static
-at 128, 256 and 512 bits and on a NEON-only CPU model."""
+the AVX2 build and the AVX-512 build of the SIMD layer run natively, the aarch64 builds (NEON; SVE, vector-length
+agnostic) under qemu-aarch64-static at 128, 256 and 512 bits and on a NEON-only CPU model."""
 
 from __future__ import annotations
 
@@ -133,6 +133,16 @@ def test_the_driver_sees_wrong_bits(tmp_path, reference):
 @pytest.mark.slow  # ~14 s
 def test_avx2_build_equals_the_scalar_reference(tmp_path, reference):
     exe = _build("g++", tmp_path / "avx2", [*cpu_isa.FLAGS["avx2"]])
+    _check(_digests([str(exe)]), reference)
+
+
+@pytest.mark.skipif(cpu_isa.arch() != "x86" or "avx512" not in cpu_isa.available(),
+                    reason="needs an x86 CPU with AVX-512 F/BW/VL/DQ/VBMI and BMI2")
+@pytest.mark.slow  # ~14 s
+def test_avx512_layer_build_equals_the_scalar_reference(tmp_path, reference):
+    # the driver has no torch, hence none of the hand-scheduled kernels: its vector step is the SIMD-layer step
+    # on simd_avx512.h, which FP4_CPU_VEC selects
+    exe = _build("g++", tmp_path / "avx512", [*cpu_isa.FLAGS["avx512"], "-DFP4_CPU_VEC=1"])
     _check(_digests([str(exe)]), reference)
 
 
