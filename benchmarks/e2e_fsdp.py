@@ -93,6 +93,7 @@ def _rank(rank: int, world: int, port: int, args: dict, arm: str, out_dir: str) 
 
 
 def _train(rank: int, world: int, args: dict, arm: str) -> dict:
+    import fp4offload
     import fp4offload.fsdp as ff
     from benchmarks import harness
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -134,7 +135,7 @@ def _train(rank: int, world: int, args: dict, arm: str) -> dict:
         model = ff.apply(model, policy)
         opt = ff.optimizer(model, policy, lr=args["lr"])
         counter = model._fp4offload_all_gather
-        inner = opt.fp4offload_inner
+        inner = "fp4offload.FP4AdamW" if isinstance(opt, fp4offload.FP4AdamW) else "torch.optim.AdamW"
         packed_names = [n for n, _ in ff.fp4_parameters(model)]
     g = torch.Generator().manual_seed(1234 + rank)
     times, losses = [], []

@@ -13,6 +13,7 @@ import math
 import torch
 
 from ._config import NONFINITE_MODES, ROUNDINGS, SCALE_MODES
+from ._config.checks import check_choice, one_of
 from .errors import ConfigError, NonFiniteError
 from .formats import packed as _packed
 from .formats.layout import FORMATS, packed_sizes, rows_cols
@@ -20,10 +21,6 @@ from .formats.packed import PackedTensor
 from ._ops import backend_for
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _one_of(values) -> str:
-    return " | ".join(repr(v) for v in values)
 
 
 def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
@@ -34,21 +31,17 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
                           "cast the tensor first, e.g. x.float()")
     if x.device.type not in ("cpu", "cuda"):
         raise ConfigError("x.device", str(x.device), "a cpu or cuda tensor")
-    if fmt not in FORMATS:
-        raise ConfigError("fmt", fmt, _one_of(FORMATS))
+    check_choice("fmt", fmt, tuple(FORMATS))
     allowed, default = FORMATS[fmt]
     block = default if block is None else block
     if block not in allowed:
-        raise ConfigError("block", block, f"{_one_of(allowed)} for fmt={fmt!r}")
-    if rounding not in ROUNDINGS:
-        raise ConfigError("rounding", rounding, _one_of(ROUNDINGS))
+        raise ConfigError("block", block, f"{one_of(allowed)} for fmt={fmt!r}")
+    check_choice("rounding", rounding, ROUNDINGS)
     if rounding == "stochastic" and fmt not in ("nvfp4", "ufp4", "mxfp4"):
         raise ConfigError("rounding", rounding, f"'nearest' for fmt={fmt!r} (stochastic rounding is for nvfp4, ufp4, "
                           "mxfp4)")
-    if nonfinite not in NONFINITE_MODES:
-        raise ConfigError("nonfinite", nonfinite, _one_of(NONFINITE_MODES))
-    if scale_mode not in SCALE_MODES:
-        raise ConfigError("scale_mode", scale_mode, _one_of(SCALE_MODES))
+    check_choice("nonfinite", nonfinite, NONFINITE_MODES)
+    check_choice("scale_mode", scale_mode, SCALE_MODES)
     if scale_scope is not None:
         if fmt not in ("nvfp4", "ufp4") or block != "1x16":
             raise ConfigError("scale_scope", scale_scope, "None for this format and block",

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 from fp4offload.errors import ConfigError
 
-from .checks import (_as_tuple, _check_bool, _check_choice, _check_int, _check_names, _check_path, _error,
+from .checks import (_as_tuple, check_bool, check_choice, check_int, _check_names, _check_path, _error,
                      _plain_float, _prefix, _under)
 from .vocab import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NUMEL, ACTIVATION_MODULES,
                     ACTIVATION_NORM_CHOICES, ALLOCATOR_CACHE, KEEP_BF16, MASTER_DEVICES, MASTER_FORMS, MMAP_THRESHOLD,
@@ -80,17 +80,17 @@ class OptimizerStatesConfig:
     master_device: str = "same"
 
     def __post_init__(self) -> None:
-        _check_choice("optimizer_states.format", self.format, OPTIMIZER_FORMATS)
-        _check_choice("optimizer_states.device", self.device, OPTIMIZER_DEVICES)
+        check_choice("optimizer_states.format", self.format, OPTIMIZER_FORMATS)
+        check_choice("optimizer_states.device", self.device, OPTIMIZER_DEVICES)
         _check_path("optimizer_states.nvme_path", self.nvme_path)
-        _check_choice("optimizer_states.rounding", self.rounding, ROUNDINGS)
-        _check_choice("optimizer_states.v_rounding", self.v_rounding, ROUNDINGS)
-        _check_choice("optimizer_states.v_format", self.v_format, V_FORMATS)
-        _check_choice("optimizer_states.master", self.master, MASTER_FORMS)
+        check_choice("optimizer_states.rounding", self.rounding, ROUNDINGS)
+        check_choice("optimizer_states.v_rounding", self.v_rounding, ROUNDINGS)
+        check_choice("optimizer_states.v_format", self.v_format, V_FORMATS)
+        check_choice("optimizer_states.master", self.master, MASTER_FORMS)
         if self.master != "fp32" and self.format != "nvfp4":
             raise _error("optimizer_states.master", self.master, "'fp32' with format 'fp32'",
                               "a compact master is FP4AdamW's; set format 'nvfp4' or master 'fp32'")
-        _check_choice("optimizer_states.master_device", self.master_device, MASTER_DEVICES)
+        check_choice("optimizer_states.master_device", self.master_device, MASTER_DEVICES)
         if self.master_device == "nvme" and self.master != "split":
             raise _error("optimizer_states.master_device", "nvme", f"'same' with master {self.master!r}",
                          "only split keeps a residual, and it goes to NVMe beside the states: set master 'split', "
@@ -98,7 +98,7 @@ class OptimizerStatesConfig:
         if self.master_device == "nvme" and self.device == "cpu":
             raise _error("optimizer_states.master_device", "nvme", "'same' with device 'cpu'",
                          "the residual goes into the NVMe state files: set device 'nvme', or master_device 'same'")
-        _check_int("optimizer_states.min_numel", self.min_numel)
+        check_int("optimizer_states.min_numel", self.min_numel)
         _check_nvme("optimizer_states", self.device, self.nvme_path)
         if self.format == "fp32" and self.device == "nvme":
             raise _error("optimizer_states.device", "nvme", "'same' or 'cpu' with format 'fp32'",
@@ -153,17 +153,17 @@ class ActivationsConfig:
     def __post_init__(self) -> None:
         _as_tuple(self, "modules")
         _as_tuple(self, "exclude")
-        _check_choice("activations.format", self.format, ACTIVATION_FORMATS)
-        _check_choice("activations.device", self.device, ACTIVATION_DEVICES)
-        _check_choice("activations.attention_qk_format", self.attention_qk_format, ACTIVATION_NORM_CHOICES)
-        _check_choice("activations.attention_format", self.attention_format, ACTIVATION_NORM_CHOICES)
-        _check_choice("activations.mlp_format", self.mlp_format, ACTIVATION_NORM_CHOICES)
+        check_choice("activations.format", self.format, ACTIVATION_FORMATS)
+        check_choice("activations.device", self.device, ACTIVATION_DEVICES)
+        check_choice("activations.attention_qk_format", self.attention_qk_format, ACTIVATION_NORM_CHOICES)
+        check_choice("activations.attention_format", self.attention_format, ACTIVATION_NORM_CHOICES)
+        check_choice("activations.mlp_format", self.mlp_format, ACTIVATION_NORM_CHOICES)
         _check_path("activations.nvme_path", self.nvme_path)
-        _check_int("activations.min_numel", self.min_numel)
+        check_int("activations.min_numel", self.min_numel)
         _check_names("activations.modules", self.modules)
         _check_names("activations.exclude", self.exclude)
         if self.max_host_bytes is not None:
-            _check_int("activations.max_host_bytes", self.max_host_bytes)
+            check_int("activations.max_host_bytes", self.max_host_bytes)
         _check_nvme("activations", self.device, self.nvme_path)
         if self.nvme_path is not None and self.device != "nvme":
             raise _error("activations.nvme_path", self.nvme_path, "null unless device is 'nvme'",
@@ -197,8 +197,8 @@ class WeightsConfig:
 
     def __post_init__(self) -> None:
         _as_tuple(self, "keep_bf16")
-        _check_choice("weights.format", self.format, WEIGHT_FORMATS)
-        _check_choice("weights.device", self.device, WEIGHT_DEVICES)
+        check_choice("weights.format", self.format, WEIGHT_FORMATS)
+        check_choice("weights.device", self.device, WEIGHT_DEVICES)
         _check_names("weights.keep_bf16", self.keep_bf16)
         for rule in self.keep_bf16:
             if ":" in rule and not _KEEP_RULE.match(rule):
@@ -216,7 +216,7 @@ class MonitorConfig:
     every: int = 10
 
     def __post_init__(self) -> None:
-        _check_int("monitor.every", self.every, minimum=1)
+        check_int("monitor.every", self.every, minimum=1)
 
 
 @dataclass(frozen=True)
@@ -255,12 +255,12 @@ class HostConfig:
     preflight: str = "error"
 
     def __post_init__(self) -> None:
-        _check_choice("host.preflight", self.preflight, PREFLIGHT_MODES,
+        check_choice("host.preflight", self.preflight, PREFLIGHT_MODES,
                       "error stops before allocating when the estimate does not fit, warn logs it, off skips it")
         object.__setattr__(self, "mmap_threshold", _size_or_off("host.mmap_threshold", self.mmap_threshold))
         object.__setattr__(self, "allocator_cache", _fraction_or_off("host.allocator_cache", self.allocator_cache))
-        _check_bool("host.share_bf16_staging", self.share_bf16_staging)
-        _check_bool("host.bf16_gradient_partition", self.bf16_gradient_partition)
+        check_bool("host.share_bf16_staging", self.share_bf16_staging)
+        check_bool("host.bf16_gradient_partition", self.bf16_gradient_partition)
 
 
 def _size_or_off(key: str, value: Any) -> int | str:

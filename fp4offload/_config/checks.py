@@ -1,7 +1,9 @@
-"""The field checks the schemas share, and the one function that prepares a folder on this machine.
+"""The validator kit: the field checks of the JSON block, the YAML policy, FP4AdamW's arguments, the codec's and the
+CLI's, and the one function that prepares a folder on this machine.
 
-The checks (:func:`check_number`, :func:`check_adam_hyperparameters`, :func:`check_path_syntax` and the private
-ones the dataclasses call) look at the value alone: every number finite, in range (counts up to int64), of its
+A mistake reads the same wherever it is made: :func:`check_choice` (``one of 'a', 'b'``, with the closest word
+when one is close), :func:`check_int`, :func:`check_bool`, :func:`check_number`, :func:`check_adam_hyperparameters`
+and :func:`check_path_syntax` look at the value alone: every number finite, in range (counts up to int64), of its
 type (bools are not numbers, "4096" is not an integer); paths a non-blank string without a NUL byte, within
 PATH_MAX/NAME_MAX, not in /proc, /sys or /dev (/dev/shm is fine). None of them reads or writes the disk, so a
 config may be checked on one machine for another.
@@ -30,10 +32,10 @@ from typing import Any, Iterator, Mapping
 
 from fp4offload.errors import ConfigError
 
-from .vocab import F32_MAX, F32_TINY, INT64_MAX, NAME_MAX, PATH_MAX
+from .vocab import F32_MAX, F32_TINY, INT64_MAX, MASTER_FORMS, NAME_MAX, PATH_MAX, V_FORMATS
 
-__all__ = ["check_number", "check_adam_hyperparameters", "check_path_syntax", "prepare_path",
-           "with_checked_paths"]
+__all__ = ["check_choice", "check_int", "check_bool", "one_of", "check_number", "check_adam_hyperparameters",
+           "check_path_syntax", "prepare_path", "with_checked_paths"]
 
 #: the kernel file systems no state file belongs in
 _KERNEL_FS = ("/proc", "/sys", "/dev")
@@ -57,22 +59,41 @@ def _error(key: str, value: Any, allowed: str, hint: str | None = None) -> Confi
 
 
 
-def _check_choice(key: str, value: Any, allowed: tuple[str, ...], hint: str | None = None) -> None:
-    if not isinstance(value, str) or value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1) if isinstance(value, str) else []
-        hint = hint or (f"did you mean {close[0]!r}?" if close else None)
-        raise _error(key, value, "one of " + ", ".join(repr(a) for a in allowed), hint)
+def one_of(allowed: tuple) -> str:
+    """The allowed-values text of an error: ``one of 'a', 'b'`` (None written as None)."""
+    return "one of " + ", ".join(repr(a) for a in allowed)
 
 
-def _check_int(key: str, value: Any, minimum: int = 0, maximum: int = INT64_MAX) -> None:
+#: what a choice means, said with every mistake in it (JSON, YAML, Python or the command line alike)
+CHOICE_HINTS = {
+    V_FORMATS: "ue2m2 stores sqrt(v) and is the default",
+    MASTER_FORMS: "'split' keeps the fp32 master exactly in 2 B/param beside the bf16 parameter; 'bf16' rounds the "
+                  "bf16 parameter stochastically",
+}
+
+
+def check_choice(key: str, value: Any, allowed: tuple, hint: str | None = None) -> None:
+    """``value`` is one of ``allowed`` (strings, or None where None is allowed); ConfigError naming ``key``, with
+    the closest allowed word when one is close, then `hint` or what the choice means (CHOICE_HINTS)."""
+    if not isinstance(value, (str, type(None))) or value not in allowed:
+        words = [a for a in allowed if isinstance(a, str)]
+        close = difflib.get_close_matches(value, words, n=1) if isinstance(value, str) else []
+        said = [f"did you mean {close[0]!r}?"] if close else []
+        said += [h for h in (hint or CHOICE_HINTS.get(tuple(allowed)),) if h]
+        raise _error(key, value, one_of(allowed), " ".join(said) or None)
+
+
+def check_int(key: str, value: Any, minimum: int = 0, maximum: int = INT64_MAX) -> int:
+    """``value`` as an int when it is an integer (not a bool, a float or a string) in [minimum, maximum]."""
     allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum != INT64_MAX else "")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _error(key, value, allowed, _not_a_number_hint(value, "integer"))
     if value < minimum:
         raise _error(key, value, allowed)
     if value > maximum:
         raise _error(key, value, allowed, "a count past int64 reaches no real tensor" if maximum == INT64_MAX
                      else None)
+    return int(value)
 
 
 def _not_a_number_hint(value: Any, what: str = "number") -> str | None:
@@ -178,7 +199,8 @@ def _plain_float(v: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _check_bool(key: str, value: Any) -> None:
+def check_bool(key: str, value: Any) -> None:
+    """``value`` is a bool (true or false; True or False in Python)."""
     if not isinstance(value, bool):
         raise _error(key, value, "true or false")
 

@@ -18,7 +18,7 @@ from fp4offload.errors import ConfigError
 
 from .block import (_FSDP_SUBBLOCKS, ActivationsConfig, MonitorConfig, OptimizerStatesConfig, WeightsConfig,
                     _parse_sub, _to_plain, _unknown)
-from .checks import _as_tuple, _check_bool, _check_names, _error, _kind
+from .checks import _as_tuple, check_bool, _check_names, _error, _kind
 
 __all__ = ["FsdpPolicyConfig", "check_fsdp_states", "parse_fsdp_policy", "load_fsdp_policy_yaml",
            "dump_fsdp_policy_yaml", "POLICY_MAX_BYTES"]
@@ -62,9 +62,9 @@ class FsdpPolicyConfig:
             if v is not None and not isinstance(v, cls):
                 raise _error(name, v, f"a {cls.__name__} or None")
         _as_tuple(self, "block_classes")
-        _check_bool("cpu_offload", self.cpu_offload)
-        _check_bool("auto", self.auto)
-        _check_bool("reshard_after_forward", self.reshard_after_forward)
+        check_bool("cpu_offload", self.cpu_offload)
+        check_bool("auto", self.auto)
+        check_bool("reshard_after_forward", self.reshard_after_forward)
         _check_names("block_classes", self.block_classes)
         if self.weights is not None and self.weights.device != "cpu":
             raise _error("weights.device", self.weights.device, "'cpu' under FSDP2",

@@ -32,6 +32,7 @@ import torch.nn as nn
 from .._announce import announce
 from ..errors import ConfigError
 from .convert import activation_policy, as_policy, packable, unwrap_value, wrap
+from .._optim.shards import offer_residual
 from .internals import AllGatherBase, local_tensor, shard_layout
 from .. import _keep_bf16 as keep_bf16
 from .policy import Policy, policy_from_yaml
@@ -202,8 +203,8 @@ def _to_bf16(model: nn.Module, master: str | None) -> dict[str, tuple[torch.Tens
 
 
 def _keep_local_residuals(model: nn.Module, residuals: dict) -> None:
-    """Each rank keeps its shard's part of the residuals (FSDP2 shards dim 0 as torch.chunk does), on the
-    sharded parameter, for fp4offload.fsdp.optimizer to start FP4AdamW's split master from."""
+    """Each rank leaves its shard's part of the residuals (FSDP2 shards dim 0 as torch.chunk does) for the
+    FP4AdamW built over the sharded parameter to start its split master from (shards.offer_residual)."""
     if not residuals:
         return
     for name, prm in model.named_parameters():
@@ -216,7 +217,7 @@ def _keep_local_residuals(model: nn.Module, residuals: dict) -> None:
         local = parts[rank] if rank < len(parts) else lo[:0]
         start = sum(p.numel() for p in parts[:rank])
         keep = (odd >= start) & (odd < start + local.numel())
-        prm._fp4offload_residual = (local.reshape(-1).clone(), odd[keep] - start)
+        offer_residual(prm, local.reshape(-1).clone(), odd[keep] - start)
 
 
 def _torch_policies(policy: Policy, mp_policy, offload_policy) -> tuple:

@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._dtensor import like_param
 from ..errors import ConfigError
 from .internals import local_tensor, mesh_all_reduce, shard_layout
+from .optim import local_shards_of
 from .weight import FP4Weight
 
 log = logging.getLogger("fp4offload.fsdp")
@@ -82,7 +84,7 @@ def _names(model: nn.Module, opt) -> list[tuple[str, nn.Parameter, torch.Tensor]
     """(qualified name, model parameter, optimizer proxy) for every parameter the optimizer steps."""
     by_id = {id(p): n for n, p in model.named_parameters()}
     out = []
-    for p, proxy in opt._fsdp_pairs:
+    for p, proxy in opt.local_shards.pairs:
         if id(p) not in by_id:
             raise ConfigError("optimizer", "a parameter that is not in the model", "an optimizer of this model")
         out.append((by_id[id(p)], p, proxy))
@@ -114,14 +116,6 @@ def _state_entries(model: nn.Module, opt) -> Iterator[_Entry]:
             if key not in _SKIP_STATE:
                 v = st[key]
                 yield _Entry(name, p, proxy, st, key, v, _state_key(name, key), _state_kind(v, proxy, key))
-
-
-def like_param(v: torch.Tensor, p: torch.Tensor):
-    """``v`` (shaped like p's local shard) as a DTensor with p's placement, sharing v's storage."""
-    DTensor = _dtensor_cls()
-    if isinstance(p, DTensor):
-        return DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-    return v
 
 
 def _mesh_world(p) -> int:
@@ -242,8 +236,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
     sd = _model_tensors(model)
     if optimizer is not None:
         optimizer = _check_opt(optimizer)
-        if len(optimizer.state) < len(optimizer._fsdp_pairs):
-            raise ConfigError("optimizer", f"{len(optimizer.state)} of {len(optimizer._fsdp_pairs)} states",
+        if len(optimizer.state) < len(optimizer.local_shards.pairs):
+            raise ConfigError("optimizer", f"{len(optimizer.state)} of {len(optimizer.local_shards.pairs)} states",
                               "an optimizer that has stepped", "the packed states exist from the first opt.step() "
                               "on: save after it, or save the model alone (ff.save(path, model))")
         sd.update(_optim_save_tensors(model, optimizer))
@@ -256,18 +250,9 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None) -> None:
                  no_dist=not dist.is_initialized())
 
 
-def _unwrap(optimizer):
-    """The optimizer fp4offload.fsdp.optimizer built, inside the wrappers the Trainer and Accelerate put around it
-    (``AcceleratedOptimizer.optimizer``, and so on, a few levels at most)."""
-    seen = 0
-    while not hasattr(optimizer, "_fsdp_pairs") and hasattr(optimizer, "optimizer") and seen < 4:
-        optimizer, seen = optimizer.optimizer, seen + 1
-    return optimizer
-
-
 def _check_opt(optimizer):
-    inner = _unwrap(optimizer)
-    if not hasattr(inner, "_fsdp_pairs"):
+    inner = local_shards_of(optimizer)
+    if inner is None:
         raise ConfigError("optimizer", type(optimizer).__name__, "the optimizer fp4offload.fsdp.optimizer built "
                           "(or a wrapper of it, as trainer.optimizer)",
                           "pass the optimizer fp4offload.fsdp.optimizer(model, policy), ff.prepare or "
@@ -304,9 +289,9 @@ class _Resharder:
         from .._optim.state import PACKED_KEYS, decode_state, packed_from_entry
 
         sd = self.opt.packed_state_dict()
-        pid_of = {id(proxy): i for i, (_, proxy) in enumerate(self.opt._fsdp_pairs)}
+        pid_of = {id(proxy): i for i, (_, proxy) in enumerate(self.opt.local_shards.pairs)}
         new_state = dict(sd["state"])
-        group_of = {id(q): g for g, ps in zip(self.opt.param_groups, self.opt._fsdp_inner) for q in ps}
+        group_of = {id(q): g for g, ps in zip(self.opt.param_groups, self.opt.local_shards.inner) for q in ps}
         for name, (p, proxy) in self.params.items():
             shape = tuple(p.shape)
             d0, inner = shape[0], math.prod(shape[1:])

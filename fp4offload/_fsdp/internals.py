@@ -12,7 +12,8 @@ name                                       defined in                      what 
 ``FSDPState._fsdp_param_groups``,          ``fsdp/_fully_shard/_fsdp_state``,  a unit's parameters in FSDP's order
 ``FSDPParamGroup.fsdp_params``,            ``_fsdp_param_group``,            (one amax all-reduce per unit)
 ``FSDPParam.sharded_param``                ``_fsdp_param``
-``DTensor._local_tensor``                  ``distributed/tensor/_api``       the local shard itself (an FP4Weight)
+``DTensor._local_tensor``                  ``distributed/tensor/_api``       the local shard itself (an FP4Weight;
+                                                                            read in fp4offload/_dtensor.py)
 =========================================  ==============================  =====================================
 
 Each has a fallback, so a torch that moves one of them runs slower, never wrong: no AllGather base (duck
@@ -24,9 +25,12 @@ Verified on torch 2.11.0, 2.13.0 and 2.14.1 (benchmarks/torch_matrix.sh).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch.nn as nn
+
+# the DTensor helpers (``DTensor._local_tensor`` among them) live a layer down, where FP4AdamW reads them too
+from .._dtensor import ShardLayout, local_tensor, mesh_all_reduce, shard_layout
 
 __all__ = ["AllGatherBase", "unit_parameters", "local_tensor", "check", "ShardLayout", "shard_layout",
            "mesh_all_reduce"]
@@ -49,60 +53,6 @@ def unit_parameters(unit: nn.Module) -> list[Any] | None:
         return [fp.sharded_param for g in groups for fp in g.fsdp_params]
     except (AttributeError, AssertionError, TypeError):
         return None
-
-
-def local_tensor(p: Any, default: Any = None) -> Any:
-    """The local tensor of a DTensor parameter (the object FSDP2 all-gathers from), else ``default``."""
-    return getattr(p, "_local_tensor", default)
-
-
-class ShardLayout(NamedTuple):
-    """How FSDP shards one DTensor parameter: dim 0 split over one mesh dimension, replicated over the rest."""
-
-    mesh: Any  # the parameter's DeviceMesh (1-D for FSDP, 2-D (replicate, shard) for HSDP)
-    dim: int  # the mesh dimension dim 0 is sharded over
-    world: int  # ranks along it
-    rank: int  # this rank's coordinate along it
-
-    def group(self):
-        """The process group of the shard dimension (where the NVFP4 all-gather runs)."""
-        return self.mesh.get_group(self.dim) if self.mesh.ndim > 1 else self.mesh.get_group()
-
-
-def shard_layout(p: Any, name: str = "parameter") -> ShardLayout | None:
-    """The layout of a DTensor parameter sharded as FSDP/HSDP shards (None for a plain tensor).
-
-    Raises ConfigError for any other placement: a tensor-parallel dimension (``Shard`` of another dim, or
-    ``Shard(0)`` on two mesh dimensions) or a partial placement.
-    """
-    from torch.distributed.tensor import Replicate, Shard
-
-    from ..errors import ConfigError
-
-    mesh, placements = getattr(p, "device_mesh", None), getattr(p, "placements", None)
-    if mesh is None or placements is None:
-        return None
-    shard = [i for i, pl in enumerate(placements) if isinstance(pl, Shard)]
-    other = [pl for pl in placements if not isinstance(pl, (Shard, Replicate))]
-    if len(shard) != 1 or placements[shard[0]].dim != 0 or other:
-        raise ConfigError(f"{name} placements", tuple(placements), "Shard(0) on one mesh dimension (FSDP), with "
-                          "Replicate on the others (HSDP)",
-                          "NVFP4 all-gathers and the FP4 optimizer's shard bookkeeping follow FSDP's dim-0 "
-                          "sharding; tensor-parallel dimensions are not supported: keep TP parameters out of the "
-                          "policy (weights: null) or shard them with FSDP/HSDP only")
-    d = shard[0]
-    coord = mesh.get_coordinate()
-    return ShardLayout(mesh, d, mesh.size(d), coord[d] if coord is not None else 0)
-
-
-def mesh_all_reduce(t: Any, mesh: Any, op: Any) -> Any:
-    """All-reduce ``t`` in place over every rank of ``mesh`` (each dimension in turn; MIN/MAX/SUM compose)."""
-    import torch.distributed as dist
-
-    for d in range(mesh.ndim):
-        if mesh.size(d) > 1:
-            dist.all_reduce(t, op=op, group=mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group())
-    return t
 
 
 def check() -> dict[str, bool]:

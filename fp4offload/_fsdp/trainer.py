@@ -62,7 +62,7 @@ from transformers import Trainer
 from ..errors import ConfigError
 from .apply import apply
 from .checkpoint import load, save
-from .optim import optimizer as build_optimizer
+from .optim import local_shards_of, optimizer as build_optimizer
 from .policy import Policy, policy_from_yaml
 
 __all__ = ["FP4FSDPTrainer", "CHECKPOINT_DIR"]
@@ -213,10 +213,7 @@ class FP4FSDPTrainer(Trainer):
 
     @property
     def fp4_optimizer(self) -> torch.optim.Optimizer | None:
-        opt = self.optimizer
-        while opt is not None and not hasattr(opt, "_fsdp_pairs") and hasattr(opt, "optimizer"):
-            opt = opt.optimizer  # Accelerate's AcceleratedOptimizer
-        return opt
+        return local_shards_of(self.optimizer) or self.optimizer  # inside Accelerate's AcceleratedOptimizer
 
     # ---- saving: fp4offload.fsdp.save inside checkpoints, a gathered from_pretrained folder otherwise
 

@@ -387,6 +387,15 @@ class FP4Weight(torch.Tensor):
     def __init__(self, *args, **kwargs):
         pass
 
+    @property
+    def fp4offload_values(self) -> torch.Tensor | None:
+        """The fp32 tensor an optimizer over the local shards steps (shards.local_values)."""
+        return self._master
+
+    def fp4offload_stepped(self) -> None:
+        """An optimizer stepped the values: the packed copy is stale."""
+        self._slot.mark_dirty()
+
     def __repr__(self) -> str:
         kind = "packed-only" if self._master is None else "fp32 master"
         return f"FP4Weight({self._slot.spec.name}, shape={tuple(self.shape)}, {kind}, device={self.device})"

@@ -9,8 +9,9 @@ and the torch AdamW conversion convert.py's, the argument checks checks.py's.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.optim import Optimizer
@@ -18,11 +19,12 @@ from torch.optim import Optimizer
 from .. import _metrics as metrics
 from ..errors import ConfigError
 from . import convert
-from .checks import (_is_dtensor, check_arguments, check_extra_keywords, check_master, check_not_sharded,
+from .checks import (check_arguments, check_extra_keywords, check_master, check_not_sharded,
                      check_param_group, check_unsupported)
 from .hooks import EngineHooks
 from .options import NvmeOptions, StateFormat, StepOptions
 from .placement import Placement
+from .shards import STATE, LocalShards, zero_lr_step
 from .step import GRAD_LIMIT, KEYED_STREAM0, ParamStep
 from .working_copy import WeightRegion, copy_amax
 
@@ -76,34 +78,20 @@ class FP4AdamW(Optimizer):
     NVMe tier, a failed step is all or nothing (placement.Placement.run_step): after a CapacityError,
     CorruptionError or any other error out of ``step()`` the parameters, step counts and m and v are those before
     the step, and once the cause is gone training continues as if that step had been skipped.
+
+    Over a sharded model's DTensor parameters (FSDP2's ``fully_shard``, HSDP) each rank steps its local shards
+    (:attr:`local_shards`, shards.LocalShards): non-finite gradients skip the step on every rank together,
+    ``state_dict()`` is torch AdamW's form with DTensor moments (what torch.distributed.checkpoint reshards) and
+    ``packed_state_dict()`` the packed one; over plain tensors the two are the same.
     """
 
-    def __new__(cls, params: Iterable | None = None, *args: Any, **kwargs: Any):
-        """``FP4AdamW(model.parameters(), ...)`` over the DTensors of a model sharded with FSDP2's
-        ``fully_shard`` builds the optimizer ``fp4offload.fsdp.optimizer`` builds: FP4AdamW stepping each rank's
-        local shards (:func:`fp4offload._fsdp.optim.over_shards`). Plain parameters take the usual path."""
-        if cls is not FP4AdamW or params is None or isinstance(params, torch.Tensor):
-            return super().__new__(cls)
-        groups = [dict(g, params=list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]])
-                  if isinstance(g, dict) else g for g in params]
-        flat = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
-        if any(_is_dtensor(p) for p in flat):
-            from .._fsdp.optim import over_shards
-
-            obj = over_shards(cls, groups, **dict(zip(("lr", "betas", "eps", "weight_decay"), args)), **kwargs)
-        else:
-            obj = super().__new__(cls)
-            obj.__init__(groups, *args, **kwargs)
-        obj._fp4offload_built = True  # Python calls __init__ once more on what __new__ returns: it returns at once
-        return obj
+    state = STATE  # keyed by the tensors the step uses; over DTensors readable by the model's parameters too
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, maximize: bool = False, master: str = "fp32",
                  state_device: str = "same", nvme_path=None, state_format: StateFormat | None = None,
                  nvme: NvmeOptions | None = None, step_options: StepOptions | None = None,
                  _defer_master_check: bool = False, **torch_options):
-        if self.__dict__.pop("_fp4offload_built", False):
-            return
         check_extra_keywords(torch_options)
         state_format = StateFormat() if state_format is None else state_format
         nvme = NvmeOptions() if nvme is None else nvme
@@ -113,6 +101,8 @@ class FP4AdamW(Optimizer):
                                     state_format=state_format, nvme=nvme, step_options=step_options)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, maximize=maximize,
                         **state_format.group_defaults())
+        self.local_shards = None
+        params, shards = LocalShards.of(params)  # over DTensors: proxies of the local shards (shards.py)
         super().__init__(params, defaults)
         self.master, self.state_device, self.nvme_path = master, state_device, nvme_path
         self.state_format, self.nvme_options, self.step_options = state_format, nvme, step_options
@@ -131,6 +121,9 @@ class FP4AdamW(Optimizer):
         for group in [] if _defer_master_check else self.param_groups:
             for p in group["params"]:
                 self._check_master(p)
+        if shards is not None:
+            self.local_shards = shards
+            shards.attach(self)
 
     def _build_rooms(self, stream_numbers: dict[str, int]) -> None:
         """The placement (a tier of its own), the per-parameter step and the engine hooks; a copy builds its own."""
@@ -168,8 +161,10 @@ class FP4AdamW(Optimizer):
                 pid += 1
 
     def is_packed(self, group: dict, p) -> bool:
-        """Whether p holds packed states (at least the group's ``min_numel`` elements), else fp32 ones."""
-        return p.numel() >= group["min_numel"]
+        """Whether p holds packed states (at least the group's ``min_numel`` elements), else fp32 ones; a local
+        shard counts its padded size, which every rank shares, so all ranks choose alike."""
+        n = None if self.local_shards is None else self.local_shards.padded_numel(p)
+        return (p.numel() if n is None else n) >= group["min_numel"]
 
     def fresh_state(self, group: dict, p, m=None, v=None, res=None) -> dict:
         """Make p's fresh state in ``optimizer.state[p]`` and return it: step 0, zero states or the packed (m, v)
@@ -186,6 +181,11 @@ class FP4AdamW(Optimizer):
 
         `grad_norm`: this step's global gradient norm when the caller has it (clipping computes it); the
         non-finite check then costs nothing (see hooks.grad_norm_source)."""
+        if self.local_shards is not None:
+            return self.local_shards.step(self, closure, lambda: self._step(None, grad_norm))
+        return self._step(closure, grad_norm)
+
+    def _step(self, closure: Callable | None, grad_norm):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -241,6 +241,22 @@ class FP4AdamW(Optimizer):
             st = self.state[p]
         return self.stepper.step(group, p, st, pid, self.is_packed(group, p), fresh, sample, self.hooks.scales.get(p))
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.local_shards is not None:
+            self.local_shards.zero_grad(set_to_none)
+        else:
+            super().zero_grad(set_to_none)
+
+    def init_state(self) -> None:
+        """Create every state without changing a parameter (one step with zero gradients and lr 0): what a
+        checkpoint of the packed states loads into."""
+        run = lambda: self._step(None, None)  # noqa: E731
+        if self.local_shards is not None:
+            return self.local_shards.init_state(self, run)
+        params = [p for g in self.param_groups for p in g["params"]]
+        if any("step" not in self.state.get(p, {}) for p in params):
+            zero_lr_step(self, params, run)
+
     # ---- working copies, bytes held, closing ------------------------------------------------------------
 
     copy_amax = staticmethod(copy_amax)
@@ -276,6 +292,28 @@ class FP4AdamW(Optimizer):
     # ---- state dict -------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """:meth:`packed_state_dict`; over a sharded model torch AdamW's form (shards.LocalShards.torch_form), which
+        torch.distributed.checkpoint reshards (not within :meth:`packed_form`)."""
+        if self.local_shards is None or self.local_shards.packed:
+            return self.packed_state_dict()
+        return self.local_shards.torch_form(self.packed_state_dict(), fp4=True)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`'s form: FP4AdamW's own or torch AdamW's (over a sharded model each rank takes
+        its shard of it; m and v are quantized once)."""
+        if self.local_shards is None or self.local_shards.packed:
+            return self.load_packed_state_dict(state_dict)
+        with self.local_shards.in_groups(self):  # a state dict keyed by parameter positions, as torch's is
+            own = self.local_shards.from_torch_form(self, state_dict, fp4=True)
+        self.load_packed_state_dict(own)
+
+    def packed_form(self):
+        """Within (a context manager): ``state_dict`` / ``load_state_dict`` are :meth:`packed_state_dict`'s form
+        also over a sharded model (for a caller that round-trips the state dict of an optimizer it does not
+        know, as Accelerate's prepare does)."""
+        return contextlib.nullcontext(self) if self.local_shards is None else self.local_shards.packed_form(self)
+
+    def packed_state_dict(self) -> dict:
         """A tier-independent state dict: packed states as uint8 CPU tensors, fp32 ones as fp32 (see state.py).
 
         As torch's: the state-dict pre-hooks run first and the post-hooks last (one may return a new dict);
@@ -283,29 +321,35 @@ class FP4AdamW(Optimizer):
         and keys of ``optimizer.state`` that are not tensors are carried over as they are. Each entry is sealed
         with a fingerprint and a CRC-32 (convert.seal_entry) that load_state_dict verifies.
         """
-        for hook in self._optimizer_state_dict_pre_hooks.values():
-            hook(self)
-        sd = convert.state_dict_of(self)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
-            if out is not None:
-                sd = out
+        with self._own_groups():
+            for hook in self._optimizer_state_dict_pre_hooks.values():
+                hook(self)
+            sd = convert.state_dict_of(self)
+            for hook in self._optimizer_state_dict_post_hooks.values():
+                out = hook(self, sd)
+                if out is not None:
+                    sd = out
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_packed_state_dict(self, state_dict: dict) -> None:
         """Load a state dict of FP4AdamW (any tier) or of torch.optim.AdamW (quantized once), checked whole before
         anything changes (convert.load_state_dict_into). As torch's: the load pre-hooks run first (on a shallow
         copy; one may return a new dict), the post-hooks last. To take over the states of a live torch AdamW
         without a state dict: convert.load_param_states.
         """
         state_dict = dict(state_dict)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            out = hook(self, state_dict)
-            if out is not None:
-                state_dict = out
-        convert.load_state_dict_into(self, state_dict)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        with self._own_groups():
+            for hook in self._optimizer_load_state_dict_pre_hooks.values():
+                out = hook(self, state_dict)
+                if out is not None:
+                    state_dict = out
+            convert.load_state_dict_into(self, state_dict)
+            for hook in self._optimizer_load_state_dict_post_hooks.values():
+                hook(self)
+
+    def _own_groups(self):
+        """Within: ``param_groups`` hold the tensors the states are keyed by (a sharded model's proxies)."""
+        return contextlib.nullcontext() if self.local_shards is None else self.local_shards.in_groups(self)
 
     # ---- copy.deepcopy and pickle -----------------------------------------------------------------------
 

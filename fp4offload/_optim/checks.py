@@ -8,29 +8,20 @@ exactly what the constructor accepts.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import torch
 
-from .._config import (INT64_MAX, MASTER_FORMS, OPTIMIZER_DEVICES, ROUNDINGS, V_FORMATS, check_adam_hyperparameters,
+from .._config import (MASTER_FORMS, OPTIMIZER_DEVICES, ROUNDINGS, V_FORMATS, check_adam_hyperparameters,
                       prepare_path)
+from .._config.checks import check_bool, check_choice, check_int
+from .._dtensor import is_dtensor
 from ..errors import ConfigError
 from . import fused
 
 
 #: more I/O threads than this only queue on the disk (and each holds a staging buffer)
 NVME_THREADS_MAX = 256
-
-
-def one_of(allowed: tuple) -> str:
-    """The allowed-values text of an error: ``'a' | 'b'`` (None written as None)."""
-    return " | ".join(repr(a) for a in allowed)
-
-
-def check_choice(key: str, value: Any, allowed: tuple, hint: str | None = None) -> None:
-    if not isinstance(value, (str, type(None))) or value not in allowed:
-        raise ConfigError(key, value, one_of(allowed), hint)
 
 
 def _scalar(key: str, value: Any) -> Any:
@@ -41,21 +32,6 @@ def _scalar(key: str, value: Any) -> Any:
                               "a number, or a real tensor of one element", "one value for the whole group")
         return value.item()
     return value
-
-
-def check_int(key: str, value: Any, minimum: int = 0, maximum: int = INT64_MAX) -> int:
-    """An integer (not a bool, not a float or a string) in [minimum, maximum]; ConfigError naming ``key``."""
-    allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum != INT64_MAX else "")
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ConfigError(key, value, allowed, "true/false is not a number" if isinstance(value, bool) else None)
-    if not minimum <= int(value) <= maximum:
-        raise ConfigError(key, value, allowed)
-    return int(value)
-
-
-def check_bool(key: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(key, value, "True or False")
 
 
 def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: Any) -> None:
@@ -72,7 +48,7 @@ def check_hyperparameters(prefix: str = "", defaults: dict | None = None, **hp: 
     if "v_rounding" in hp:
         check_choice(prefix + "v_rounding", hp["v_rounding"], ROUNDINGS)
     if "v_format" in hp:
-        check_choice(prefix + "v_format", hp["v_format"], V_FORMATS, "ue2m2 stores sqrt(v) and is the default")
+        check_choice(prefix + "v_format", hp["v_format"], V_FORMATS)
     if "min_numel" in hp:
         check_int(prefix + "min_numel", hp["min_numel"], minimum=1)
     if "seed" in hp:
@@ -92,10 +68,6 @@ def check_param_group(group: Any, index: int, defaults: dict | None = None) -> N
                               **{k: group[k] for k in GROUP_OPTIONS if k in group})
 
 
-def _is_dtensor(p: Any) -> bool:
-    return type(p).__name__ == "DTensor" or (hasattr(p, "device_mesh") and hasattr(p, "placements"))
-
-
 def check_not_sharded(group: Any) -> None:
     """DTensor parameters added to an optimizer over plain ones (``add_param_group``): refused with the way that
     works, rather than failing at the first step on the sharded wrapper's storage. (``FP4AdamW(params)`` over
@@ -105,7 +77,7 @@ def check_not_sharded(group: Any) -> None:
         params = group["params"] = list(params)  # a generator is read once: keep what was read for torch
     params = [params] if isinstance(params, torch.Tensor) else list(params or ())
     for i, p in enumerate(params):
-        if _is_dtensor(p):
+        if is_dtensor(p):
             raise ConfigError(f"params[{i}]", f"a DTensor of shape {tuple(p.shape)}", "plain tensors",
                               "an optimizer over plain tensors cannot take a sharded model's parameters: build "
                               "FP4AdamW(model.parameters(), ...) over all of them at once, which steps each rank's "
@@ -131,8 +103,7 @@ def check_arguments(*, lr, betas, eps, weight_decay, maximize, master, state_dev
     check_choice("state_device", state_device, OPTIMIZER_DEVICES)
     if state_device == "nvme" and nvme_path is None:
         raise ConfigError("nvme_path", None, "a folder on a local disk for state_device='nvme'")
-    check_choice("master", master, MASTER_FORMS, "'split' keeps the fp32 master exactly in 2 B/param beside the bf16 "
-                 "parameter; 'bf16' rounds the bf16 parameter stochastically")
+    check_choice("master", master, MASTER_FORMS)
     if nvme.master_device == "nvme" and (master, state_device) != ("split", "nvme"):
         raise ConfigError("nvme.master_device", nvme.master_device, f"'same' with master={master!r} and "
                           f"state_device={state_device!r}", "only split's residual goes to the NVMe files, beside "

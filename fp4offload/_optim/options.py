@@ -18,7 +18,8 @@ import torch
 from .._config import MASTER_DEVICES, NVME_IO_ENGINES, STATE_MIN_NUMEL, STEP_BACKENDS, V_FORMAT_DEFAULT, \
     V_ROUNDING_DEFAULT, WORKING_COPIES
 from ..errors import ConfigError
-from .checks import NVME_THREADS_MAX, check_bool, check_choice, check_hyperparameters, check_int
+from .._config.checks import check_bool, check_choice, check_int
+from .checks import NVME_THREADS_MAX, check_hyperparameters
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ def _rate(step: Callable[[], None], numel: int, max_seconds: float, min_steps: i
 
 
 def _fp4_optimizer():
-    """fp4offload.FP4AdamW if the package provides it yet, else None and why."""
+    """fp4offload.FP4AdamW if it imports, else None and why."""
     try:
-        from fp4offload import FP4AdamW
+        from .._optim import FP4AdamW
     except Exception as exc:  # ImportError: a build without the optimizer
         return None, f"FP4AdamW is not importable ({type(exc).__name__}); the nvfp4 rate keeps the default ratio"
     return FP4AdamW, None

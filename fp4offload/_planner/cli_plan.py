@@ -15,7 +15,24 @@ import os
 import sys
 from typing import Any, Sequence
 
+from fp4offload._config.checks import check_choice
 from fp4offload.errors import ConfigError
+
+#: the flags that take one of a few words, checked by the validator kit (so a slip reads as it does in a config)
+CHOICES = {"--checkpointing": ("auto", "on", "off"), "--engine": ("deepspeed", "fsdp2"), "--format": ("table", "json"),
+           "--accelerator": ("cuda", "cpu")}
+
+
+def _shown(flag: str) -> str:
+    return "{" + ",".join(CHOICES[flag]) + "}"
+
+
+def check_choices(args: argparse.Namespace) -> None:
+    """ConfigError naming the flag when a word-valued flag was given a word it does not take."""
+    for flag, allowed in CHOICES.items():
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            check_choice(flag, value, allowed)
 
 __all__ = ["add_plan_parser", "add_bench_parser", "run_plan", "run_bench_cmd", "main"]
 
@@ -68,15 +85,15 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="sequences per GPU per micro-step (default 1)")
     t.add_argument("--seq-len", type=int, default=4096, metavar="N", help="tokens per sequence (default 4096)")
     t.add_argument("--grad-accum", type=int, default=1, metavar="N", help="micro-steps per optimizer step (default 1)")
-    t.add_argument("--checkpointing", choices=("auto", "on", "off"), default="auto",
+    t.add_argument("--checkpointing", metavar=_shown("--checkpointing"), default="auto",
                    help="activation checkpointing: auto tries without first (default auto)")
     t.add_argument("--lr", type=float, default=1e-4,
                    help="learning rate written into the emitted config (default 1e-4)")
     s = p.add_argument_group("strategies and output")
     s.add_argument("--strategy", action="append", metavar="NAME", help="only these strategies (repeatable)")
-    s.add_argument("--engine", choices=("deepspeed", "fsdp2"), help="only strategies of this engine")
+    s.add_argument("--engine", metavar=_shown("--engine"), help="only strategies of this engine")
     s.add_argument("--strategies", metavar="DIR", help="read the catalogue from DIR instead of the installed one")
-    s.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
+    s.add_argument("--format", metavar=_shown("--format"), default="table", help="output format (default table)")
     s.add_argument("--emit", nargs=2, metavar=("KIND", "OUT"),
                    help="write the config of the best strategy of KIND: 'deepspeed OUT.json' or 'fsdp OUT.yaml'")
     s.add_argument("--check", metavar="CONFIG.json",
@@ -86,7 +103,7 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "the target node: --gpu PRESET, --host-ram-gb, --readings or --accelerator; then on that "
                         "node, as plan's table counts it. --gpus: ranks per node (default: 1 here, the preset's "
                         "on a named node); --nodes: nodes")
-    s.add_argument("--accelerator", choices=("cuda", "cpu"),
+    s.add_argument("--accelerator", metavar=_shown("--accelerator"),
                    help="with --check: the accelerator DeepSpeed runs on (default: cuda on a named GPU node; "
                         "on this machine, DeepSpeed's own choice)")
     p.set_defaults(func=run_plan)
@@ -105,7 +122,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--seconds", type=float, default=3.0, help="time budget of each benchmark (default 3)")
     p.add_argument("--numel", type=int, default=None, help="parameters in the optimizer benchmark")
     p.add_argument("--nvme-mb", type=int, default=None, help="largest scratch file of the NVMe test, MiB")
-    p.add_argument("--format", choices=("table", "json"), default="table", help="output format")
+    p.add_argument("--format", metavar=_shown("--format"), default="table", help="output format")
     p.set_defaults(func=run_bench_cmd)
     return p
 
@@ -191,13 +208,13 @@ def check_plan_args(args: argparse.Namespace) -> None:
     """Every flag of ``plan`` checked before anything is read or measured (ConfigError naming the flag)."""
     from fp4offload._jsonfile import check_output
 
+    check_choices(args)
     for flag in ("--gpus", "--nodes", "--host-cores", "--micro-batch", "--seq-len", "--grad-accum",
                  "--host-ram-gb", "--nvme-gb", "--mfu", "--lr"):
         check_number(flag, getattr(args, flag[2:].replace("-", "_"), None))
     if args.emit:
         kind, out = args.emit
-        if kind not in ("deepspeed", "fsdp"):
-            raise ConfigError("--emit", kind, "'deepspeed' or 'fsdp'")
+        check_choice("--emit KIND", kind, ("deepspeed", "fsdp"))
         check_output(out, "--emit")
     if args.save_readings is not None:
         check_output(args.save_readings, "--save-readings")
@@ -428,6 +445,7 @@ def run_bench_cmd(args: argparse.Namespace) -> int:
     from fp4offload._jsonfile import check_output
 
     try:
+        check_choices(args)
         for flag in ("--seconds", "--numel", "--nvme-mb"):
             check_number(flag, getattr(args, flag[2:].replace("-", "_")))
         if args.nvme_mb is not None and args.nvme_path is None:

@@ -97,3 +97,10 @@ def config_errors(cases: dict) -> dict[str, str]:
         except ConfigError as e:
             out[name] = str(e)
     return out
+
+
+def inner_name(opt) -> str:
+    """Which optimizer fp4offload.fsdp built: FP4AdamW, or torch AdamW (fp32 states)."""
+    import fp4offload
+
+    return "fp4offload.FP4AdamW" if isinstance(opt, fp4offload.FP4AdamW) else "torch.optim.AdamW"

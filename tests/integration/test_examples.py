@@ -26,7 +26,7 @@ RUNS = {
     "fsdp2_apply.py": ("torchrun", "saved and loaded ckpt/step100"),
     "fsdp2_meta.py": ("torchrun", "step 2: loss"),
     "fsdp2_trainer.py": ("torchrun", "train loss:"),
-    "accelerate_fsdp2.py": ("accelerate", "over ShardedFP4AdamW"),
+    "accelerate_fsdp2.py": ("accelerate", "over FP4AdamW"),
 }
 
 

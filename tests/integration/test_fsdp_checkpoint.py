@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers.dist import run_ranks
+from helpers.fsdp import inner_name
 
 pytestmark = pytest.mark.distributed
 
@@ -52,7 +53,7 @@ def _opt_states_local(model, opt):
     from fp4offload._optim.state import decode_state, packed_from_entry
 
     names = {id(p): n for n, p in model.named_parameters()}
-    for p, proxy in opt._fsdp_pairs:
+    for p, proxy in opt.local_shards.pairs:
         st = opt.state[proxy]
         if "m_codes" in st:
             m, v = decode_state(*packed_from_entry(st, proxy.numel()), proxy.numel(), st["v_format"])
@@ -97,12 +98,12 @@ def _worker_2ranks(rank, world, tmp, ckpt):
     ff.load(ckpt, model, opt)
     resumed = [_step(model, opt, step, rank, world) for step in range(SAVE_AT, SAVE_AT + MORE)]
     return {"uninterrupted": uninterrupted, "resumed": resumed, "masters": masters, "states": states,
-            "packed": packed, "inner": opt.fp4offload_inner, "early": early}
+            "packed": packed, "inner": inner_name(opt), "early": early}
 
 
 def _keys(opt, model):
     names = {id(p): n for n, p in model.named_parameters()}
-    return [f"{names[id(p)]}.{k}" for p, proxy in opt._fsdp_pairs for k in opt.state[proxy]]
+    return [f"{names[id(p)]}.{k}" for p, proxy in opt.local_shards.pairs for k in opt.state[proxy]]
 
 
 def _worker_1rank(rank, world, tmp, ckpt):
@@ -115,7 +116,7 @@ def _worker_1rank(rank, world, tmp, ckpt):
     states = {}
     for name, m, v in _opt_states_local(model, opt):
         states[f"{name}.m"], states[f"{name}.v"] = m, v
-    steps = [int(float(opt.state[proxy]["step"])) for _, proxy in opt._fsdp_pairs]
+    steps = [int(float(opt.state[proxy]["step"])) for _, proxy in opt.local_shards.pairs]
     losses = [_step(model, opt, step, 0, 1) for step in range(SAVE_AT, SAVE_AT + 2)]
     one_rank_offload = _one_rank_offload(ckpt)
     try:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from helpers.dist import run_ranks
+from helpers.fsdp import inner_name
 
 pytestmark = pytest.mark.distributed
 
@@ -40,7 +41,7 @@ def _run(rank: int, master: str, steps: int, reduce_dtype) -> dict:
     from fp4offload._optim import master as MW
 
     h = hashlib.sha256()  # of the fp32 masters: the fp32 shards themselves, or split's rebuilt from its halves
-    for p, proxy in opt._fsdp_pairs:
+    for p, proxy in opt.local_shards.pairs:
         st = opt.state.get(proxy, {})
         x = p.to_local().detach().reshape(-1)
         if "master_lo" in st:
@@ -50,7 +51,7 @@ def _run(rank: int, master: str, steps: int, reduce_dtype) -> dict:
     held = opt.master_bytes() if hasattr(opt, "master_bytes") else None
     numel = sum(p.to_local().numel() for p in model.parameters())
     return {"losses": losses, "sha": h.hexdigest(), "dtypes": shard_dtypes, "held": held, "numel": numel,
-            "inner": opt.fp4offload_inner}
+            "inner": inner_name(opt)}
 
 
 def _worker(rank, world, tmp, steps, reduce_dtype):

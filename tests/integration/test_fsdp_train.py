@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from helpers.dist import run_ranks
-from helpers.fsdp import OddModel, expected_unsharded
+from helpers.fsdp import expected_unsharded, inner_name, OddModel
 
 pytestmark = pytest.mark.distributed
 
@@ -62,7 +62,7 @@ def _run_llama(rank: int, use_policy: bool, steps: int) -> dict:
         model = ff.apply(model, policy)
         opt = ff.optimizer(model, policy, lr=3e-3)
         counter = model._fp4offload_all_gather
-        inner = opt.fp4offload_inner
+        inner = inner_name(opt)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in model.model.layers:
@@ -173,7 +173,7 @@ def _nan_grad_on_one_rank(rank):
         opt.zero_grad()
         after = ff.state_dict(model)
         out.append(all(torch.equal(before[n], after[n].full_tensor()) for n in before))
-    return {"unchanged": out, "skipped": opt.skipped_steps, "inner": opt.fp4offload_inner}
+    return {"unchanged": out, "skipped": opt.skipped_steps, "inner": inner_name(opt)}
 
 
 def _nan_on_one_rank(rank):

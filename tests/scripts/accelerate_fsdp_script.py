@@ -153,6 +153,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
 
+    import fp4offload
     import fp4offload.fsdp as ff
     import torch
 
@@ -172,7 +173,8 @@ def main() -> None:
                          "cpu_offload": pol.cpu_offload, "reshard_after_forward": pol.reshard_after_forward,
                          "block_classes": sorted(c if isinstance(c, str) else c.__name__ for c in pol.block_classes)}
         res["fp4"] = sorted(n for n, _ in ff.fp4_parameters(model))
-        res["inner_name"] = opt.optimizer.fp4offload_inner
+        fp4 = isinstance(opt.optimizer, fp4offload.FP4AdamW)
+        res["inner_name"] = "fp4offload.FP4AdamW" if fp4 else "torch.optim.AdamW"
         res["group_sizes"] = [len(g["params"]) for g in opt.param_groups]
         res["group_decay"] = [g["weight_decay"] for g in opt.param_groups]
     else:

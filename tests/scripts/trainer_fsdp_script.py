@@ -66,6 +66,7 @@ def history(trainer) -> dict:
 
 
 def run_arm(policy, work: Path, data, steps: int) -> tuple[dict, object]:
+    import fp4offload
     from fp4offload._fsdp.trainer import FP4FSDPTrainer
 
     from benchmarks import harness
@@ -78,7 +79,7 @@ def run_arm(policy, work: Path, data, steps: int) -> tuple[dict, object]:
     res = {"seconds": time.perf_counter() - t0, **history(trainer)}
     opt = trainer.fp4_optimizer
     res["optimizer_mro"] = [c.__name__ for c in type(opt).__mro__]
-    res["optimizer_inner"] = opt.fp4offload_inner
+    res["optimizer_inner"] = "fp4offload.FP4AdamW" if isinstance(opt, fp4offload.FP4AdamW) else "torch.optim.AdamW"
     res["wrapper"] = type(trainer.optimizer).__name__
     res["model_class"] = type(trainer.model).__name__
     res["model_wrapped_is_model"] = trainer.model_wrapped is trainer.model

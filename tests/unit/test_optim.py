@@ -342,4 +342,4 @@ def test_argument_errors_list_the_allowed_values():
     assert all(repr(d) in e.value.allowed for d in OPTIMIZER_DEVICES)
     with pytest.raises(ConfigError) as e:
         FP4AdamW(p, step_options=StepOptions(working_copy="fp8"))
-    assert e.value.allowed == " | ".join(repr(w) for w in WORKING_COPIES)
+    assert e.value.allowed == "one of " + ", ".join(repr(w) for w in WORKING_COPIES)
