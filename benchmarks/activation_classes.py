@@ -43,9 +43,12 @@ sys.path.insert(0, str(ROOT))
 import torch
 from torch.overrides import TorchFunctionMode
 
+from fp4offload._offload.ops import RULES
+
+_MLP_OPS = {name for name, rule in RULES.items() if rule.cls == "mlp"}  # the activation policy's own MLP rule
+
 CLASSES = ("linear_input", "attention", "mlp_act", "norm", "rotary", "statistic", "logits", "other")
 ABLATED = ("linear_input", "attention", "mlp_act", "norm", "first_last")  # the act_only_* arms
-_MLP_OPS = {"silu", "gelu", "relu", "mul", "__mul__", "sigmoid", "tanh"}
 
 
 class _Where(TorchFunctionMode):
