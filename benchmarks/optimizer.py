@@ -148,7 +148,7 @@ def _deepspeed_on_path(p, lr: float, isa: str):
 
     from fp4offload._ops import cpu_isa
 
-    flags = {"avx512": ("-D__AVX512__", " ".join(cpu_isa.FLAGS["avx512"])),
+    flags = {"avx512": ("-D__AVX512__", " ".join(cpu_isa.row("avx512").flags)),
              "avx2": ("-D__AVX256__", "-mavx2 -mfma -mf16c")}
     if isa not in flags:
         raise ValueError(f"no DeepSpeed cpu_adam build for the {isa} path here")

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "grids.h"
+
 #if defined(__CUDACC__)
 #define FP4_HD __host__ __device__ __forceinline__
 #else
@@ -179,10 +181,23 @@ FP4_HD float ufp4_value(uint8_t code) { return ugrid_value(code, 1); }
 FP4_HD uint8_t ufp4_encode(float y) { return ugrid_encode(y, 1); }
 FP4_HD uint8_t ufp4_encode_sr(float y, uint32_t rnd) { return ugrid_encode_sr(y, rnd, 1); }
 
-// FP4AdamW's v state: u = sqrt(v) on the ufp4 grid, v itself in NVFP4, or u on the ue2m2 grid (the
-// fused steps' v_kind). The mantissa bits of v_kind's unsigned grid; 0 for NVFP4 (signed E2M1).
-enum VKind { kVUfp4 = 0, kVNvfp4 = 1, kVUe2m2 = 2 };
-FP4_HD int v_mbits(int v_kind) { return v_kind == kVNvfp4 ? 0 : (v_kind == kVUe2m2 ? 2 : 1); }
+// FP4AdamW's v state is one of the grids of FP4_V_GRIDS (grids.h, generated from fp4offload/_config/grids.py), by
+// its kernel id (the fused steps' v_kind). The mantissa bits of v_kind's unsigned grid u = sqrt(v) is stored on; 0
+// for v itself in NVFP4 (signed E2M1); -1 when v_kind names no grid.
+#define FP4_V_MBITS_OF(name, id, mbits, block) v_kind == id ? mbits:
+FP4_HD constexpr int v_mbits(int64_t v_kind) { return FP4_V_GRIDS(FP4_V_MBITS_OF) - 1; }
+#undef FP4_V_MBITS_OF
+#define FP4_V_BLOCK_OF(name, id, mbits, block) \
+  static_assert(block == kNvBlock && mbits >= 0 && mbits <= 4, "v grid " #name ": not a grid the kernels encode");
+FP4_V_GRIDS(FP4_V_BLOCK_OF)
+#undef FP4_V_BLOCK_OF
+// The kernel ids by name (kV_ue2m2, ...), for code that names a grid.
+#define FP4_V_ENUM_OF(name, id, mbits, block) kV_##name = id,
+enum VKind { FP4_V_GRIDS(FP4_V_ENUM_OF) };
+#undef FP4_V_ENUM_OF
+// " <id> (<name>)" for every grid, for messages.
+#define FP4_V_KIND_TEXT_OF(name, id, mbits, block) " " #id " (" #name ")"
+#define FP4_V_KINDS_TEXT FP4_V_GRIDS(FP4_V_KIND_TEXT_OF)
 // The largest element value of a 4-bit grid: E2M1's 6 (mbits 0) or the unsigned grid's.
 FP4_HD float grid_max(int mbits) { return mbits == 0 ? kE2M1Max : ugrid_max(mbits); }
 

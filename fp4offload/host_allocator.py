@@ -51,9 +51,9 @@ _PRIORITY = 1  # above torch's own registration (0)
 
 @functools.lru_cache(maxsize=None)
 def _extension():
-    from ._ops.build import build
+    from ._ops.build import load
 
-    return build("fp4offload_host", ["cpu/host_allocator.cpp"])
+    return load("fp4offload_host", ["cpu/host_allocator.cpp"])
 
 
 def _fraction_from_env() -> float | None:

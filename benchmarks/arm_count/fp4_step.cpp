@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   a.v_ts = vt.data();
   a.s = fp4adam::Scalars{0.9f, 0.1f, 0.999f, 0.001f, 1e-8f, 0.9999f, 0.01f, 31.6f, true};
   a.m_stochastic = true;
-  a.v_kind = fp4::kVUe2m2;
+  a.v_kind = fp4::kV_ue2m2;
   a.seed = 1;
   fp4adam::step_range_fast(a, g.data(), 0, nc);
   return mt[0] >= 0.0f ? 0 : 1;

@@ -54,10 +54,11 @@ static inline __m512i ugrid_codes16(__m512 y) {
 
 // Encodes buf[0..16*nb) (zeros past the data) as one chunk: one fp32 scale, an E4M3 scale per 16 elements,
 // codes. Same rules as encode_chunk_scalar in adam_cpu.cpp, 16 blocks at a time.
-// mbits 0: E2M1 codes; else the unsigned grid with that many mantissa bits.
-static inline void encode_chunk_avx512(const float* buf, int nb, int mbits, bool stochastic, uint32_t key,
-                                       uint32_t index0, uint8_t* codes, uint8_t* scales, float* s_dec_out) {
-  const float elem_max = fp4::grid_max(mbits);
+// MB 0: E2M1 codes; else the unsigned grid with that many mantissa bits.
+template <int MB>
+static inline void encode_chunk_avx512(const float* buf, int nb, bool stochastic, uint32_t key, uint32_t index0,
+                                       uint8_t* codes, uint8_t* scales, float* s_dec_out) {
+  const float elem_max = fp4::grid_max(MB);
   const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF), expmask = _mm512_set1_epi32(0x7F800000);
   const int ngroups = (nb + 15) / 16;
   alignas(64) float amax_b[kChunk / 16];
@@ -97,14 +98,10 @@ static inline void encode_chunk_avx512(const float* buf, int nb, int mbits, bool
         const __m512 y = _mm512_mul_ps(_mm512_load_ps(buf + b * 16), _mm512_set1_ps(kb[j]));
         __m512i c;
         const uint32_t i16 = index0 + (uint32_t)(b * 16);
-        if (mbits == 1)
-          c = stochastic ? fp4cpu::ugrid_codes16_sr<1>(y, fp4cpu::sr_bits16(key, i16)) : ugrid_codes16<1>(y);
-        else if (mbits == 2)
-          c = stochastic ? fp4cpu::ugrid_codes16_sr<2>(y, fp4cpu::sr_bits16(key, i16)) : ugrid_codes16<2>(y);
-        else if (stochastic)
-          c = fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(key, index0 + (uint32_t)(b * 16)));
+        if constexpr (MB > 0)
+          c = stochastic ? fp4cpu::ugrid_codes16_sr<MB>(y, fp4cpu::sr_bits16(key, i16)) : ugrid_codes16<MB>(y);
         else
-          c = fp4cpu::e2m1_codes16(y);
+          c = stochastic ? fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(key, i16)) : fp4cpu::e2m1_codes16(y);
         packed = fp4cpu::pack16(c);
       }
       memcpy(codes + b * 8, &packed, 8);
@@ -113,23 +110,17 @@ static inline void encode_chunk_avx512(const float* buf, int nb, int mbits, bool
 }
 
 struct Tables {
-  float e4m3[256];
-  alignas(64) float ufp4[16];
-  // Row s: the element values times the block scale e4m3_value(s). The products are exact (at most 2 and 4
-  // significant bits, far from under/overflow; a NaN scale gives NaN rows), so (value * scale) * s_dec of the
-  // rule is one multiply of a row by s_dec.
-  alignas(64) float e2m1_scaled[256][16];
-  alignas(64) float ufp4_scaled[256][16];
-  alignas(64) float ue2m2_scaled[256][16];  // ue2m2 values have at most 3 significant bits: exact as well
+  // scaled[mb][s]: the values of grid mb (0: E2M1, else the unsigned grid of mb mantissa bits) times the block
+  // scale e4m3_value(s). The products are exact (values of at most 5 significant bits times scales of at most 4, far
+  // from under/overflow; a NaN scale gives NaN rows), so (value * scale) * s_dec of the rule is one multiply of a row
+  // by s_dec.
+  alignas(64) float scaled[FP4_V_MBITS_MAX + 1][256][16];
   Tables() {
-    for (int k = 0; k < 256; ++k) e4m3[k] = fp4::e4m3_value((uint8_t)k);
-    for (int k = 0; k < 16; ++k) ufp4[k] = fp4::ufp4_value((uint8_t)k);
-    for (int s = 0; s < 256; ++s)
-      for (int k = 0; k < 16; ++k) {
-        e2m1_scaled[s][k] = fp4::e2m1_value((uint8_t)k) * e4m3[s];
-        ufp4_scaled[s][k] = ufp4[k] * e4m3[s];
-        ue2m2_scaled[s][k] = fp4::ugrid_value((uint8_t)k, 2) * e4m3[s];
-      }
+    for (int mb = 0; mb <= FP4_V_MBITS_MAX; ++mb)
+      for (int s = 0; s < 256; ++s)
+        for (int k = 0; k < 16; ++k)
+          scaled[mb][s][k] = (mb ? fp4::ugrid_value((uint8_t)k, mb) : fp4::e2m1_value((uint8_t)k)) *
+                             fp4::e4m3_value((uint8_t)s);
   }
 };
 
@@ -150,7 +141,9 @@ inline const Tables& tables() {
 // has its sign bit clear. Otherwise (only after an overflow or a non-finite gradient) the chunk's state is
 // encoded at once by encode_chunk_avx512 above, which implements every rule of the scalar path.
 
-enum EncKind { kE2M1 = 0, kE2M1SR = 1, kUfp4 = 2, kE2M1Pos = 3, kUfp4SR = 4, kUe2m2 = 5, kUe2m2SR = 6 };
+// What pass 2 encodes (its MB): m, E2M1 codes with their sign; else a v state (the grid's mantissa bits: 0 is
+// E2M1 of values >= +0).
+constexpr int kSignedE2M1 = -1;
 
 // Codes of y >= +0 (finite) on the unsigned grid with MB mantissa bits: 0 below the grid (the rounded code is
 // then <= 0: clamp at 0), else the pattern rounded to MB mantissa bits minus (bias << MB); y <= the grid's top
@@ -178,25 +171,27 @@ struct EncJob {
   uint32_t key, index0;
 };
 
-template <int Kind>
+// The codes of block b of a pass-2 job on grid MB (above), nearest or stochastic (SR).
+template <int MB, bool SR>
 FP4_INLINE __m512i enc_codes16(const EncJob& j, int b) {
   const __m512 x = _mm512_load_ps(j.buf + b * 16);
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(j.kb[b]));
-  if (Kind == kUfp4) return ugrid_codes16_pos<1>(y);
-  if (Kind == kUfp4SR) return fp4cpu::ugrid_codes16_sr<1>(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
-  if (Kind == kUe2m2) return ugrid_codes16_pos<2>(y);
-  if (Kind == kUe2m2SR) return fp4cpu::ugrid_codes16_sr<2>(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
-  if (Kind == kE2M1SR) return fp4cpu::e2m1_codes16_sr(y, fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16)));
-  if (Kind == kE2M1Pos)  // y >= +0: the magnitude is the code
+  if constexpr (SR) {
+    const __m512i rnd = fp4cpu::sr_bits16(j.key, j.index0 + (uint32_t)(b * 16));
+    if constexpr (MB > 0) return fp4cpu::ugrid_codes16_sr<MB>(y, rnd);
+    return fp4cpu::e2m1_codes16_sr(y, rnd);
+  }
+  if constexpr (MB > 0) return ugrid_codes16_pos<MB>(y);
+  if constexpr (MB == 0)  // y >= +0: the magnitude is the code
     return fp4cpu::e2m1_mag16(_mm512_range_ps(y, _mm512_set1_ps(fp4::kE2M1Max), 0x0A));
   return fp4cpu::e2m1_codes16(y);
 }
 
 // Pass 2 of blocks b..b+3 (b a multiple of 4, b < j.nb).
-template <int Kind>
+template <int MB, bool SR>
 FP4_INLINE void enc4(const EncJob& j, int b) {
-  const __m256i packed = fp4cpu::pack64(enc_codes16<Kind>(j, b), enc_codes16<Kind>(j, b + 1), enc_codes16<Kind>(j, b + 2),
-                                enc_codes16<Kind>(j, b + 3));
+  const __m256i packed = fp4cpu::pack64(enc_codes16<MB, SR>(j, b), enc_codes16<MB, SR>(j, b + 1),
+                                        enc_codes16<MB, SR>(j, b + 2), enc_codes16<MB, SR>(j, b + 3));
   const uint32_t live4 = (uint32_t)(j.live >> b) & 0xF;
   const int left = j.nb - b;
   const uint32_t have4 = left >= 4 ? 0xFu : ((1u << left) - 1);
@@ -272,12 +267,13 @@ static inline bool enc_prepare(const float* buf, int nb, float elem_max, uint8_t
   return true;
 }
 
-// The update of blocks b..b+nblk-1 of chunk c (all full blocks when Tail is false). VK: the v state's kind.
-template <typename G, int VK, bool Tail>
+// The update of blocks b..b+nblk-1 of chunk c (all full blocks when Tail is false). VMB: the mantissa bits of the v
+// state's grid (0: v itself in NVFP4).
+template <typename G, int VMB, bool Tail>
 FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int cnt, int b, int nblk,
                                  const uint8_t* mc, const uint8_t* ms, const uint8_t* vc, const uint8_t* vs,
                                  __m512 msd, __m512 vsd, float* mbuf, float* ubuf) {
-  constexpr bool VNv = VK == fp4::kVNvfp4;
+  constexpr bool VNv = VMB == 0;
   const Tables& tab = tables();
   const Scalars& s = a.s;
   const __m512 b1 = _mm512_set1_ps(s.b1), omb1 = _mm512_set1_ps(s.omb1), b2 = _mm512_set1_ps(s.b2),
@@ -291,9 +287,8 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
       const int left = cnt - b * 16;
       mk = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     }
-    const __m512 mt = _mm512_mul_ps(_mm512_load_ps(tab.e2m1_scaled[ms[b]]), msd);
-    const float* vrow = VNv ? tab.e2m1_scaled[vs[b]] : VK == fp4::kVUe2m2 ? tab.ue2m2_scaled[vs[b]] : tab.ufp4_scaled[vs[b]];
-    const __m512 vt = _mm512_mul_ps(_mm512_load_ps(vrow), vsd);
+    const __m512 mt = _mm512_mul_ps(_mm512_load_ps(tab.scaled[0][ms[b]]), msd);
+    const __m512 vt = _mm512_mul_ps(_mm512_load_ps(tab.scaled[VMB][vs[b]]), vsd);
     const __m512 mo = _mm512_permutexvar_ps(fp4cpu::unpack16(mc + b * 8), mt);
     const __m512 uo = _mm512_permutexvar_ps(fp4cpu::unpack16(vc + b * 8), vt);
     __m512 g = load_grad16(grad, i, mk);
@@ -322,13 +317,9 @@ FP4_INLINE void update_blocks(const ChunkArgs& a, const G* grad, int64_t i0, int
 }
 
 // Steps chunks [c0, c1) on one thread. SR / VSR: m / the second moment rounded stochastically.
-template <typename G, int VK, bool SR, bool VSR>
+template <typename G, int VMB, bool SR, bool VSR>
 inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-  constexpr bool VNv = VK == fp4::kVNvfp4;
-  constexpr int kM = SR ? kE2M1SR : kE2M1;
-  constexpr int kU = VNv ? (VSR ? kE2M1SR : kE2M1Pos)
-                         : VK == fp4::kVUe2m2 ? (VSR ? kUe2m2SR : kUe2m2) : (VSR ? kUfp4SR : kUfp4);
-  const float u_max = fp4::grid_max(fp4::v_mbits(VK));
+  const float u_max = fp4::grid_max(VMB);
   alignas(64) float mbuf[2][kChunk], ubuf[2][kChunk];
   EncJob jm[2], ju[2];
   jm[0].nb = jm[1].nb = ju[0].nb = ju[1].nb = 0;
@@ -359,13 +350,13 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
           }
         }
       }
-      update_blocks<G, VK, false>(a, grad, i0, cnt, b, 4, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
-      if (b < pm.nb) enc4<kM>(pm, b);
-      if (b < pu.nb) enc4<kU>(pu, b);
+      update_blocks<G, VMB, false>(a, grad, i0, cnt, b, 4, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
+      if (b < pm.nb) enc4<kSignedE2M1, SR>(pm, b);
+      if (b < pu.nb) enc4<VMB, VSR>(pu, b);
     }
-    if (b < nb) update_blocks<G, VK, true>(a, grad, i0, cnt, b, nb - b, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
-    for (; b < pm.nb; b += 4) enc4<kM>(pm, b);
-    for (int bb = (nfull / 4) * 4; bb < pu.nb; bb += 4) enc4<kU>(pu, bb);
+    if (b < nb) update_blocks<G, VMB, true>(a, grad, i0, cnt, b, nb - b, mc, ms, vc, vs, msd, vsd, mbuf[x], ubuf[x]);
+    for (; b < pm.nb; b += 4) enc4<kSignedE2M1, SR>(pm, b);
+    for (int bb = (nfull / 4) * 4; bb < pu.nb; bb += 4) enc4<VMB, VSR>(pu, bb);
     pm.nb = pu.nb = 0;
     // pass 1 of chunk c
     const int64_t seg = i0 / kSegment;
@@ -379,7 +370,7 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
       nm.index0 = index0;
     } else {
       nm.nb = 0;
-      encode_chunk_avx512(mbuf[x], nb, 0, SR, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
+      encode_chunk_avx512<0>(mbuf[x], nb, SR, key, index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
     }
     if (enc_prepare<false>(ubuf[x], nb, u_max, a.v_scales + i0 / 16, &a.v_ts[c], nu)) {
       nu.codes = a.v_codes + i0 / 2;
@@ -387,33 +378,33 @@ inline void step_range_impl(const ChunkArgs& a, const G* grad, int64_t c0, int64
       nu.index0 = index0;
     } else {
       nu.nb = 0;
-      encode_chunk_avx512(ubuf[x], nb, fp4::v_mbits(VK), VSR, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+      encode_chunk_avx512<VMB>(ubuf[x], nb, VSR, vkey, index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
     }
   }
   // the last chunk's pass 2
   const int x = (int)((c1 - 1) & 1);
-  for (int b = 0; b < jm[x].nb; b += 4) enc4<kM>(jm[x], b);
-  for (int b = 0; b < ju[x].nb; b += 4) enc4<kU>(ju[x], b);
+  for (int b = 0; b < jm[x].nb; b += 4) enc4<kSignedE2M1, SR>(jm[x], b);
+  for (int b = 0; b < ju[x].nb; b += 4) enc4<VMB, VSR>(ju[x], b);
 }
 
+template <typename G, int VMB>
+inline void step_range_mb(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  switch ((a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0)) {
+    case 0: return step_range_impl<G, VMB, false, false>(a, grad, c0, c1);
+    case 1: return step_range_impl<G, VMB, false, true>(a, grad, c0, c1);
+    case 2: return step_range_impl<G, VMB, true, false>(a, grad, c0, c1);
+    default: return step_range_impl<G, VMB, true, true>(a, grad, c0, c1);
+  }
+}
+
+// Chunks [c0, c1), instantiated per grid of FP4_V_GRIDS by its mantissa bits.
 template <typename G>
 inline void step_range_avx512(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   if (c0 >= c1) return;
-  const int kind = (a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0);
-  switch (a.v_kind * 4 + kind) {
-    case 0: return step_range_impl<G, fp4::kVUfp4, false, false>(a, grad, c0, c1);
-    case 1: return step_range_impl<G, fp4::kVUfp4, false, true>(a, grad, c0, c1);
-    case 2: return step_range_impl<G, fp4::kVUfp4, true, false>(a, grad, c0, c1);
-    case 3: return step_range_impl<G, fp4::kVUfp4, true, true>(a, grad, c0, c1);
-    case 4: return step_range_impl<G, fp4::kVNvfp4, false, false>(a, grad, c0, c1);
-    case 5: return step_range_impl<G, fp4::kVNvfp4, false, true>(a, grad, c0, c1);
-    case 6: return step_range_impl<G, fp4::kVNvfp4, true, false>(a, grad, c0, c1);
-    case 7: return step_range_impl<G, fp4::kVNvfp4, true, true>(a, grad, c0, c1);
-    case 8: return step_range_impl<G, fp4::kVUe2m2, false, false>(a, grad, c0, c1);
-    case 9: return step_range_impl<G, fp4::kVUe2m2, false, true>(a, grad, c0, c1);
-    case 10: return step_range_impl<G, fp4::kVUe2m2, true, false>(a, grad, c0, c1);
-    default: return step_range_impl<G, fp4::kVUe2m2, true, true>(a, grad, c0, c1);
-  }
+#define FP4_V_CASE(name, id, mbits, block) \
+  case id: return step_range_mb<G, mbits>(a, grad, c0, c1);
+  switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
+#undef FP4_V_CASE
 }
 
 #else

@@ -47,7 +47,7 @@ struct ChunkArgs {
   float *m_ts, *v_ts;
   Scalars s;
   bool maximize, m_stochastic, v_stochastic;
-  int v_kind;  // fp4::VKind
+  int v_kind;  // the v state's grid: a kernel id of FP4_V_GRIDS (grids.h)
   uint32_t seed, stream0;
   uint16_t* bf16_out;
   bool gscaled;  // multiply each gradient by gscale in fp32 as it is read (an engine's clipping factor)
@@ -150,7 +150,7 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
   const int nb = (cnt + 15) / 16;
   float mbuf[kChunk], ubuf[kChunk];
   const int vmb = fp4::v_mbits(a.v_kind);
-  const bool v_nv = a.v_kind == fp4::kVNvfp4;
+  const bool v_nv = vmb == 0;
   decode_chunk_scalar(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], cnt, 0, mbuf);
   decode_chunk_scalar(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], cnt, vmb, ubuf);
   for (int j = 0; j < cnt; ++j) {
@@ -312,10 +312,10 @@ static inline float grad_value(const G* g, int64_t i) {
   return load_grad(g, i);
 }
 
-template <typename G, int VK, bool WD, bool MAX, bool BF16, bool GS>
+template <typename G, int VMB, bool WD, bool MAX, bool BF16, bool GS>
 static inline void update(const ChunkArgs& a, const G* __restrict grad, int64_t i0, int n16, float* __restrict mbuf,
                           float* __restrict ubuf) {
-  constexpr bool VNv = VK == fp4::kVNvfp4;
+  constexpr bool VNv = VMB == 0;
   const Scalars s = a.s;
   const float gs = a.gscale;
   float* __restrict param = a.param + i0;
@@ -341,9 +341,9 @@ static inline void update(const ChunkArgs& a, const G* __restrict grad, int64_t 
   }
 }
 
-template <typename G, int VK, bool SR, bool VSR, bool WD, bool MAX, bool BF16>
+// VMB: the mantissa bits of the v state's grid (0: v itself in NVFP4).
+template <typename G, int VMB, bool SR, bool VSR, bool WD, bool MAX, bool BF16>
 void chunk(const ChunkArgs& a, const G* grad, int64_t c) {
-  constexpr int VMB = VK == fp4::kVNvfp4 ? 0 : (VK == fp4::kVUe2m2 ? 2 : 1);
   const int64_t i0 = c * kChunk;
   const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
   const int nb = (cnt + 15) / 16;
@@ -352,14 +352,14 @@ void chunk(const ChunkArgs& a, const G* grad, int64_t c) {
   decode_chunk<VMB>(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], nb, ubuf);
   if (cnt == kChunk) {
     if (a.gscaled)
-      update<G, VK, WD, MAX, BF16, true>(a, grad, i0, kChunk, mbuf, ubuf);
+      update<G, VMB, WD, MAX, BF16, true>(a, grad, i0, kChunk, mbuf, ubuf);
     else
-      update<G, VK, WD, MAX, BF16, false>(a, grad, i0, kChunk, mbuf, ubuf);
+      update<G, VMB, WD, MAX, BF16, false>(a, grad, i0, kChunk, mbuf, ubuf);
   } else {
     if (a.gscaled)
-      update<G, VK, WD, MAX, BF16, true>(a, grad, i0, cnt, mbuf, ubuf);
+      update<G, VMB, WD, MAX, BF16, true>(a, grad, i0, cnt, mbuf, ubuf);
     else
-      update<G, VK, WD, MAX, BF16, false>(a, grad, i0, cnt, mbuf, ubuf);
+      update<G, VMB, WD, MAX, BF16, false>(a, grad, i0, cnt, mbuf, ubuf);
     for (int j = cnt; j < nb * 16; ++j) mbuf[j] = ubuf[j] = 0.0f;
   }
   const uint32_t index0 = (uint32_t)(i0 % kSegment);
@@ -367,45 +367,44 @@ void chunk(const ChunkArgs& a, const G* grad, int64_t c) {
   encode_chunk<VMB, VSR>(ubuf, nb, v_key(a, i0), index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
 }
 
-template <typename G, int VK, bool SR, bool VSR, bool WD, bool MAX>
+template <typename G, int VMB, bool SR, bool VSR, bool WD, bool MAX>
 void range_flags(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   if (a.bf16_out)
-    for (int64_t c = c0; c < c1; ++c) chunk<G, VK, SR, VSR, WD, MAX, true>(a, grad, c);
+    for (int64_t c = c0; c < c1; ++c) chunk<G, VMB, SR, VSR, WD, MAX, true>(a, grad, c);
   else
-    for (int64_t c = c0; c < c1; ++c) chunk<G, VK, SR, VSR, WD, MAX, false>(a, grad, c);
+    for (int64_t c = c0; c < c1; ++c) chunk<G, VMB, SR, VSR, WD, MAX, false>(a, grad, c);
 }
 
-template <typename G, int VK, bool SR, bool VSR>
+template <typename G, int VMB, bool SR, bool VSR>
 void range_rounding(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   const int f = (a.s.weight_decay ? 2 : 0) | (a.maximize ? 1 : 0);
   switch (f) {
-    case 0: return range_flags<G, VK, SR, VSR, false, false>(a, grad, c0, c1);
-    case 1: return range_flags<G, VK, SR, VSR, false, true>(a, grad, c0, c1);
-    case 2: return range_flags<G, VK, SR, VSR, true, false>(a, grad, c0, c1);
-    default: return range_flags<G, VK, SR, VSR, true, true>(a, grad, c0, c1);
+    case 0: return range_flags<G, VMB, SR, VSR, false, false>(a, grad, c0, c1);
+    case 1: return range_flags<G, VMB, SR, VSR, false, true>(a, grad, c0, c1);
+    case 2: return range_flags<G, VMB, SR, VSR, true, false>(a, grad, c0, c1);
+    default: return range_flags<G, VMB, SR, VSR, true, true>(a, grad, c0, c1);
   }
 }
 
-template <typename G, int VK>
-void range_vk(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+template <typename G, int VMB>
+void range_v(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   switch ((a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0)) {
-    case 0: return range_rounding<G, VK, false, false>(a, grad, c0, c1);
-    case 1: return range_rounding<G, VK, false, true>(a, grad, c0, c1);
-    case 2: return range_rounding<G, VK, true, false>(a, grad, c0, c1);
-    default: return range_rounding<G, VK, true, true>(a, grad, c0, c1);
+    case 0: return range_rounding<G, VMB, false, false>(a, grad, c0, c1);
+    case 1: return range_rounding<G, VMB, false, true>(a, grad, c0, c1);
+    case 2: return range_rounding<G, VMB, true, false>(a, grad, c0, c1);
+    default: return range_rounding<G, VMB, true, true>(a, grad, c0, c1);
   }
 }
 
 }  // namespace vec
 
-// Chunks [c0, c1) on the portable vector path.
+// Chunks [c0, c1) on the portable vector path, instantiated per grid of FP4_V_GRIDS by its mantissa bits.
 template <typename G>
 void step_range_vec(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-  switch (a.v_kind) {
-    case fp4::kVUfp4: return vec::range_vk<G, fp4::kVUfp4>(a, grad, c0, c1);
-    case fp4::kVNvfp4: return vec::range_vk<G, fp4::kVNvfp4>(a, grad, c0, c1);
-    default: return vec::range_vk<G, fp4::kVUe2m2>(a, grad, c0, c1);
-  }
+#define FP4_V_CASE(name, id, mbits, block) \
+  case id: return vec::range_v<G, mbits>(a, grad, c0, c1);
+  switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
+#undef FP4_V_CASE
 }
 
 template <typename G>

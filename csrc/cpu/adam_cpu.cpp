@@ -1,6 +1,6 @@
 // The fused FP4AdamW step on CPU: one pass per chunk of 1024 elements that decodes m and sqrt(v), updates
-// the fp32 master weight, re-encodes m (NVFP4) and sqrt(v) (ue2m2 or ufp4), and optionally writes a bf16 copy of
-// the new weight. The operation order is the one in fp4offload/_optim/reference_step.py (normative);
+// the fp32 master weight, re-encodes m (NVFP4) and sqrt(v) (on its grid, csrc/grids.h), and optionally writes a bf16
+// copy of the new weight. The operation order is the one in fp4offload/_optim/reference_step.py (normative);
 // every scalar rule comes from csrc/fp4_codec.h, so the bytes equal the torch reference's.
 //
 // Parallel over chunks with at::parallel_for (OpenMP). The chunk itself is one of four paths, all with the
@@ -84,7 +84,7 @@ ChunkArgs state_args(int64_t n, torch::Tensor& m_codes, torch::Tensor& m_scales,
   a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
                 (float)rsbc2, weight_decay};
   a.maximize = maximize;
-  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step: v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2), got ", v_kind);
+  TORCH_CHECK(fp4::v_mbits(v_kind) >= 0, "fused_step: v_kind must be one of" FP4_V_KINDS_TEXT ", got ", v_kind);
   a.v_kind = (int)v_kind;
   a.m_stochastic = m_stochastic;
   a.v_stochastic = v_stochastic;

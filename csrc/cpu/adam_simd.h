@@ -34,23 +34,19 @@ namespace S = fp4simd;
 using S::F16;
 using S::U16;
 
-// Row s of a grid: its 16 values times e4m3_value(s). Exact (at most 7 significant bits, far from the fp32
+// Row s of a grid: its 16 values times e4m3_value(s). Exact (at most 9 significant bits, far from the fp32
 // range's ends; a NaN scale gives a NaN row), so (value * scale) * s_dec is one multiply of a row by s_dec.
+// grid[mb]: E2M1 (mb 0) or the unsigned grid of mb mantissa bits.
 struct Luts {
-  S::Lut256 e2m1, ufp4, ue2m2;
+  S::Lut256 grid[FP4_V_MBITS_MAX + 1];
   Luts() {
-    for (int s = 0; s < 256; ++s) {
-      const float sv = fp4::e4m3_value((uint8_t)s);
-      float a[16], b[16], c[16];
-      for (int k = 0; k < 16; ++k) {
-        a[k] = fp4::e2m1_value((uint8_t)k) * sv;
-        b[k] = fp4::ugrid_value((uint8_t)k, 1) * sv;
-        c[k] = fp4::ugrid_value((uint8_t)k, 2) * sv;
+    for (int mb = 0; mb <= FP4_V_MBITS_MAX; ++mb)
+      for (int s = 0; s < 256; ++s) {
+        const float sv = fp4::e4m3_value((uint8_t)s);
+        float a[16];
+        for (int k = 0; k < 16; ++k) a[k] = (mb ? fp4::ugrid_value((uint8_t)k, mb) : fp4::e2m1_value((uint8_t)k)) * sv;
+        S::set_row(grid[mb], s, a);
       }
-      S::set_row(e2m1, s, a);
-      S::set_row(ufp4, s, b);
-      S::set_row(ue2m2, s, c);
-    }
   }
 };
 inline const Luts& luts() {
@@ -155,10 +151,10 @@ static inline void encode_chunk(const float* buf, const uint32_t* bmax, uint32_t
 
 // The update of one full chunk: new weights (and their bf16 copy), the new m and u (v for NVFP4 v) in mbuf and
 // ubuf, and each block's maximum pattern of |m| and of u in mmax and umax.
-template <typename G, int VK, bool WD, bool BF16>
+template <typename G, int VMB, bool WD, bool BF16>
 void update(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows, const S::Lut256& vrows,
             float* mbuf, float* ubuf, uint32_t* mmax, uint32_t* umax) {
-  constexpr bool VNv = VK == fp4::kVNvfp4;
+  constexpr bool VNv = VMB == 0;
   const int64_t i0 = c * kChunk;
   const uint8_t *mc = a.m_codes + i0 / 2, *ms = a.m_scales + i0 / 16, *vc = a.v_codes + i0 / 2,
                 *vs = a.v_scales + i0 / 16;
@@ -203,16 +199,16 @@ void update(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows
   }
 }
 
-template <typename G, int VK, bool SR, bool VSR>
+// VMB: the mantissa bits of the v state's grid (0: v itself in NVFP4).
+template <typename G, int VMB, bool SR, bool VSR>
 void chunk(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows, const S::Lut256& vrows) {
-  constexpr int VMB = VK == fp4::kVNvfp4 ? 0 : (VK == fp4::kVUe2m2 ? 2 : 1);
   alignas(64) float mbuf[kChunk], ubuf[kChunk];
   alignas(64) uint32_t mmax[kChunk / 16], umax[kChunk / 16];
   switch ((a.s.weight_decay ? 2 : 0) | (a.bf16_out ? 1 : 0)) {
-    case 0: update<G, VK, false, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
-    case 1: update<G, VK, false, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
-    case 2: update<G, VK, true, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
-    default: update<G, VK, true, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 0: update<G, VMB, false, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 1: update<G, VMB, false, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 2: update<G, VMB, true, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    default: update<G, VMB, true, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
   }
   const int64_t i0 = c * kChunk;
   const uint32_t index0 = (uint32_t)(i0 % kSegment);
@@ -220,38 +216,36 @@ void chunk(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows,
   encode_chunk<VMB, VSR>(ubuf, umax, v_key(a, i0), index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
 }
 
-template <typename G, int VK, bool SR, bool VSR>
+template <typename G, int VMB, bool SR, bool VSR>
 void range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   const Luts& t = luts();
-  const S::Lut256& vrows = VK == fp4::kVNvfp4 ? t.e2m1 : VK == fp4::kVUe2m2 ? t.ue2m2 : t.ufp4;
   for (int64_t c = c0; c < c1; ++c) {
     if ((c + 1) * kChunk <= a.n)
-      chunk<G, VK, SR, VSR>(a, grad, c, t.e2m1, vrows);
+      chunk<G, VMB, SR, VSR>(a, grad, c, t.grid[0], t.grid[VMB]);
     else
       step_range_vec(a, grad, c, c + 1);  // the partial last chunk
   }
 }
 
-template <typename G, int VK>
-void range_vk(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+template <typename G, int VMB>
+void range_v(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   switch ((a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0)) {
-    case 0: return range<G, VK, false, false>(a, grad, c0, c1);
-    case 1: return range<G, VK, false, true>(a, grad, c0, c1);
-    case 2: return range<G, VK, true, false>(a, grad, c0, c1);
-    default: return range<G, VK, true, true>(a, grad, c0, c1);
+    case 0: return range<G, VMB, false, false>(a, grad, c0, c1);
+    case 1: return range<G, VMB, false, true>(a, grad, c0, c1);
+    case 2: return range<G, VMB, true, false>(a, grad, c0, c1);
+    default: return range<G, VMB, true, true>(a, grad, c0, c1);
   }
 }
 
 }  // namespace simd_step
 
-// Chunks [c0, c1) on the SIMD-layer step.
+// Chunks [c0, c1) on the SIMD-layer step, instantiated per grid of FP4_V_GRIDS by its mantissa bits.
 template <typename G>
 void step_range_simd(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-  switch (a.v_kind) {
-    case fp4::kVUfp4: return simd_step::range_vk<G, fp4::kVUfp4>(a, grad, c0, c1);
-    case fp4::kVNvfp4: return simd_step::range_vk<G, fp4::kVNvfp4>(a, grad, c0, c1);
-    default: return simd_step::range_vk<G, fp4::kVUe2m2>(a, grad, c0, c1);
-  }
+#define FP4_V_CASE(name, id, mbits, block) \
+  case id: return simd_step::range_v<G, mbits>(a, grad, c0, c1);
+  switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
+#undef FP4_V_CASE
 }
 #else
 #define FP4_SIMD_STEP 0

@@ -1,7 +1,8 @@
 // Which vector path this build of a CPU extension carries, and the run-time switch to its scalar path.
 //
 // fp4offload builds each CPU extension once per instruction set, each with its own target flags and module
-// name (fp4offload/_ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build (0 scalar, 1 avx512, 2 avx2, 3 neon, 4 sve).
+// name (fp4offload/_ops/cpu_isa.py): FP4_CPU_ISA_ID numbers the build, as the rows of FP4_CPU_ISAS do (isas.h,
+// generated from fp4offload/_config/isas.py).
 // The AVX-512 build runs the hand-scheduled kernels (nvfp4_avx512.h, adam_avx512.h); the NEON and AVX2 builds
 // run the optimizer step written on the project's SIMD layer (simd.h, simd_neon.h / simd_avx2.h, adam_simd.h);
 // the SVE build takes the NEON layer for the step too; the portable vector path (adam_chunk.h), vectorized by
@@ -9,6 +10,8 @@
 #pragma once
 
 #include <atomic>
+
+#include "cpu/isas.h"
 
 #ifndef FP4_CPU_ISA_ID
 #define FP4_CPU_ISA_ID 0
@@ -20,8 +23,10 @@
 
 namespace fp4cpu {
 
-constexpr const char* kIsaNames[] = {"scalar", "avx512", "avx2", "neon", "sve"};
-constexpr const char* kIsa = kIsaNames[FP4_CPU_ISA_ID];
+// The name of the build's path.
+#define FP4_ISA_NAME_OF(name, id) FP4_CPU_ISA_ID == id ? #name:
+constexpr const char* kIsa = FP4_CPU_ISAS(FP4_ISA_NAME_OF) "unknown";
+#undef FP4_ISA_NAME_OF
 
 // Whether the build has a vector path at all (the scalar build has none).
 constexpr bool kHasSimd =

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "fp4_codec.h"
+
 extern "C" int fp4adam_fused_step_cuda(float* param, const void* grad, int grad_is_bf16, int64_t n, uint8_t* m_codes,
                                        uint8_t* m_scales, float* m_ts, uint8_t* v_codes, uint8_t* v_scales,
                                        float* v_ts, const float* scalars8, int weight_decay, int maximize,
@@ -35,7 +37,7 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
                 c10::optional<torch::Tensor> bf16_out, bool v_stochastic) {
   TORCH_CHECK(param.is_cuda() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
               "fused_step (cuda): param must be a contiguous fp32 CUDA tensor");
-  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step (cuda): v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2)");
+  TORCH_CHECK(fp4::v_mbits(v_kind) >= 0, "fused_step (cuda): v_kind must be one of" FP4_V_KINDS_TEXT ", got ", v_kind);
   const auto dev = param.device();
   TORCH_CHECK(grad.device() == dev && grad.is_contiguous() &&
                   (grad.scalar_type() == torch::kFloat32 || grad.scalar_type() == torch::kBFloat16),
@@ -88,7 +90,8 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
                                 double rsbc2, bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic,
                                 int64_t seed, int64_t stream0, int64_t mode, bool v_stochastic) {
   TORCH_CHECK(mode == 1 || mode == 2, "fused_step_master (cuda): mode must be 1 (split) or 2 (bf16)");
-  TORCH_CHECK(v_kind >= 0 && v_kind <= 2, "fused_step_master (cuda): v_kind must be 0 (ufp4), 1 (nvfp4) or 2 (ue2m2)");
+  TORCH_CHECK(fp4::v_mbits(v_kind) >= 0, "fused_step_master (cuda): v_kind must be one of" FP4_V_KINDS_TEXT ", got ",
+              v_kind);
   TORCH_CHECK(hi.is_cuda() && hi.is_contiguous() && hi.scalar_type() == torch::kBFloat16,
               "fused_step_master (cuda): the parameter must be a contiguous bf16 CUDA tensor");
   const auto dev = hi.device();

@@ -5,8 +5,9 @@
 // without fast math: sqrtf and '/' are then IEEE round-to-nearest, as the reference requires.
 //
 // m is rounded to nearest or stochastically (m_stochastic: bits sr_key(seed, stream0 + segment, 0)), sqrt(v)
-// (ue2m2 or ufp4; v itself for nvfp4: v_kind, fp4::VKind) likewise (v_stochastic: the same rule from
-// seed ^ fp4::kVSeedXor, so an element's two states draw independent bits); the index of an element's bits is its position in its segment of 2^20.
+// (v itself for nvfp4; the grid is v_kind, a kernel id of FP4_V_GRIDS in csrc/grids.h) likewise (v_stochastic: the
+// same rule from seed ^ fp4::kVSeedXor, so an element's two states draw independent bits); the index of an element's
+// bits is its position in its segment of 2^20.
 //
 // The master is a template parameter of the one kernel (the Adam math is written once):
 //   kFp32  - an fp32 tensor, updated in place (optionally with a bf16 copy);
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
   const uint32_t wkey = kMode == kBf16 ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 1u) : 0u;
   const int vmb = fp4::v_mbits(a.v_kind);
-  const bool v_nv = a.v_kind == fp4::kVNvfp4;
+  const bool v_nv = vmb == 0;
   float m[16], u[16];
   float m_amax = 0.0f, u_amax = 0.0f;
   bool m_bad = false, u_bad = false;

@@ -1,10 +1,15 @@
 """The vocabulary: every allowed-value tuple and shared default of the project, defined here once.
 
 The schemas (:mod:`fp4offload._config.block`, :mod:`fp4offload._config.fsdp`), FP4AdamW, the activation policy, the
-codecs and the environment switches (:mod:`fp4offload._switches`) import these names. This module imports nothing.
+codecs and the environment switches (:mod:`fp4offload._switches`) import these names. Two lists come from the
+registries beside it (:mod:`~fp4offload._config.grids`, :mod:`~fp4offload._config.isas`, which import nothing); this
+module imports nothing else.
 """
 
 from __future__ import annotations
+
+from .grids import V_GRIDS
+from .isas import ISAS
 
 #: packed or plain Adam states (``optimizer_states.format``)
 OPTIMIZER_FORMATS = ("nvfp4", "fp32")
@@ -17,8 +22,8 @@ ROUNDINGS = ("nearest", "stochastic")
 V_ROUNDING_DEFAULT = "stochastic"
 #: how sqrt(v) or v is stored (FP4AdamW's ``v_format``): ue2m2 (the default) and ufp4 hold sqrt(v) on unsigned
 #: zero-free grids of two and one mantissa bits, nvfp4 holds v itself (ablation); docs/numerics.md, "The grid of
-#: sqrt(v)"
-V_FORMATS = ("ue2m2", "ufp4", "nvfp4")
+#: sqrt(v)". The rows of _config/grids.py
+V_FORMATS = tuple(g.name for g in V_GRIDS)
 V_FORMAT_DEFAULT = "ue2m2"
 #: FP4AdamW's step implementation (``backend``); not the codec backends of fp4offload._ops
 STEP_BACKENDS = ("auto", "fused", "reference")
@@ -82,5 +87,5 @@ NAME_MAX = 255
 
 #: the codec backends, in the order they are tried (FP4AdamW's step backends are STEP_BACKENDS)
 CODEC_BACKENDS = ("cuda", "cpu", "reference")
-#: the host kernels' vector paths, fastest first; "scalar" runs everywhere
-CPU_ISAS = ("avx512", "avx2", "sve", "neon", "scalar")
+#: the host kernels' vector paths, fastest first; "scalar" runs everywhere. The rows of _config/isas.py
+CPU_ISAS = tuple(i.name for i in ISAS)

@@ -1,9 +1,16 @@
-"""Activation files on a local disk: one checksummed container per tensor, in a private temporary folder.
+"""Activation files on a local disk: one checksummed container per tensor, in a private folder of fp4offload/_store.
 
-Writes and reads run on a few IO threads so they overlap compute; files use
-fp4offload.formats.container (atomic rename, mode 0600, CRC32 per tensor), so a damaged file raises
-CorruptionError when backward reads it. The folder is removed by ``close()`` and, as a last resort,
-when the store is garbage collected or the interpreter exits.
+The folder ``<nvme_path>/fp4offload-act-XXXXXXXX/`` (mode 0700; _store/folder.py) holds a lock file naming this
+process while the store lives. It is removed by ``close()`` and, as a last resort, when the store is garbage
+collected or the interpreter exits; a folder whose process died (killed, crashed) is removed by the next store
+that starts on that path, with a warning on the ``fp4offload._offload`` logger.
+
+Writes and reads run on a few I/O threads so they overlap compute, through the store's engine (_store/engines.py),
+chosen once per process and path: DeepSpeed's async_io (O_DIRECT, page-locked buffers, the file laid out in whole
+4 KiB blocks) when it loads and a probe write and read work on that disk, else buffered I/O through the container
+module (one warning says why). The page-locked buffers are bounded: a file for which the process could not lock
+more memory is read or written buffered. Either way a file is fp4offload's container (atomic rename, mode 0600,
+CRC32 per tensor), so a damaged file raises CorruptionError when backward reads it.
 
 A full disk: each write checks the free space of the folder first, and a write that fails for space anyway
 (ENOSPC, EDQUOT, EFBIG) is turned into CapacityError. The first such failure marks the store failed and
@@ -15,22 +22,42 @@ so does the next forward that saves a tensor.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
-import tempfile
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
 
 import torch
 
+from .._store.aio import ALIGN
+from .._store.engines import AioEngine, ThreadEngine, Workers, start_engine
+from .._store.folder import Folder, sweep
+from .._store.segment import file_disk_bytes
+from .._store.txn import SPACE_ERRNOS
 from ..errors import CapacityError, ConfigError, CorruptionError
-from ..formats.container import read_container, write_container
 
-_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_HEADER_ALLOWANCE = 4096  # bytes of container header counted when checking free space
+FOLDER_PREFIX = "fp4offload-act-"
+IDLE_LOCKED_BYTES = 256 << 20  # page-locked buffers the aio engine keeps for reuse between files
+log = logging.getLogger("fp4offload._offload")
+
+_engines: dict[tuple, tuple[ThreadEngine | AioEngine, str | None]] = {}
+_engines_lock = threading.Lock()
+
+
+def engine_for(root: Path, folder: Path) -> tuple[ThreadEngine | AioEngine, str | None]:
+    """The I/O engine of activation files under `root` and why aio does not run (None when it does): started
+    once per process and root (its probe runs in `folder`, a new store's), kept for the next stores."""
+    key = (os.getpid(), str(root.resolve()))
+    with _engines_lock:
+        got = _engines.get(key)
+        if got is None:
+            got = _engines[key] = start_engine("auto", folder, 2 * ALIGN, what="the activations' NVMe store",
+                                               logger=log, max_idle_bytes=IDLE_LOCKED_BYTES, bounded=True)
+        return got
 
 
 def _free(folder: Path) -> int:
@@ -40,13 +67,10 @@ def _free(folder: Path) -> int:
         return 0
 
 
-def _cleanup(folder: Path, pool: ThreadPoolExecutor) -> None:
-    pool.shutdown(wait=True, cancel_futures=True)
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 class ActivationFileStore:
-    """Files of one offload context under ``<root>/fp4offload-act-XXXX/``."""
+    """Files of one offload context under ``<root>/fp4offload-act-XXXX/``. ``io``: the engine that reads and writes
+    them (``"aio"`` or ``"threads"``), ``io_reason``: why aio does not run (None when it does); ``swept``: folders of
+    dead processes this store removed when it started."""
 
     def __init__(self, root, workers: int = 2):
         root = Path(root)
@@ -55,9 +79,19 @@ class ActivationFileStore:
                               "create it first, on a fast local disk")
         if not os.access(root, os.W_OK | os.X_OK):
             raise ConfigError("ActivationPolicy.nvme_path", str(root), "a folder this process can write to")
-        self.folder = Path(tempfile.mkdtemp(prefix="fp4offload-act-", dir=root))  # mode 0700
-        self._io = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fp4offload-nvme")
-        self._finalizer = weakref.finalize(self, _cleanup, self.folder, self._io)
+        self.swept = sweep(root, FOLDER_PREFIX, "NVMe activation folder", log)
+        self._folder = Folder(root, FOLDER_PREFIX)  # mode 0700
+        self.folder = self._folder.path
+        self._finalizer = weakref.finalize(self, self._folder)
+        try:
+            self._folder.lock()
+            self._engine, self.io_reason = engine_for(root, self.folder)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.io = self._engine.name
+        self._io = Workers(workers, name="fp4offload-nvme", max_pending_writes=None)
+        self._folder.closers = [self._io.shutdown]
         self.closed = False
         self.failed: CapacityError | None = None  # the first write that did not fit; the store is empty since
         self._fail_lock = threading.Lock()
@@ -81,16 +115,16 @@ class ActivationFileStore:
                 if self.failed is not None:
                     raise self._failure()
                 ts = tensors()
-                need = sum(t.numel() * t.element_size() for t in ts.values()) + _HEADER_ALLOWANCE
+                need = file_disk_bytes(sum(t.numel() * t.element_size() for t in ts.values()), len(ts))
                 free = _free(self.folder)
                 if need > free:
                     raise self._fail(need, free, "the disk is full")
                 try:
-                    n = write_container(path, dict(meta, key=key), ts, fsync=False)
+                    n = self._engine.write(path, dict(meta, key=key), ts, False)
                 except OSError as e:
                     if self.failed is not None:  # the folder went with another write's failure
                         raise self._failure() from None
-                    if e.errno not in _SPACE_ERRNOS:
+                    if e.errno not in SPACE_ERRNOS:
                         raise
                     raise self._fail(need, _free(self.folder),
                                      f"the write failed with {errno.errorcode.get(e.errno, e.errno)}") from None
@@ -129,9 +163,10 @@ class ActivationFileStore:
                 after.result()
             if self.failed is not None:
                 raise self._failure()
-            meta, tensors = read_container(path)
+            meta, tensors = self._engine.read(path, copy=True)
             if meta.get("key") != key:
                 raise CorruptionError(path, "file holds another activation", expected=key, found=meta.get("key"))
+            tensors.pop("_pad", None)  # the aio layout's trailing zeros
             return tensors
 
         return self._io.submit(job)
@@ -152,7 +187,8 @@ class ActivationFileStore:
             rm()
 
     def files(self) -> list[Path]:
-        return sorted(self.folder.glob("*")) if self.folder.exists() else []
+        """The files of the stored activations."""
+        return sorted(self.folder.glob("act-*.fp4c")) if self.folder.exists() else []
 
     def close(self) -> None:
         """Wait for the IO threads, then remove the folder and everything in it."""

@@ -1,63 +1,24 @@
-"""A bounded pool of reused host slabs (pinned when CUDA is present) for offloaded activations.
+"""The activations' host slab pool: fp4offload/_store/pinned.py's bounded pool of reused host slabs (pinned when
+CUDA is present), whose freed blocks raise SavedTensorReleasedError, and the process-wide pools for the activation
+policies' settings (one registry, _store.pinned.shared_pool).
 
-Pinned allocations are slow and the caching host allocator rounds each one up to a power of two, so
-the pool allocates few large power-of-two slabs and hands out aligned pieces of them with a bump
-pointer. A slab whose pieces are all freed is reset and reused. The bytes the pool reserves never
-exceed `max_bytes`; a request that does not fit returns ``None`` and the caller keeps its tensor
-where it is. Each piece remembers its slab's generation, so a piece used after it was freed (or
-after its slab was reset) raises instead of reading another tensor's bytes.
+The bytes the pool reserves never exceed `max_bytes`; a request that does not fit returns ``None`` and the
+caller keeps its tensor where it is. A block used after it was freed (or after its slab was reset) raises
+SavedTensorReleasedError instead of reading another tensor's bytes.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from .._store import pinned as _pinned
+from .._store.pinned import ALIGN, Block, default_max_host_bytes, local_ranks
 from .errors import SavedTensorReleasedError
 
-ALIGN = 512  # bytes; keeps every piece aligned for DMA and for fp32 views
+__all__ = ["ALIGN", "Block", "HostSlabPool", "default_max_host_bytes", "local_ranks", "shared_pool"]
 
 
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-class _Slab:
-    __slots__ = ("buf", "size", "bump", "live", "gen")
-
-    def __init__(self, size: int, pin: bool):
-        self.buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        self.size, self.bump, self.live, self.gen = size, 0, 0, 0
-
-
-class Block:
-    """A piece of a slab: `nbytes` bytes at `offset`. ``view()`` checks the piece is still this one's."""
-
-    __slots__ = ("slab", "offset", "nbytes", "reserved", "gen", "freed")
-
-    def __init__(self, slab: _Slab, offset: int, nbytes: int, reserved: int):
-        self.slab, self.offset, self.nbytes, self.reserved = slab, offset, nbytes, reserved
-        self.gen, self.freed = slab.gen, False
-
-    @property
-    def valid(self) -> bool:
-        return not self.freed and self.gen == self.slab.gen
-
-    def view(self, start: int = 0, nbytes: int | None = None) -> torch.Tensor:
-        """uint8 view of the piece (or of `nbytes` at `start` inside it)."""
-        if not self.valid:
-            raise SavedTensorReleasedError((self.nbytes,), torch.uint8, "its host slot was freed and may hold "
-                                           "another tensor now")
-        n = self.nbytes - start if nbytes is None else nbytes
-        return self.slab.buf[self.offset + start:self.offset + start + n]
-
-
-class HostSlabPool:
+class HostSlabPool(_pinned.HostSlabPool):
     """Host memory for offloaded tensors: bounded, reused, pinned when CUDA is present.
 
     Args:
@@ -67,130 +28,11 @@ class HostSlabPool:
         pin: pin the slabs (default: when ``torch.cuda.is_available()``); plain host memory otherwise.
     """
 
-    def __init__(self, max_bytes: int, slab_bytes: int = 1 << 25, pin: bool | None = None):
-        self.max_bytes, self.slab_bytes = int(max_bytes), int(slab_bytes)
-        self.pin = torch.cuda.is_available() if pin is None else bool(pin)
-        self._lock = threading.Lock()
-        self._slabs: list[_Slab] = []
-        self._current: _Slab | None = None
-        self.stats = {"slabs_created": 0, "slabs_released": 0, "allocs": 0, "failed_allocs": 0,
-                      "reserved_bytes": 0, "in_use_bytes": 0, "peak_in_use_bytes": 0, "peak_reserved_bytes": 0}
-
-    # -- allocation ------------------------------------------------------------------------------
-    def alloc(self, nbytes: int) -> Block | None:
-        """A block of `nbytes` bytes, or ``None`` when the pool would pass `max_bytes`."""
-        need = _round_up(max(int(nbytes), 1), ALIGN)
-        with self._lock:
-            slab = self._find(need)
-            if slab is None:
-                self.stats["failed_allocs"] += 1
-                return None
-            blk = Block(slab, slab.bump, int(nbytes), need)
-            slab.bump += need
-            slab.live += 1
-            st = self.stats
-            st["allocs"] += 1
-            st["in_use_bytes"] += need
-            st["peak_in_use_bytes"] = max(st["peak_in_use_bytes"], st["in_use_bytes"])
-            return blk
-
-    def _find(self, need: int) -> _Slab | None:
-        cur = self._current
-        if cur is not None and cur.size - cur.bump >= need:
-            return cur
-        empty = [s for s in self._slabs if s.live == 0 and s.size >= need]
-        if empty:
-            slab = min(empty, key=lambda s: s.size)
-        else:
-            size = self.slab_bytes if need <= self.slab_bytes else _next_pow2(need)
-            if self.stats["reserved_bytes"] + size > self.max_bytes:
-                self._trim(self.stats["reserved_bytes"] + size - self.max_bytes)
-            if self.stats["reserved_bytes"] + size > self.max_bytes:
-                # last resort: room left at the end of a slab still in use
-                tails = [s for s in self._slabs if s.size - s.bump >= need]
-                if not tails:
-                    return None
-                return min(tails, key=lambda s: s.size - s.bump)
-            slab = _Slab(size, self.pin)
-            self._slabs.append(slab)
-            self.stats["slabs_created"] += 1
-            self.stats["reserved_bytes"] += size
-            self.stats["peak_reserved_bytes"] = max(self.stats["peak_reserved_bytes"], self.stats["reserved_bytes"])
-        if slab.size == self.slab_bytes:
-            self._current = slab  # ordinary slabs take the following small requests too
-        return slab
-
-    def _trim(self, want: int) -> int:
-        """Give idle slabs back to the system until `want` bytes are released; returns bytes released."""
-        freed = 0
-        for s in sorted((s for s in self._slabs if s.live == 0), key=lambda s: -s.size):
-            if freed >= want:
-                break
-            self._slabs.remove(s)
-            if self._current is s:
-                self._current = None
-            s.gen += 1
-            s.buf = torch.empty(0, dtype=torch.uint8)
-            freed += s.size
-            self.stats["reserved_bytes"] -= s.size
-            self.stats["slabs_released"] += 1
-        return freed
-
-    def free(self, block: Block) -> None:
-        """Return a block; its slab is reset and reused once all of its blocks are back."""
-        with self._lock:
-            if block.freed:
-                return
-            block.freed = True
-            if block.gen != block.slab.gen:
-                return
-            slab = block.slab
-            slab.live -= 1
-            self.stats["in_use_bytes"] -= block.reserved
-            if slab.live == 0:
-                slab.bump = 0
-                slab.gen += 1
-
-    def trim(self) -> int:
-        """Release every idle slab; returns the bytes released."""
-        with self._lock:
-            return self._trim(1 << 62)
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            out = dict(self.stats)
-            out.update(slabs=len(self._slabs), max_bytes=self.max_bytes, slab_bytes=self.slab_bytes, pinned=self.pin)
-            return out
-
-
-_SHARED: dict[tuple, HostSlabPool] = {}
-_SHARED_LOCK = threading.Lock()
-
-
-def local_ranks() -> int:
-    """The ranks on this node (:func:`fp4offload._machine.launcher_ranks`: ``LOCAL_WORLD_SIZE``, set by torchrun and
-    the DeepSpeed launcher, ``LOCAL_SIZE``, ``OMPI_COMM_WORLD_LOCAL_SIZE``; 1 without)."""
-    from fp4offload._machine import launcher_ranks
-
-    return launcher_ranks().local
-
-
-def default_max_host_bytes() -> int:
-    """The default cap of the shared pools: half of the RAM this process may use right now (what the machine has
-    available, within its cgroup's limit: :func:`fp4offload._machine.limits`), shared by the node's local ranks,
-    so 8 ranks of a node do not each try to pin half of it."""
-    from fp4offload._machine import limits
-
-    return limits().free // 2 // local_ranks()
+    def released(self, nbytes: int) -> Exception:
+        return SavedTensorReleasedError((nbytes,), torch.uint8, "its host slot was freed and may hold another tensor "
+                                        "now")
 
 
 def shared_pool(max_bytes: int | None, slab_bytes: int = 1 << 25, pin: bool | None = None) -> HostSlabPool:
     """The process-wide pool for these settings, so slabs are reused from one training step to the next."""
-    pin = torch.cuda.is_available() if pin is None else bool(pin)
-    with _SHARED_LOCK:
-        key = (max_bytes, slab_bytes, pin)
-        pool = _SHARED.get(key)
-        if pool is None:
-            pool = _SHARED[key] = HostSlabPool(default_max_host_bytes() if max_bytes is None else max_bytes,
-                                               slab_bytes, pin)
-        return pool
+    return _pinned.shared_pool(max_bytes, slab_bytes, pin, cls=HostSlabPool)

@@ -14,11 +14,9 @@ from types import ModuleType
 import torch
 
 from .. import _switches as switches
-from .._config.vocab import CODEC_BACKENDS as CODEC_BACKENDS  # the backends, in the order they are tried
 from ..errors import ConfigError
 from ..formats import reference
 
-_status: dict[str, tuple[bool, str]] = {}
 _warned: set[str] = set()
 
 
@@ -28,23 +26,22 @@ def forced_backend() -> str | None:
     return None if name == "auto" else name
 
 
-def _load(name: str) -> ModuleType | None:
-    """Import (and JIT-build on first use) a compiled backend; remember why it failed."""
+def load(name: str) -> tuple[ModuleType | None, str]:
+    """(the backend module, "built"), or (None, why) when its extension does not build; builds it on first use
+    (build.load: once per process)."""
     if name == "reference":
-        return reference
-    if name in _status and not _status[name][0]:
-        return None
+        return reference, "pure torch"
+    from .build import why
+
+    if name == "cpu":
+        from . import cpu as mod
+    else:
+        from . import cuda as mod
     try:
-        if name == "cpu":
-            from . import cpu as mod
-        else:
-            from . import cuda as mod
         mod.extension()
-        _status[name] = (True, "built")
-        return mod
-    except Exception as e:  # a compiler or toolchain problem: fall back, and say why
-        _status[name] = (False, f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}")
-        return None
+    except Exception as e:  # a compiler, toolchain or device problem: fall back, and say why
+        return None, why(e)
+    return mod, "built"
 
 
 def backend_for(device: torch.device | str) -> ModuleType:
@@ -56,17 +53,17 @@ def backend_for(device: torch.device | str) -> ModuleType:
     if forced is not None:
         if forced != "reference" and forced != dev.type:
             raise ConfigError("FP4OFFLOAD_BACKEND", forced, f"'reference' or '{dev.type}' for a {dev.type} tensor")
-        mod = _load(forced)
+        mod, why = load(forced)
         if mod is None:
-            raise RuntimeError(f"FP4OFFLOAD_BACKEND={forced} but its extension does not build: {_status[forced][1]}; "
+            raise RuntimeError(f"FP4OFFLOAD_BACKEND={forced} but its extension does not build: {why}; "
                                "run `fp4offload doctor` for details, or unset FP4OFFLOAD_BACKEND")
         return mod
-    mod = _load(dev.type)
+    mod, why = load(dev.type)
     if mod is not None:
         return mod
     if dev.type not in _warned:
         _warned.add(dev.type)
-        warnings.warn(f"fp4offload: the {dev.type} extension is unavailable ({_status[dev.type][1]}); "
+        warnings.warn(f"fp4offload: the {dev.type} extension is unavailable ({why}); "
                       "using the slow torch reference. `fp4offload doctor` says more.", RuntimeWarning, stacklevel=3)
     return reference
 
@@ -74,9 +71,3 @@ def backend_for(device: torch.device | str) -> ModuleType:
 def backend_name(device: torch.device | str) -> str:
     mod = backend_for(device)
     return "reference" if mod is reference else mod.NAME
-
-
-def load(name: str) -> tuple[ModuleType | None, str]:
-    """(the backend module or None, why): builds it on first use, as dispatch does."""
-    mod = _load(name)
-    return mod, "pure torch" if name == "reference" else _status.get(name, (False, ""))[1]

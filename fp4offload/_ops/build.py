@@ -6,6 +6,10 @@ so a ``lock`` found while the flock is free was left by a build that was killed:
 saying so, instead of making this process wait for it forever (torch waits on that file without a timeout).
 A build whose sources are newer than its library (or that has none) prints one line first: what it builds and
 about how long it takes.
+
+Every extension is loaded through :func:`load`: built (or loaded from the cache) once per process, and a build that
+fails is not tried again in that process; its callers fall back (codec dispatch to the torch reference, FP4AdamW to
+the reference step, the host allocator to torch's).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from .. import _switches as switches
 
@@ -153,3 +158,33 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
             announce(f"building the {name} kernel for this machine (first use, about {base} s on one core; "
                      f"cached in {build_dir})")
         return cpp_extension.load(**kwargs)
+
+
+class BuildError(RuntimeError):
+    """An extension that did not build in this process; the message says why (:func:`why` of the build's error)."""
+
+
+_loaded: dict[str, Any] = {}
+_failed: dict[str, str] = {}
+
+
+def why(e: BaseException) -> str:
+    """One line saying why `e` happened: its type and the last line of its message (a BuildError's message)."""
+    if isinstance(e, BuildError):
+        return str(e)
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[-1]}" if text else type(e).__name__
+
+
+def load(name: str, sources: list[str], **kwargs):
+    """The extension `name` (:func:`build`'s arguments), built or loaded once per process. When its build fails,
+    this and every later call raise BuildError, without building again."""
+    if name in _loaded:
+        return _loaded[name]
+    if name not in _failed:
+        try:
+            _loaded[name] = build(name, sources, **kwargs)
+            return _loaded[name]
+        except Exception as e:  # a compiler or toolchain problem: the caller falls back
+            _failed[name] = why(e)
+    raise BuildError(_failed[name])

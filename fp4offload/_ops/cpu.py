@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from ._bindings import make_kernel_api
@@ -12,19 +10,14 @@ NAME = "cpu"
 
 
 def extension(isa: str | None = None):
-    """The codec extension built for `isa` (default: this CPU's path, or FP4OFFLOAD_CPU_ISA)."""
+    """The codec extension built for `isa` (default: this CPU's path, or FP4OFFLOAD_CPU_ISA); build.BuildError when
+    it does not build."""
     from . import cpu_isa
+    from .build import load
 
-    return _build(cpu_isa.chosen()[0] if isa is None else isa)
-
-
-@functools.lru_cache(maxsize=None)
-def _build(isa: str):
-    from . import cpu_isa
-    from .build import build
-
-    return build(cpu_isa.module_name("fp4offload_cpu", isa), ["cpu/fp4_cpu.cpp"],
-                 extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
+    isa = cpu_isa.chosen()[0] if isa is None else isa
+    return load(cpu_isa.module_name("fp4offload_cpu", isa), ["cpu/fp4_cpu.cpp"],
+                extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
 
 
 nvfp4_encode, nvfp4_decode, mx_encode, mx_decode = make_kernel_api(extension)

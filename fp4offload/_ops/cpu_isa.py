@@ -5,7 +5,8 @@ its own target flags, never ``-march=native``: a build cache shared between host
 then holds one module per path, and a host loads only a path its CPU reports. The path is read at run time
 from the CPU (the kernel's view of cpuid, ``/proc/cpuinfo`` flags, on x86; ``getauxval(AT_HWCAP)`` on
 AArch64) and can be forced with ``FP4OFFLOAD_CPU_ISA=auto|avx512|avx2|neon|sve|scalar`` (read by
-:mod:`fp4offload._switches`).
+:mod:`fp4offload._switches`). The paths, their flags and what each needs of the CPU are the rows of
+:mod:`fp4offload._config.isas`.
 """
 
 from __future__ import annotations
@@ -15,33 +16,10 @@ import functools
 import platform
 
 from .. import _switches as switches
-from .._config.vocab import CPU_ISAS
 from ..errors import ConfigError
+from .._config import isas
 
 ENV = "FP4OFFLOAD_CPU_ISA"
-#: every path, fastest first; "scalar" runs everywhere
-ISAS = CPU_ISAS
-
-#: the CPU flags each x86 path needs (/proc/cpuinfo names)
-X86_NEEDS = {
-    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vbmi", "bmi2", "avx2", "fma", "f16c"),
-    "avx2": ("avx2", "fma", "f16c"),
-}
-#: compiler flags per path: the x86 ones name each extension the code may use, so nothing depends on the
-#: build host; FP4_CPU_VEC selects the vector step (csrc/cpu/adam_simd.h on NEON and AVX2, else
-#: csrc/cpu/adam_chunk.h)
-FLAGS = {
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi", "-mbmi2", "-mavx2", "-mfma",
-               "-mf16c", "-mtune=generic"],
-    "avx2": ["-mavx2", "-mfma", "-mf16c", "-mtune=generic", "-DFP4_CPU_VEC=1"],
-    "neon": ["-march=armv8-a", "-DFP4_CPU_VEC=1"],
-    "sve": ["-march=armv8.2-a+sve", "-DFP4_CPU_VEC=1"],
-    "scalar": [],
-}
-#: the build's path as csrc/cpu/isa.h numbers it
-ISA_IDS = {"scalar": 0, "avx512": 1, "avx2": 2, "neon": 3, "sve": 4}
-_HWCAP_ASIMD = 1 << 1
-_HWCAP_SVE = 1 << 22
 _AT_HWCAP = 16
 
 
@@ -77,32 +55,33 @@ def _hwcap() -> int:
         return 0
 
 
+def row(name: str) -> isas.Isa:
+    """The registry row of the path `name`."""
+    return next(r for r in isas.ISAS if r.name == name)
+
+
+def _has(r: isas.Isa) -> bool:
+    """Whether this CPU runs the path `r`."""
+    return ((not r.arch or r.arch == arch()) and all(f in _x86_flags() for f in r.cpu_flags)
+            and (not r.hwcap or _hwcap() & r.hwcap == r.hwcap))
+
+
 def available() -> list[str]:
     """The paths this CPU can run, fastest first (always ending with "scalar")."""
-    a = arch()
-    out = []
-    if a == "x86":
-        have = _x86_flags()
-        out = [isa for isa in ("avx512", "avx2") if all(f in have for f in X86_NEEDS[isa])]
-    elif a == "aarch64":
-        cap = _hwcap()
-        if cap & _HWCAP_SVE:
-            out.append("sve")
-        if cap & _HWCAP_ASIMD:
-            out.append("neon")
-    return out + ["scalar"]
+    return [r.name for r in isas.ISAS if _has(r)]
 
 
 def _why_auto(best: str) -> str:
-    a = arch()
-    if best == "avx512":
-        return "auto: the CPU reports AVX-512 F/BW/VL/DQ/VBMI and BMI2"
-    if best == "avx2":
-        missing = [f for f in X86_NEEDS["avx512"] if f not in _x86_flags()]
-        return f"auto: the CPU reports AVX2, FMA and F16C but not {', '.join(missing)}"
-    if best in ("sve", "neon"):
-        return f"auto: getauxval(AT_HWCAP) reports {'SVE' if best == 'sve' else 'ASIMD (NEON) but not SVE'}"
-    return f"auto: no vector path for this CPU ({a})"
+    r = row(best)
+    if not r.flags:
+        return f"auto: no vector path for this CPU ({arch()})"
+    faster = [f for f in isas.ISAS[:isas.ISAS.index(r)] if f.arch == r.arch]
+    if r.arch == "x86":
+        have = _x86_flags()
+        source, missing = "the CPU reports", dict.fromkeys(c for f in faster for c in f.cpu_flags if c not in have)
+    else:
+        source, missing = "getauxval(AT_HWCAP) reports", [f.reports for f in faster]
+    return f"auto: {source} {r.reports}" + (f" but not {', '.join(missing)}" if missing else "")
 
 
 def chosen() -> tuple[str, str]:
@@ -124,7 +103,8 @@ def chosen() -> tuple[str, str]:
 
 def flags(isa: str) -> list[str]:
     """The compiler flags of `isa`'s build."""
-    return [*FLAGS[isa], f"-DFP4_CPU_ISA_ID={ISA_IDS[isa]}"]
+    r = row(isa)
+    return [*r.flags, f"-DFP4_CPU_ISA_ID={r.id}"]
 
 
 def module_name(base: str, isa: str) -> str:

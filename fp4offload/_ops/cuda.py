@@ -51,13 +51,14 @@ def nvcc_flags(archs: list[str] | None = None) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def extension():
-    """Build (or load the cached build of) the CUDA extension; raises when torch sees no CUDA device."""
+    """Build (or load the cached build of) the CUDA extension; raises when torch sees no CUDA device, and
+    build.BuildError when it does not build."""
     if not torch.cuda.is_available():
         raise RuntimeError("the cuda backend needs a CUDA build of torch and a visible GPU "
                            f"(torch {torch.__version__}, CUDA {torch.version.cuda or 'none'})")
-    from .build import build
+    from .build import load
 
-    return build("fp4offload_cuda", SOURCES, cuda=True, extra_cuda_cflags=nvcc_flags())
+    return load("fp4offload_cuda", SOURCES, cuda=True, extra_cuda_cflags=nvcc_flags())
 
 
 nvfp4_encode, nvfp4_decode, mx_encode, mx_decode = make_kernel_api(extension)

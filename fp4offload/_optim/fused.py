@@ -6,27 +6,24 @@ slower) and says so once.
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 _failed: dict[str, str] = {}
 
 
-@functools.lru_cache(maxsize=None)
 def _build_cpu(isa: str):
     from .._ops import cpu_isa
-    from .._ops.build import build
+    from .._ops.build import load
 
-    return build(cpu_isa.module_name("fp4offload_cpu_adam", isa), ["cpu/adam_cpu.cpp"],
-                 extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
+    return load(cpu_isa.module_name("fp4offload_cpu_adam", isa), ["cpu/adam_cpu.cpp"],
+                extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
 
 
-@functools.lru_cache(maxsize=None)
 def _build_cuda():
-    from .._ops.build import build
+    from .._ops.build import load
 
-    return build("fp4offload_cuda_adam", ["cuda/adam_cuda.cpp", "cuda/adam_kernels.cu"], cuda=True,
-                 extra_cuda_cflags=["-std=c++17"])
+    return load("fp4offload_cuda_adam", ["cuda/adam_cuda.cpp", "cuda/adam_kernels.cu"], cuda=True,
+                extra_cuda_cflags=["-std=c++17"])
 
 
 def cpu_extension(isa: str | None = None):
@@ -51,15 +48,17 @@ def cuda_extension():
 
 
 def _get(name, builder):
-    if name in _failed:
-        return None
+    """builder()'s extension (built once, by build.load), or None: a toolchain problem, said once; the step falls
+    back to the reference."""
     try:
         return builder()
-    except Exception as e:  # a toolchain problem: fall back to the reference step, and say why once
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        _failed[name] = msg
-        warnings.warn(f"fp4offload: the fused {name} FP4AdamW step does not build ({msg}); using the torch "
-                      "reference step (same results, slower)", RuntimeWarning, stacklevel=3)
+    except Exception as e:
+        from .._ops.build import why
+
+        if name not in _failed:
+            _failed[name] = why(e)
+            warnings.warn(f"fp4offload: the fused {name} FP4AdamW step does not build ({_failed[name]}); using the "
+                          "torch reference step (same results, slower)", RuntimeWarning, stacklevel=3)
         return None
 
 

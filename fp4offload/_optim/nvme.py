@@ -1,5 +1,5 @@
 """The file store of FP4AdamW's NVMe tier: one file per (tensor key, segment), read ahead and written behind,
-in generations that a step switches in whole or not at all.
+in generations that a step switches in whole or not at all, on the storage of fp4offload/_store.
 
 Keys: a file is named by the key of the tensor it belongs to (``<key>.s<segment>.fp4s``), not by the
 tensor's position in ``param_groups``: FP4AdamW's NVMe tier (tiers.NvmeTier) gives every tensor a key the
@@ -8,26 +8,30 @@ of first use) and keeps it as long as the tensor lives, so a caller that swaps t
 param groups (DeepSpeed ZeRO-3 steps one sub-group at a time, each alone in its group) still finds each
 tensor's own files.
 
-:class:`NvmeStore` puts together four parts, each in its own module:
+:class:`NvmeStore` puts together the parts of fp4offload/_store and what the optimizer keeps in them:
 
-- nvme_segment.py: one segment file: its names, the disk space it takes, its header (identity, step,
-  generation, run id) and the checks every read makes against the key's :class:`Record`. Files are created with
-  mode 0600 in a folder of mode 0700. (No fsync by default: the tier lives as long as the optimizer and is
-  rebuilt from a checkpoint after a crash; ``fsync=True`` adds it.)
-- nvme_folder.py: the store's folder ``<nvme_path>/fp4adamw-XXXXXXXX/``: its lock file while the store lives,
+- nvme_states.py (here): what a segment file holds (the six packed tensors, split's residual in a store with
+  ``residuals``), its header (identity, step, generation, run id), its sizes and the checks every read makes
+  against the key's :class:`Record`; a kept folder's manifest and :func:`read_kept`, which reads a kept folder
+  back as state-dict entries.
+- _store/segment.py: the segment file's names and the disk space it may take. Files are created with mode 0600 in
+  a folder of mode 0700. (No fsync by default: the tier lives as long as the optimizer and is rebuilt from a
+  checkpoint after a crash; ``fsync=True`` adds it.)
+- _store/folder.py: the store's folder ``<nvme_path>/fp4adamw-XXXXXXXX/``: its lock file while the store lives,
   the sweep of this user's folders whose owning process is gone, ``keep=True`` (a ``KEEP`` mark and, once
-  closed, a manifest) and :func:`read_kept`, which reads a kept folder back as state-dict entries.
-- nvme_txn.py: transactions (:meth:`NvmeStore.begin` ... :meth:`~NvmeStore.commit` or
+  closed, the manifest).
+- _store/txn.py: transactions (:meth:`NvmeStore.begin` ... :meth:`~NvmeStore.commit` or
   :meth:`~NvmeStore.abort`): the space of everything a transaction will write is checked and reserved up front
   (CapacityError before anything is written), its segments go to a new generation beside the committed files
   and are switched in whole on commit or deleted on abort; a step's undo file.
-- nvme_io.py: the I/O engines (``io``: ``"threads"``, ``"aio"`` with DeepSpeed's async_io op as nvme_aio.py
-  drives it, or ``"auto"``) and the ``threads`` workers that read ahead and write behind, at most
+- _store/engines.py: the I/O engines (``io``: ``"threads"``, ``"aio"`` with DeepSpeed's async_io op as
+  _store/aio.py drives it, or ``"auto"``) and the ``threads`` workers that read ahead and write behind, at most
   ``2 * threads`` writes pending.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 import weakref
 from concurrent.futures import Future
@@ -36,20 +40,35 @@ from pathlib import Path
 from .. import _metrics as metrics
 from .._config import NVME_IO_ENGINES
 from ..errors import ConfigError, CorruptionError
+from .._store import folder as _folder
+from .._store.aio import ALIGN, aio_op
+from .._store.engines import Workers, start_engine
+from .._store.folder import KEEP_NAME, LOCK_NAME
+from .._store.pinned import LockedPool
+from .._store.segment import gen_path, segment_files, segment_path
+from .._store.txn import SPACE_ERRNOS, Transactions
 from .checks import check_choice
-from .nvme_aio import ALIGN, LockedPool, aio_op
-from .nvme_folder import FOLDER_PREFIX, KEEP_NAME, LOCK_NAME, MANIFEST_KIND, MANIFEST_NAME, Folder, read_kept, sweep
-from .nvme_io import Workers, start_engine
-from .nvme_segment import (KIND, Record, check_segment, expected_header, gen_path, header, segment_disk_bytes,
-                           segment_file_bytes, segment_files, segment_path, segment_tensors, segments_of,
-                           tensor_disk_bytes, unpack)
-from .nvme_txn import SPACE_ERRNOS, Transactions
+from .nvme_states import (FOLDER_PREFIX, KIND, MANIFEST_KIND, MANIFEST_NAME, Record, StateFolder, check_segment,
+                          expected_header, header, locked_bytes, read_kept, segment_disk_bytes, segment_file_bytes,
+                          segment_tensors, segments_of, tensor_disk_bytes, unpack)
 from .reference_step import Packed, empty_packed
 from .state import Residual
 
 __all__ = ["ALIGN", "FOLDER_PREFIX", "KEEP_NAME", "KIND", "LOCK_NAME", "MANIFEST_KIND", "MANIFEST_NAME",
            "NvmeStore", "Record", "aio_op", "read_kept", "segment_disk_bytes", "segment_file_bytes", "segments_of",
            "sweep", "tensor_disk_bytes"]
+
+log = logging.getLogger("fp4offload._optim.nvme")
+SPACE_HINT = "free space on that disk, point nvme_path at a larger one, or use state_device='cpu'"
+
+
+def sweep(root) -> list[Path]:
+    """Remove this user's state folders under `root` whose owning process is gone; returns them.
+
+    A folder is removed only when it is a real directory (not a link) owned by this user, is not kept (no
+    ``KEEP`` file) and its lock file names a process on this host that no longer runs. Each removal is
+    logged as a warning on ``fp4offload._optim.nvme``."""
+    return _folder.sweep(root, FOLDER_PREFIX, "NVMe optimizer-state folder", log)
 
 
 class NvmeStore:
@@ -59,10 +78,10 @@ class NvmeStore:
         root: folder on the disk to use.
         threads: I/O workers (each with its own aio handle on the aio engine).
         reserve_bytes: free space of that disk left untouched.
-        io: ``"auto"`` | ``"aio"`` | ``"threads"`` (see nvme_io.py). ``io`` after construction
+        io: ``"auto"`` | ``"aio"`` | ``"threads"`` (see _store/engines.py). ``io`` after construction
             says which engine runs, ``io_reason`` why aio does not (None when it does).
         fsync: flush every file to stable storage before renaming it (default False).
-        keep: keep the folder when the store closes (see nvme_folder.py).
+        keep: keep the folder when the store closes (see nvme_states.py and _store/folder.py).
         residuals: every segment file also holds split's residual of the segment (``master_lo``,
             ``master_odd_bits``), read and written with the states
             (``FP4AdamW(nvme=NvmeOptions(master_device="nvme"))``).
@@ -81,7 +100,7 @@ class NvmeStore:
         self.run_id = uuid.uuid4().hex[:16]
         self.records: dict[str, Record] = {}
         self.residuals = bool(residuals)
-        self._folder = Folder(root, keep, self.run_id, self.records, self.residuals)
+        self._folder = StateFolder(root, keep, self.run_id, self.records, self.residuals)
         self.dir = self._folder.path
         self._finalizer = weakref.finalize(self, self._folder)
         try:
@@ -90,13 +109,16 @@ class NvmeStore:
             self._finalizer()
             raise
         self.keep = keep
-        self._txns = Transactions(self.dir, self.records, reserve_bytes)
+        self._txns = Transactions(self.dir, self.records, reserve_bytes, segments_of=segments_of,
+                                  subject="NVMe optimizer states", hint=SPACE_HINT)
         self.fsync = bool(fsync)
         self.threads = max(1, int(threads))
         self.max_pending_writes = 2 * self.threads
         try:
-            self._engine, self.io_reason = start_engine(io, self.dir, self.max_pending_writes + 4, self.residuals,
-                                                        aio_block_size, aio_queue_depth)
+            self._engine, self.io_reason = start_engine(io, self.dir,
+                                                        locked_bytes(self.max_pending_writes + 4, self.residuals),
+                                                        aio_block_size, aio_queue_depth, what="the NVMe tier",
+                                                        logger=log)
         except BaseException:
             self._folder.keep = False
             self._finalizer()
@@ -148,7 +170,7 @@ class NvmeStore:
     def check_space(self, need: int, what: str) -> None:
         self._txns.check_space(need, what)
 
-    # ---- transactions (nvme_txn.py) -------------------------------------------------------------------------
+    # ---- transactions (_store/txn.py) ------------------------------------------------------------------------
 
     @property
     def in_transaction(self) -> bool:
@@ -247,7 +269,7 @@ class NvmeStore:
         """Hand back the page-locked buffer of a segment read with read_async that will not be written."""
         self._engine.release({"m_codes": m.codes})
 
-    # ---- asynchronous face (nvme_io.py's workers) ---------------------------------------------------------
+    # ---- asynchronous face (_store/engines.py's workers) --------------------------------------------------
 
     def read_async(self, key: str, seg: int, n: int, v_format: str) -> Future:
         """Start reading a segment of the states `key`'s record names; the Future gives (m, v, residual) or

@@ -56,15 +56,16 @@ from typing import NamedTuple
 import torch
 
 from ..formats import reference
+from .._config.grids import V_GRIDS
 from ..formats.layout import packed_sizes as layout_sizes
 
 CHUNK = 1024
 SEGMENT = 1 << 20
 V_SEED_XOR = 0x2545F491  # v's stochastic rounding: m's rule with seed ^ V_SEED_XOR (fp4_codec.h's kVSeedXor)
 #: v_format -> the mantissa bits of the unsigned grid u = sqrt(v) is stored on (0: v itself in NVFP4)
-V_MBITS = {"ue2m2": 2, "ufp4": 1, "nvfp4": 0}
-#: v_format -> the fused steps' v_kind (fp4_codec.h's VKind)
-V_KIND = {"ufp4": 0, "nvfp4": 1, "ue2m2": 2}
+V_MBITS = {g.name: g.mbits for g in V_GRIDS}
+#: v_format -> the fused steps' v_kind (csrc/grids.h's kernel id)
+V_KIND = {g.name: g.kid for g in V_GRIDS}
 BLOCK = 16
 
 

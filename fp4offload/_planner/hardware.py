@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 from fp4offload.errors import ConfigError
+from fp4offload._config.isas import ISAS
 from fp4offload._planner.readings import Readings
 from fp4offload._memory.sizes import STATE_BYTES, step_bytes_per_param
 
@@ -39,12 +40,9 @@ _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 #: --threads 1 --rounds 5 --optimizers fp4adamw,deepspeed_cpu_adam`: DeepSpeedCPUAdam 1611 M/s, FP4AdamW
 #: (defaults) 738 M/s; rounded down. On a many-core node the memory-bandwidth cap below binds first.
 DEFAULT_CPU_ADAM_PER_CORE: dict[str, float] = {"fp32": 1.6e9, "nvfp4": 7.0e8}
-#: The FP4 step's rate per core by the CPU path the host runs (fp4offload/_ops/cpu_isa.py), parameters/s. avx512 as
-#: above; avx2 measured 2026-12-04 on a 2-core Intel Xeon VM with the path forced (`python benchmarks/optimizer.py
-#: --numel 16M --threads 2 --optimizers fp4adamw@avx2`: 489 M/s), rounded down; neon and sve (128-bit vectors, as
-#: on Grace) are a model, half the AVX2 rate, not a measurement; scalar measured on an AVX2 host before its vector
-#: path existed (59 M/s on 2 threads).
-CPU_FP4_PER_CORE: dict[str, float] = {"avx512": 7.0e8, "avx2": 2.4e8, "sve": 1.2e8, "neon": 1.2e8, "scalar": 3.0e7}
+#: The FP4 step's rate per core by the CPU path the host runs, parameters/s: the rows of fp4offload/_config/isas.py
+#: (where each rate's measurement is told)
+CPU_FP4_PER_CORE: dict[str, float] = {isa.name: isa.fp4_per_core for isa in ISAS}
 #: Host memory traffic per parameter of one step: fp32 Adam reads/writes master, m, v and reads
 #: the gradient (28 B); the FP4 step moves packed m and v instead (14.265625 B).
 CPU_ADAM_BYTES_PER_PARAM: dict[str, float] = {fmt: step_bytes_per_param(fmt, bf16_copy=False) for fmt in STATE_BYTES}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .._config.grids import V_GRIDS
+
 F32_MAX = torch.finfo(torch.float32).max
 
 #: magnitudes of E2M1 codes 0..7; code | 8 is the negative
@@ -123,7 +125,8 @@ def e8m0_exponent(amax: torch.Tensor, elem_max_mant: int, elem_emax: int, mode: 
 # Unsigned zero-free 4-bit grids for u = sqrt(v) (docs/design.md 3.7): `mbits` mantissa bits and 16 >> mbits
 # binades, the top one [1, 2): code c is (1 + (c mod 2^mbits) / 2^mbits) * 2^(c >> mbits - nb + 1), nb = 16 >> mbits.
 # ufp4 (E3M1) has mbits 1 (2^-7 .. 1.5); ue2m2 has mbits 2 (2^-3 .. 1.75). Values below the grid take code 0.
-UGRID_MBITS = {"ufp4": 1, "ue2m2": 2}
+# The grids by name: the unsigned rows of grids.py.
+UGRID_MBITS = {g.name: g.mbits for g in V_GRIDS if not g.signed}
 
 
 def ugrid_min(mbits: int) -> float:

@@ -132,7 +132,7 @@ def test_the_driver_sees_wrong_bits(tmp_path, reference):
 @pytest.mark.skipif(cpu_isa.arch() != "x86" or "avx2" not in cpu_isa.available(), reason="needs an x86 CPU with AVX2")
 @pytest.mark.slow  # ~14 s
 def test_avx2_build_equals_the_scalar_reference(tmp_path, reference):
-    exe = _build("g++", tmp_path / "avx2", [*cpu_isa.FLAGS["avx2"]])
+    exe = _build("g++", tmp_path / "avx2", [*cpu_isa.row("avx2").flags])
     _check(_digests([str(exe)]), reference)
 
 
@@ -142,7 +142,7 @@ def test_avx2_build_equals_the_scalar_reference(tmp_path, reference):
 def test_avx512_layer_build_equals_the_scalar_reference(tmp_path, reference):
     # the driver has no torch, hence none of the hand-scheduled kernels: its vector step is the SIMD-layer step
     # on simd_avx512.h, which FP4_CPU_VEC selects
-    exe = _build("g++", tmp_path / "avx512", [*cpu_isa.FLAGS["avx512"], "-DFP4_CPU_VEC=1"])
+    exe = _build("g++", tmp_path / "avx512", [*cpu_isa.row("avx512").flags, "-DFP4_CPU_VEC=1"])
     _check(_digests([str(exe)]), reference)
 
 
@@ -156,8 +156,8 @@ def aarch64(tmp_path_factory):
         skip_or_fail(f"needs the aarch64 cross compiler and qemu: {INSTALL}")
     d = tmp_path_factory.mktemp("aarch64")
     return {"qemu": qemu,
-            "neon": _build(cxx, d / "neon", ["-static", *cpu_isa.FLAGS["neon"]]),
-            "sve": _build(cxx, d / "sve", ["-static", *cpu_isa.FLAGS["sve"]])}
+            "neon": _build(cxx, d / "neon", ["-static", *cpu_isa.row("neon").flags]),
+            "sve": _build(cxx, d / "sve", ["-static", *cpu_isa.row("sve").flags])}
 
 
 @pytest.mark.slow  # the aarch64 cross builds (~20 s) and qemu

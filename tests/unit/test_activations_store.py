@@ -12,6 +12,7 @@ from benchmarks import harness
 from fp4offload import ActivationPolicy, ConfigError, CorruptionError, offload_activations
 from fp4offload._offload import HostSlabPool, SavedTensorReleasedError
 from fp4offload._offload.pinned_pool import ALIGN
+from fp4offload._store.folder import LOCK_NAME
 
 from helpers.activations import MIN_NUMEL, TOKENS, P, _one_thread, tiny_model  # noqa: F401
 
@@ -123,10 +124,11 @@ def test_nvme_round_trip_and_cleanup_after_backward(tmp_path, fmt):
         loss = harness.lm_loss(m, TOKENS)
     off.synchronize()
     folder = off.nvme_folder
-    files = list(folder.iterdir())
+    files = sorted(folder.glob("act-*.fp4c"))
     assert folder.parent == tmp_path and stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert sorted(folder.iterdir()) == sorted([*files, folder / LOCK_NAME])  # the lock names this process
     assert len(files) == off.snapshot()["tensors_stored"] > 0
-    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in folder.iterdir())
     assert sum(f.stat().st_size for f in files) > off.snapshot()["bytes_out"]
     loss.backward()
     g = grads(m)
@@ -155,7 +157,8 @@ def test_nvme_corrupted_file_raises_corruption_error_in_backward(tmp_path):
     with offload_activations(policy) as off:
         loss = harness.lm_loss(m, TOKENS)
     off.synchronize()
-    victim = sorted(off.nvme_folder.iterdir())[len(list(off.nvme_folder.iterdir())) // 2]
+    stored = sorted(off.nvme_folder.glob("act-*.fp4c"))  # (not the folder's lock file)
+    victim = stored[len(stored) // 2]
     raw = bytearray(victim.read_bytes())
     raw[-3] ^= 0x5A  # a payload byte
     os.chmod(victim, 0o600)

@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
+from fp4offload._config import vocab
 from fp4offload.errors import ConfigError
+from fp4offload._config import isas
 from fp4offload._ops import cpu_isa
 from fp4offload._planner.hardware import CPU_FP4_PER_CORE, build_cluster
 
@@ -19,18 +21,18 @@ from fp4offload._planner.hardware import CPU_FP4_PER_CORE, build_cluster
 def test_available_paths_end_with_scalar_and_match_the_cpu():
     have = cpu_isa.available()
     assert have[-1] == "scalar" and len(set(have)) == len(have)
-    assert all(p in cpu_isa.ISAS for p in have)
+    assert all(p in vocab.CPU_ISAS for p in have)
     if cpu_isa.arch() == "x86":
         flags = open("/proc/cpuinfo").read()
-        assert ("avx2" in have) == all(f" {f}" in flags for f in cpu_isa.X86_NEEDS["avx2"])
+        assert ("avx2" in have) == all(f" {f}" in flags for f in cpu_isa.row("avx2").cpu_flags)
         assert not {"neon", "sve"} & set(have)
 
 
 def test_no_build_depends_on_the_build_host():
-    for isa in cpu_isa.ISAS:
-        flags = cpu_isa.flags(isa)
+    for isa in isas.ISAS:
+        flags = cpu_isa.flags(isa.name)
         assert not any("native" in f for f in flags), (isa, flags)
-        assert f"-DFP4_CPU_ISA_ID={cpu_isa.ISA_IDS[isa]}" in flags
+        assert f"-DFP4_CPU_ISA_ID={isa.id}" in flags
     assert cpu_isa.module_name("fp4offload_cpu", "avx2") != cpu_isa.module_name("fp4offload_cpu", "avx512")
 
 
@@ -53,7 +55,7 @@ def test_an_unknown_path_is_a_config_error_naming_what_this_cpu_has(monkeypatch,
 
 
 def test_a_path_this_cpu_lacks_is_a_config_error(monkeypatch):
-    missing = next(p for p in cpu_isa.ISAS if p not in cpu_isa.available())
+    missing = next(p for p in vocab.CPU_ISAS if p not in cpu_isa.available())
     monkeypatch.setenv(cpu_isa.ENV, missing)
     with pytest.raises(ConfigError, match=f"{missing!r} is not allowed; expected a path this CPU has"):
         cpu_isa.chosen()

@@ -20,8 +20,8 @@ from fp4offload.formats.container import read_container, verify_container, write
 from fp4offload._optim import SEGMENT, FP4AdamW, NvmeOptions, StepOptions, load_param_states
 from fp4offload._optim import master as MW
 from fp4offload._optim import nvme as nvme_mod
-from fp4offload._optim import nvme_io
-from fp4offload._optim.nvme_aio import ALIGN, aio_layout
+from fp4offload._store import engines as nvme_io
+from fp4offload._store.aio import ALIGN, aio_layout
 from fp4offload._optim.reference_step import packed_sizes
 from fp4offload._optim.state import PACKED_KEYS, RESIDUAL_KEYS, residual_sizes
 from fp4offload._optim.tiers import undo_bytes

@@ -20,7 +20,7 @@ from fp4offload.formats.container import read_container
 from fp4offload._optim import SEGMENT
 from helpers.extensions import LIBAIO_FIX, skip_or_fail
 from fp4offload._optim import nvme as nvme_mod
-from fp4offload._optim import nvme_io
+from fp4offload._store import engines as nvme_io
 
 ENGINES = ("threads", "aio")
 

@@ -309,8 +309,11 @@ int main(int argc, char** argv) {
     if (FP4_CPU_VEC) printf("%s %s %016llx\n", name.c_str(), vec_name, (unsigned long long)fn(true));
   };
   const int64_t sizes[] = {1, 15, 16, 17, 1000, 1024, 1025, 5003, 70001};
+#define FP4_V_ID(name, id, mbits, block) id,
+  const int vkinds[] = {FP4_V_GRIDS(FP4_V_ID)};  // every v grid (csrc/grids.h)
+#undef FP4_V_ID
   for (int64_t n : sizes)
-    for (int vk = 0; vk < 3; ++vk)
+    for (int vk : vkinds)
       for (int r = 0; r < 4; ++r) {
         const bool msr = r & 2, vsr = r & 1;
         char name[96];
@@ -329,7 +332,7 @@ int main(int argc, char** argv) {
       snprintf(name, sizeof name, "step-gscale-n%lld-bf%d", (long long)n, bf);
       emit(name, [&](bool v) { return run_step(n, 2, true, true, bf, true, n == 17, false, 0, v, 0.3183f); });
     }
-  for (int vk = 0; vk < 3; ++vk) {
+  for (int vk : vkinds) {
     char name[96];
     snprintf(name, sizeof name, "step-special-vk%d", vk);
     emit(name, [&](bool v) { return run_step(3000, vk, true, vk == 2, false, true, false, true, 97, v); });

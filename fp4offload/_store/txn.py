@@ -1,20 +1,20 @@
-"""The NVMe store's transactions: space reserved up front, generations switched in whole or not at all, and the
-undo file of a step.
+"""A store's transactions: space reserved up front, generations switched in whole or not at all, and the undo
+file of a transaction.
 
-Generations (the all-or-nothing step): the store remembers, per key, the record of its files (generation,
-step, element count, v format; generation 0: a fresh tensor whose states are zeros and have no file yet).
+Generations (the all-or-nothing step): the store remembers, per key, the record of its files (any object with a
+generation ``gen`` and an element count ``numel``; generation 0: a key whose data are zeros and have no file yet).
 Every write belongs to a transaction (:meth:`Transactions.begin` ... :meth:`~Transactions.commit` or
 :meth:`~Transactions.abort`; FP4AdamW opens one per step, and one per tensor it loads). ``begin`` checks the free
 space for everything the transaction will write (minus ``reserve_bytes``) and reserves it on the disk (a
 preallocated file that each write shrinks by what it is about to use, so another writer on the disk cannot take
 it mid-step), and raises CapacityError before anything is written. The transaction's segments go to new names
-(``.<key>.s<segment>.g<gen>.fp4s``) beside the committed files, which stay as they are; ``commit`` renames the
-new generation over them once every write of the step has landed, ``abort`` deletes it and restores the
+(``.<key>.s<segment>.g<gen>.fp4s``, segment.py) beside the committed files, which stay as they are; ``commit``
+renames the new generation over them once every write has landed, ``abort`` deletes it and restores the
 records. A write that fails for space anyway (ENOSPC, EDQUOT, EFBIG) raises CapacityError
 (:meth:`~Transactions.space_error`); the caller aborts.
 
-The undo file (``.undo.g<gen>``) holds what a step changed beyond what RAM holds for its undo, appended with
-space from the transaction's reservation and read back when the step is undone.
+The undo file (``.undo.g<gen>``) holds what a transaction changed beyond what RAM holds for its undo, appended
+with space from the transaction's reservation and read back when it is undone.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ import errno
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CapacityError, CorruptionError
-from .nvme_aio import ALIGN, round_up
-from .nvme_segment import Record, gen_path, segment_files, segment_of, segment_path, segments_of
+from .aio import ALIGN, round_up
+from .segment import gen_path, segment_files, segment_of, segment_path
 
 SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-SPACE_HINT = "free space on that disk, point nvme_path at a larger one, or use state_device='cpu'"
+SPACE_HINT = "free space on that disk or point the store at a larger one"
 
 
 class Reservation:
@@ -73,7 +74,7 @@ class Txn:
     def __init__(self, gen: int, reservation: Reservation):
         self.gen, self.reservation = gen, reservation
         self.written: set[Path] = set()  # generation files this transaction started
-        self.orig: dict[str, Record | None] = {}  # records before the transaction, of the keys it touched
+        self.orig: dict = {}  # records before the transaction, of the keys it touched
         self.undo_fd: int | None = None
         self.undo_len = 0
 
@@ -85,10 +86,15 @@ class Txn:
 
 class Transactions:
     """The records of the keys of a store's folder `folder` (`records`, shared with its owner) and the one
-    transaction open at a time over them; `reserve_bytes` of the disk are left untouched."""
+    transaction open at a time over them; `reserve_bytes` of the disk are left untouched.
 
-    def __init__(self, folder: Path, records: dict[str, Record], reserve_bytes: int = 0):
+    `segments_of(numel)`: how many segment files a record of `numel` elements has. `subject` names the store in a
+    CapacityError (``"<subject> (<what>) in <folder>"``) and `hint` ends its message (what to do)."""
+
+    def __init__(self, folder: Path, records: dict, reserve_bytes: int = 0, *,
+                 segments_of: Callable[[int], int], subject: str = "NVMe files", hint: str = SPACE_HINT):
         self.dir, self.records, self.reserve_bytes = folder, records, int(reserve_bytes)
+        self._segments_of, self.subject, self.hint = segments_of, subject, hint
         self.current: Txn | None = None
         self._max_segs: dict[str, int] = {}  # key -> how many segments its committed files have
         self._next_gen = 1
@@ -102,8 +108,8 @@ class Transactions:
     def check_space(self, need: int, what: str) -> None:
         have = self.free_bytes()
         if need > have:
-            raise CapacityError(f"NVMe optimizer states ({what}) in {self.dir}", need, max(have, 0),
-                                "nothing was written; " + SPACE_HINT)
+            raise CapacityError(f"{self.subject} ({what}) in {self.dir}", need, max(have, 0),
+                                "nothing was written; " + self.hint)
 
     def _space_left(self, e: OSError) -> tuple[int, str]:
         """(bytes left, the failure in words) after a write failed for space (ENOSPC with free bytes left: the
@@ -121,12 +127,12 @@ class Transactions:
         """The CapacityError of a write of `need` bytes for `what` that failed for space (`e`); `detail` says what
         stands now, ``{why}`` in it naming the failure."""
         have, why = self._space_left(e)
-        return CapacityError(f"NVMe optimizer states ({what}) in {self.dir}", need, have,
-                             detail.format(why=why) + SPACE_HINT)
+        return CapacityError(f"{self.subject} ({what}) in {self.dir}", need, have,
+                             detail.format(why=why) + self.hint)
 
     # ---- committed files ---------------------------------------------------------------------------------------
 
-    def read_path(self, key: str, seg: int, rec: Record) -> Path:
+    def read_path(self, key: str, seg: int, rec) -> Path:
         """The file of segment `seg` that `rec` names: the open generation's when it wrote it, else the committed."""
         txn = self.current
         if txn is not None and rec.gen == txn.gen:
@@ -173,7 +179,7 @@ class Transactions:
                                    "every previous state file is intact; ") from None
         self.current = txn
 
-    def set_record(self, key: str, rec: Record | None) -> None:
+    def set_record(self, key: str, rec) -> None:
         """Change the record of `key`; inside a transaction the previous one comes back on abort."""
         if self.current is not None:
             self.current.orig.setdefault(key, self.records.get(key))
@@ -191,7 +197,7 @@ class Transactions:
         try:
             for key in txn.orig:
                 rec = self.records.get(key)
-                now = 0 if rec is None or rec.gen == 0 else segments_of(rec.numel)
+                now = 0 if rec is None or rec.gen == 0 else self._segments_of(rec.numel)
                 if rec is not None and rec.gen == txn.gen:
                     for s in range(now):
                         os.replace(gen_path(self.dir, key, s, txn.gen), segment_path(self.dir, key, s))

@@ -1,29 +1,30 @@
-"""The direct-I/O (``"aio"``) engine of the NVMe store: DeepSpeed's async_io op and its file layout.
+"""The direct-I/O (``"aio"``) engine's core: DeepSpeed's async_io op and the direct-I/O layout of a container file.
 
-Owns: loading DeepSpeed's async_io op (:func:`aio_op`), the page-locked buffer pool (:class:`LockedPool`),
-the probe of a folder (:func:`probe`), and the reads and writes of one segment file (:func:`read_file`,
-:func:`write_file`). The aio engine (nvme_io.AioEngine) keeps one aio handle per worker thread and hands it in.
+Owns: loading DeepSpeed's async_io op (:func:`aio_op`), the probe of a folder (:func:`probe`), and the reads and
+writes of one file (:func:`read_file`, :func:`write_file`) in page-locked buffers of a
+:class:`~fp4offload._store.pinned.LockedPool`. The aio engine (engines.AioEngine) keeps one aio handle per worker
+thread and hands it in.
 
-The file is fp4offload's container laid out for direct I/O: the JSON header is padded with spaces so the
-payload starts at 4096, each tensor starts on a 64-byte boundary (zero gaps), and a trailing zero tensor
-``_pad`` (checksummed like the others) makes the file a whole number of 4096-byte blocks, so read_container
+The file is fp4offload's container (formats/container.py) laid out for direct I/O: the JSON header is padded with
+spaces so the payload starts at 4096, each tensor starts on a 64-byte boundary (zero gaps), and a trailing zero
+tensor ``_pad`` (checksummed like the others) makes the file a whole number of 4096-byte blocks, so read_container
 still reads it. A read takes the whole file into a page-locked buffer in one request and checks it in memory
-(the same checks as read_container, plus: the gaps must be zero); the tensors (six, eight with split's residual)
-are views of that buffer, which the step updates in place and the write sends back as it is (no copy). A write
-preallocates the temporary file (posix_fallocate: a full disk fails there, before any byte is written), lets aio
-fill it, checks its size, then (fsync and) renames it in Python. The temporary is created exclusively (O_EXCL,
-O_NOFOLLOW: a name planted in the folder is never written through). A file whose size is not a whole number of blocks (a
-thread-engine file, or a damaged one) is left to read_container. DeepSpeed's handle does not report failed
-requests of a transfer; a silently failed write shows up as a CorruptionError when the segment is next read,
-never as wrong states.
+(the same checks as read_container, plus: the gaps must be zero); the tensors are views of that buffer, which a
+caller may update in place and the write sends back as it is (no copy). A write preallocates the temporary file
+(posix_fallocate: a full disk fails there, before any byte is written), lets aio fill it, checks its size, then
+(fsync and) renames it in Python. The temporary is created exclusively (O_EXCL, O_NOFOLLOW: a name planted in the
+folder is never written through). A file whose size is not a whole number of blocks (a thread-engine file, or a
+damaged one) is left to read_container, and so is a file for which a bounded pool has no page-locked buffer.
+DeepSpeed's handle does not report failed requests of a transfer; a silently failed write shows up as a
+CorruptionError when the file is next read, never as wrong data.
 """
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
-import resource
 import struct
 import threading
 import zlib
@@ -34,13 +35,18 @@ import torch
 
 from ..errors import CorruptionError
 from ..formats.container import MAGIC, VERSION
-from .reference_step import SEGMENT, packed_sizes
-from .state import PACKED_KEYS, RESIDUAL_KEYS, residual_sizes
+from .pinned import LockedPool
 
 _PREFIX = len(MAGIC) + 8 + 4  # the container's magic, header length (u64), header CRC32 (u32)
 ALIGN = 4096  # direct-I/O block: header region, payload start and file size are multiples of it
-TENSOR_ALIGN = 64  # each tensor of an aio file starts on this boundary (m_tscale is read as fp32)
+TENSOR_ALIGN = 64  # each tensor of an aio file starts on this boundary (fp32 tensors are read as views)
 _PAD = "_pad"
+_DTYPES = {"uint8": torch.uint8, "int8": torch.int8, "int32": torch.int32, "int64": torch.int64,  # the container's
+           "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NoLockedBuffer(Exception):
+    """A bounded LockedPool has no page-locked buffer for this write (nothing was written)."""
 
 
 def round_up(x: int, a: int) -> int:
@@ -70,67 +76,8 @@ def aio_op():
         return _aio_cache["op"]
 
 
-def can_lock(nbytes: int) -> str | None:
-    """None when `nbytes` of page-locked memory can be had (DeepSpeed aborts the process when mlock fails)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("CapEff:") and (int(line.split()[1], 16) >> 14) & 1:  # CAP_IPC_LOCK
-                    return None
-    except OSError:
-        pass
-    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft == resource.RLIM_INFINITY or soft >= nbytes:
-        return None
-    return (f"RLIMIT_MEMLOCK is {soft} bytes, the aio engine's page-locked buffers need about {nbytes} "
-            "(raise it with ulimit -l)")
-
-
-class LockedPool:
-    """Page-locked, page-aligned uint8 buffers from DeepSpeed's pinned-tensor manager, reused by size."""
-
-    def __init__(self, handle):
-        self._h = handle
-        self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._busy: dict[int, torch.Tensor] = {}  # data_ptr -> buffer handed out
-        self._all: list[torch.Tensor] = []
-        self._example = torch.empty(0, dtype=torch.uint8)
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                buf = free.pop()
-            else:
-                buf = self._h.new_cpu_locked_tensor(nbytes, self._example)
-                self._all.append(buf)
-            self._busy[buf.data_ptr()] = buf
-            return buf
-
-    def put(self, buf: torch.Tensor) -> None:
-        with self._lock:
-            if self._busy.pop(buf.data_ptr(), None) is not None:
-                self._free.setdefault(buf.numel(), []).append(buf)
-
-    def owner(self, t: torch.Tensor) -> torch.Tensor | None:
-        """The handed-out buffer that `t` lies in, if any."""
-        p = t.data_ptr()
-        with self._lock:
-            for base, buf in self._busy.items():
-                if base <= p < base + buf.numel():
-                    return buf
-        return None
-
-    def close(self) -> None:
-        with self._lock:
-            for buf in self._all:
-                self._h.free_cpu_locked_tensor(buf)
-            self._all, self._free, self._busy = [], {}, {}
-
-
 def aio_layout(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
-    """Offsets (from the payload start) of the tensors of an aio file and the payload's length."""
+    """Offsets (from the payload start) of the tensors of an aio file, given their bytes, and the payload's length."""
     offs, o = {}, 0
     for name, n in sizes.items():
         o = round_up(o, TENSOR_ALIGN)
@@ -140,8 +87,17 @@ def aio_layout(sizes: dict[str, int]) -> tuple[dict[str, int], int]:
     return offs, round_up(o, ALIGN)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU tensor as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
 def parse_image(path: Path, buf: torch.Tensor) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The checks of read_container on a file image in memory; tensors are views of `buf` (uint8 only)."""
+    """The checks of read_container on a file image in memory; tensors are views of `buf`."""
     a = buf.numpy()
     size = a.size
     if size < _PREFIX or bytes(a[:len(MAGIC)]) != MAGIC:
@@ -168,7 +124,7 @@ def parse_image(path: Path, buf: torch.Tensor) -> tuple[dict, dict[str, torch.Te
             start, n, dtype, shape = base + int(e["offset"]), int(e["nbytes"]), e["dtype"], list(e["shape"])
         except (KeyError, TypeError, ValueError) as err:
             raise CorruptionError(path, f"bad entry for tensor {name!r} ({err})", offset=_PREFIX) from None
-        if dtype != "uint8" or start < base:
+        if dtype not in _DTYPES or start < base:
             raise CorruptionError(path, f"bad entry for tensor {name!r}", offset=_PREFIX, expected="uint8",
                                   found=dtype)
         if start + n > size:
@@ -179,8 +135,13 @@ def parse_image(path: Path, buf: torch.Tensor) -> tuple[dict, dict[str, torch.Te
             raise CorruptionError(path, f"checksum mismatch in tensor {name!r}", offset=start,
                                   expected=f"{e['crc32']:#010x}", found=f"{crc:#010x}")
         try:
-            out[name] = buf[start:start + n].reshape(shape)
-        except RuntimeError as err:
+            raw = buf[start:start + n]
+            if dtype != "uint8":
+                if math.prod(shape) * torch.empty(0, dtype=_DTYPES[dtype]).element_size() != n:
+                    raise RuntimeError(f"{n} bytes")
+                raw = raw.view(_DTYPES[dtype])
+            out[name] = raw.reshape(shape)
+        except (RuntimeError, TypeError) as err:
             raise CorruptionError(path, f"tensor {name!r} does not match its shape ({err})", offset=start) from None
         spans.append((start, start + n))
     end = max([base] + [s1 for _, s1 in spans])
@@ -194,19 +155,15 @@ def parse_image(path: Path, buf: torch.Tensor) -> tuple[dict, dict[str, torch.Te
     return meta, out
 
 
-def locked_bytes(buffers: int, residual: bool = False) -> int:
-    """Page-locked bytes of `buffers` buffers, each the file of a whole segment (with split's residual)."""
-    c, s, t = packed_sizes(SEGMENT)
-    sizes = dict(zip(PACKED_KEYS, (c, s, t) * 2))
-    if residual:
-        sizes.update(zip(RESIDUAL_KEYS, residual_sizes(SEGMENT)))
-    return buffers * (ALIGN + aio_layout(sizes)[1])
-
-
 def probe(handle, pool: LockedPool, folder: Path) -> str | None:
     """A direct write and read of one block in `folder`: None when both work, else why not."""
     path = folder / ".aio-probe"
     a, b = pool.get(ALIGN), pool.get(ALIGN)
+    if a is None or b is None:
+        for x in (a, b):
+            if x is not None:
+                pool.put(x)
+        return "no page-locked memory is left for the probe (RLIMIT_MEMLOCK)"
     why = None
     try:
         a.copy_(torch.arange(ALIGN, dtype=torch.int32).to(torch.uint8))
@@ -227,33 +184,37 @@ def probe(handle, pool: LockedPool, folder: Path) -> str | None:
 
 def write_file(handle, pool: LockedPool, path: Path, tmp: Path, meta: dict, tensors: dict[str, torch.Tensor],
                fsync: bool) -> int:
-    """Write a segment file in the aio layout to `tmp`, then rename it to `path`; returns its size.
+    """Write a file in the aio layout to `tmp`, then rename it to `path`; returns its size.
 
-    Tensors that are the views a read_file(copy=False) handed out are written from their buffer as they are."""
-    sizes = {k: t.numel() for k, t in tensors.items()}
+    `tensors`: contiguous CPU tensors of any container dtype. Tensors that are the views a read_file(copy=False)
+    handed out are written from their buffer as they are. Raises NoLockedBuffer, before anything is written, when
+    a bounded pool has no buffer for it."""
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
     offs, payload = aio_layout(sizes)
     npad = payload - offs[_PAD]
-    entries = {k: {"dtype": "uint8", "shape": [sizes[k]], "offset": offs[k], "nbytes": sizes[k],
-                   "crc32": zlib.crc32(tensors[k].numpy())} for k in tensors}
+    entries = {k: {"dtype": _dtype_name(t), "shape": list(t.shape), "offset": offs[k], "nbytes": sizes[k],
+                   "crc32": zlib.crc32(_bytes(t).numpy())} for k, t in tensors.items()}
     entries[_PAD] = {"dtype": "uint8", "shape": [npad], "offset": offs[_PAD], "nbytes": npad,
                      "crc32": zlib.crc32(bytes(npad))}
     hj = json.dumps({"version": VERSION, "meta": meta, "tensors": entries}).encode()
     head = round_up(_PREFIX + len(hj), ALIGN)
     hj += b" " * (head - _PREFIX - len(hj))  # JSON allows trailing blanks; the CRC covers them
     total = head + payload
-    owner = pool.owner(tensors["m_codes"])
+    owner = pool.owner(next(iter(tensors.values()))) if tensors else None
     in_place = owner is not None and owner.numel() == total and all(
         t.data_ptr() == owner.data_ptr() + head + offs[k] for k, t in tensors.items())
     buf = owner if in_place else pool.get(total)
+    if buf is None:
+        raise NoLockedBuffer(total)
     try:
         a = buf.numpy()
         a[:head] = np.frombuffer(MAGIC + struct.pack("<QI", len(hj), zlib.crc32(hj)) + hj, dtype=np.uint8)
         pos = head
-        for k in tensors:
+        for k, t in tensors.items():
             s0 = head + offs[k]
             a[pos:s0] = 0
             if not in_place:
-                buf[s0:s0 + sizes[k]].copy_(tensors[k])
+                buf[s0:s0 + sizes[k]].copy_(_bytes(t))
             pos = s0 + sizes[k]
         a[pos:total] = 0
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
@@ -282,9 +243,9 @@ def write_file(handle, pool: LockedPool, path: Path, tmp: Path, meta: dict, tens
 
 
 def read_file(handle, pool: LockedPool, path: Path, copy: bool) -> tuple[dict, dict[str, torch.Tensor]] | None:
-    """(meta, tensors) of a file through aio, or None when its size is not whole blocks (then read_container
-    reads it). Without `copy` the tensors are views of a pool buffer, which stays taken until it is written back
-    or released."""
+    """(meta, tensors) of a file through aio, or None when its size is not whole blocks or a bounded pool has no
+    buffer for it (then read_container reads it). Without `copy` the tensors are views of a pool buffer, which
+    stays taken until it is written back or released."""
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
@@ -292,6 +253,8 @@ def read_file(handle, pool: LockedPool, path: Path, copy: bool) -> tuple[dict, d
     if size == 0 or size % ALIGN:
         return None
     buf = pool.get(size)
+    if buf is None:
+        return None
     keep = False
     try:
         if handle.sync_pread(buf, str(path)) != 1:
@@ -300,9 +263,8 @@ def read_file(handle, pool: LockedPool, path: Path, copy: bool) -> tuple[dict, d
         if copy:
             t = {k: v.clone() for k, v in t.items()}
         else:
-            keep = True  # the views live in buf until the segment is written back (or the store closes)
+            keep = True  # the views live in buf until the file is written back (or the store closes)
         return meta, t
     finally:
         if not keep:
             pool.put(buf)
-
