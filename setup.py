@@ -1,7 +1,7 @@
 """Build hook: ship ``fp4offload-auto.pth`` at the top of site-packages (everything else is in pyproject.toml).
 
 The .pth line imports ``_fp4offload_auto`` at interpreter start, which routes ``deepspeed.initialize`` through
-fp4offload when deepspeed is first imported (docs/design.md section 9.7). setuptools has no key for a file at
+fp4offload when deepspeed is first imported (docs/design.md section 5). setuptools has no key for a file at
 the root of the wheel's purelib, so build_py copies it there; the editable wheel is given it by EditableWheelWithPth.
 """
 

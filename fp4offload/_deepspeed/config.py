@@ -23,7 +23,7 @@ The block's ``host`` settings (fp4offload._config.HostConfig) each have an envir
 :func:`resolve` gives the effective value of each and where it came from (``fp4offload doctor`` prints
 it); :mod:`fp4offload._deepspeed.host` applies the first two, :mod:`fp4offload._deepspeed.zero12` and
 :mod:`fp4offload._deepspeed.zero3` the next two, :mod:`fp4offload._deepspeed.preflight` the last. Why each
-exists, with measurements: docs/design.md sections 7 and 8, and benchmarks/RESULTS.md.
+exists: docs/design.md sections 7 and 8; how each works, with measurements: docs/guide.md, "Host memory".
 """
 
 from __future__ import annotations

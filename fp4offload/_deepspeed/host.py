@@ -4,7 +4,7 @@ With ``optimizer_states`` the offloaded fp32 master, the gradient partition and 
 host RAM, and what the host's allocator does with the memory a training step frees weighs as much as the
 formats. ``host.mmap_threshold`` and ``host.allocator_cache`` (with their environment overrides,
 :func:`fp4offload._deepspeed.config.resolve`) shape it, once per process: :func:`control_host_allocator`.
-Why, with measurements: docs/design.md section 7, and benchmarks/RESULTS.md.
+Why: docs/design.md section 7; how, with measurements: docs/guide.md, "Host memory".
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
   buffer the bf16 master partition, and :func:`master_is_device_partition` makes the master, on the CPU
   accelerator, the model's own bf16 partition (under ZeRO-3 too), relinking ZeRO-1/2's ``_hp_mapping`` views.
 
-Why, with measurements: docs/design.md section 8, and benchmarks/RESULTS.md. DeepSpeed's private names used
+Why: docs/design.md section 8; how, with measurements: docs/guide.md, "Host memory". DeepSpeed's private names used
 here go through :mod:`fp4offload._deepspeed.internals`.
 """
 

@@ -5,8 +5,8 @@ partition, two host copies of the same numbers. :func:`zero3_gradient_partition`
 its slice of the partition (one copy, or a bf16 gradient for an fp32 master); :class:`zero3_grads_at_init`
 has DeepSpeed allocate the master gradients without zero-filling them while ``deepspeed.initialize`` runs, so
 that their pages are not resident at its peak; :func:`fp32_clip` moves DeepSpeed's clipping and loss-scale
-factor into FP4AdamW, applied in fp32, where the gradient DeepSpeed would scale in place is bf16. Why, with
-measurements: docs/design.md section 8, and benchmarks/RESULTS.md.
+factor into FP4AdamW, applied in fp32, where the gradient DeepSpeed would scale in place is bf16. Why: docs/design.md
+section 8; how, with measurements: docs/guide.md, "Host memory".
 """
 
 from __future__ import annotations

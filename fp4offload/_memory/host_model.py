@@ -12,8 +12,8 @@ process's own bytes (Python, torch, DeepSpeed, the data) are not modelled: the c
 replaces).
 
 Byte sizes per element come from :mod:`fp4offload._memory.sizes`. What each term is in DeepSpeed (the
-attribute holding it, 0.19.8) is written beside it; docs/design.md section 9 ("Host preflight") has the
-table and how the model compares with measured peaks.
+attribute holding it, 0.19.8) is written beside it; docs/guide.md, "Host preflight", has the table and how the
+model compares with measured peaks.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ INIT_BYTES = 80 << 20
 #: (fixed bytes, bytes per parameter of this rank's partition) per ZeRO family against the peak RSS from
 #: initialize on, measured with benchmarks/e2e_deepspeed.py (26M and 77M, every master form) and the cgroup peak
 #: of benchmarks/preflight_cgroup.py (134M): the largest shortfall of the named terms, rounded up
-#: (docs/design.md section 9 has the table).
+#: (docs/guide.md, "Host preflight", has the table).
 UNMODELLED = {"zero3": (128 << 20, 2.75), "zero12": (64 << 20, 1.25)}
 #: elements per segment of FP4AdamW's NVMe tier (fp4offload._optim.nvme), and segments in flight
 NVME_SEGMENT = 1 << 20

@@ -35,7 +35,7 @@ _PCIE_LANE_GBPS = {1: 0.25, 2: 0.5, 3: 0.985, 4: 1.969, 5: 3.938, 6: 7.563}
 
 #: CPU optimizer step rate per core (parameters/s) when nothing was measured: fp32 Adam (fused,
 #: AVX-512, as DeepSpeedCPUAdam or torch's fused AdamW) and the FP4 step, which is bound by the
-#: instructions it issues on few cores (docs/design.md 4). `fp4offload bench` measures the real rates.
+#: instructions it issues on few cores (docs/guide.md, "Kernels"). `fp4offload bench` measures the real rates.
 #: Measured 2026-11-29 on a 2-core AMD EPYC VM, AVX-512, with `python benchmarks/optimizer.py --numel 16M
 #: --threads 1 --rounds 5 --optimizers fp4adamw,deepspeed_cpu_adam`: DeepSpeedCPUAdam 1611 M/s, FP4AdamW
 #: (defaults) 738 M/s; rounded down. On a many-core node the memory-bandwidth cap below binds first.

@@ -19,7 +19,7 @@ from helpers.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "plain_deepspeed_script.py"
-PACKED_B_PER_PARAM = 1.1328125  # m NVFP4 + sqrt(v) ufp4, one fp32 scale per 1024 each (docs/design.md 3.6)
+PACKED_B_PER_PARAM = 1.1328125  # m NVFP4 + sqrt(v) ufp4, one fp32 scale per 1024 each (docs/design.md 3.10)
 
 
 def _python(code: str, **env) -> dict:

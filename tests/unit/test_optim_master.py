@@ -279,7 +279,7 @@ def test_split_on_the_nvme_tier_equals_fp32(step_ext, tmp_path):
 
 def test_bad_master_settings_are_refused_before_anything_is_built():
     p32 = torch.nn.Parameter(torch.zeros(10))
-    with pytest.raises(ConfigError, match=r"master.*'sideways'.*'fp32' \| 'split' \| 'bf16'"):
+    with pytest.raises(ConfigError, match=r"master.*'sideways'.*one of 'fp32', 'split', 'bf16'"):
         FP4AdamW([p32], master="sideways")
     with pytest.raises(ConfigError, match=r"master.*split.*model.to\(torch.bfloat16\)"):
         FP4AdamW([p32], master="split")
