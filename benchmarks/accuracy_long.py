@@ -386,10 +386,11 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
 
 
 def _is_sim(arm: str) -> bool:
-    from benchmarks.quant_sim import RULES
+    from benchmarks.quant_sim import GRIDS, RULES
 
     parts = arm.split(":")
-    return len(parts) == 3 and parts[0] == "sim" and parts[1] in RULES and parts[2] in RULES
+    return (len(parts) in (3, 4) and parts[0] == "sim" and parts[1] in RULES and parts[2] in RULES
+            and (len(parts) == 3 or parts[3] in GRIDS))
 
 
 def result_path(out: Path, size: str, steps: int, arm: str, seed: int) -> Path:

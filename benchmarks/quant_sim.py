@@ -31,19 +31,35 @@ CHUNK, BLOCK = 1024, 16
 RULES = ("none", "rn", "sr", "dither", "srv")
 
 
-GRIDS = {"e3m1": (8, 2), "e2m2": (4, 4), "e1m3": (2, 8)}  # unsigned grids: (binades, codes per binade)
+#: unsigned grids of sqrt(v): (binades, codes per binade, base). 4 bits: e3m1 (ufp4), e2m2 (ue2m2), e1m3;
+#: 2 bits (4 codes, one per binade, no mantissa): l2b2 (1/8 .. 1, a factor 2 apart), l2b4 (1/64 .. 1, 4 apart)
+GRIDS = {"e3m1": (8, 2, 2), "e2m2": (4, 4, 2), "e1m3": (2, 8, 2), "l2b2": (4, 1, 2), "l2b4": (4, 1, 4)}
+
+
+def codes(grid: str) -> int:
+    """How many codes an unsigned grid has (16: 4 bits, 4: 2 bits)."""
+    nb, M, _ = GRIDS[grid]
+    return nb * M
+
+
+def grid_max(grid: str) -> float:
+    """The largest value of an unsigned grid (its top binade is [1, base), M codes apart)."""
+    _, M, base = GRIDS[grid]
+    return 1.0 + (base - 1.0) * (M - 1) / M
 
 
 def _position(a: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tensor:
     """The piecewise-linear position of magnitudes `a` on the code grid (grid point k at position k), clamped to
     the grid's ends. E2M1: 0, 0.5, ..., 2 at 0-4, then steps of 1 to 4 and of 2 to 6. Unsigned grids (no zero)
-    with nb binades of M codes: the binade [2^e, 2^(e+1)) holds (1 + j/M) 2^e at position M(e + nb - 1) + j,
-    e = 1-nb..0; ufp4 is e3m1 (nb 8, M 2)."""
+    with nb binades of M codes, base b: the binade [b^e, b^(e+1)) holds (1 + (b-1) j/M) b^e at position
+    M(e + nb - 1) + j, e = 1-nb..0; ufp4 is e3m1 (nb 8, M 2, b 2)."""
     if unsigned:
-        nb, M = GRIDS[grid]
-        a = a.clamp(min=2.0 ** (1 - nb), max=2.0 - 1.0 / M)
-        mant, exp = torch.frexp(a)  # a = mant * 2^exp, mant in [0.5, 1)
-        return M * (exp - 1 + nb - 1).float() + M * (2.0 * mant - 1.0)
+        nb, M, base = GRIDS[grid]
+        a = a.clamp(min=float(base) ** (1 - nb), max=grid_max(grid))
+        _, exp2 = torch.frexp(a)  # a in [2^(exp2-1), 2^exp2)
+        e = torch.div(exp2 - 1, int(math.log2(base)), rounding_mode="floor").float()  # a in [base^e, base^(e+1))
+        lo = torch.pow(float(base), e)
+        return M * (e + nb - 1) + M * (a - lo) / (lo * (base - 1))
     a = a.clamp(max=6.0)
     return torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, 0.5 * a + 4))
 
@@ -51,9 +67,10 @@ def _position(a: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tens
 def _value(t: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tensor:
     """Inverse of _position, extended linearly past the ends (a dithered position may lie half a step outside)."""
     if unsigned:
-        nb, M = GRIDS[grid]
+        nb, M, base = GRIDS[grid]
         k = torch.floor(t / M).clamp(0, nb - 1)
-        return torch.ldexp(1.0 + (t - M * k) / M, (k - nb + 1).to(torch.int32))
+        lo = torch.pow(float(base), k - nb + 1)
+        return lo * (1.0 + (base - 1) * (t - M * k) / M)
     return torch.where(t < 4, t / 2, torch.where(t < 6, t - 2, 2 * t - 8))
 
 
@@ -64,8 +81,8 @@ def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator, 
     n = x.numel()
     pad = (-n) % CHUNK
     X = torch.nn.functional.pad(x, (0, pad)).view(-1, CHUNK // BLOCK, BLOCK)
-    emax = 2.0 - 1.0 / GRIDS[grid][1] if unsigned else 6.0
-    top = 15 if unsigned else 7
+    emax = grid_max(grid) if unsigned else 6.0
+    top = codes(grid) - 1 if unsigned else 7
     amax_c = X.abs().amax(dim=(1, 2), keepdim=True)
     s_enc = torch.where(amax_c > 0, emax * 448.0 / amax_c.clamp(min=1e-38), torch.zeros_like(amax_c))
     s_dec = torch.where(s_enc > 0, 1.0 / s_enc.clamp(min=1e-38), torch.zeros_like(s_enc))
