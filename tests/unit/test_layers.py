@@ -128,3 +128,14 @@ def test_the_graph_reads_relative_absolute_and_lazy_imports():
     assert "_optim" in g["_fsdp"]  # from .._optim.shards import ... (relative, module level)
     assert "_switches" in g["_deepspeed"]  # from fp4offload import _switches (absolute: the module, not __init__)
     assert "_dtensor" in g["_optim"]
+
+
+def test_fp4adamw_is_one_class_with_its_own_signature():
+    """No __new__ that turns it into another class: help() and editors show its real arguments."""
+    import inspect
+
+    from fp4offload import FP4AdamW
+
+    assert "__new__" not in vars(FP4AdamW)
+    params = inspect.signature(FP4AdamW).parameters
+    assert {"params", "lr", "betas", "master", "state_device", "state_format"} <= set(params)
