@@ -143,8 +143,12 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
     root = csrc_dir() if root is None else Path(root)
     verbose = switches.get("FP4OFFLOAD_VERBOSE_BUILD")
     # no fast math and no FMA contraction (every operation rounds as the reference's does); errno and FP traps off,
-    # which change no value but let the compiler vectorize sqrt and turn selects of FP results into blends
-    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", *extra_cflags]
+    # which change no value but let the compiler vectorize sqrt and turn selects of FP results into blends; hidden
+    # visibility, so two builds of one source in a process (one per CPU path, or per grid table) keep their own
+    # inline functions and their statics (GCC makes a default-visibility one process-wide, STB_GNU_UNIQUE, and the
+    # second library would use the first one's tables)
+    flags = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fvisibility=hidden",
+             *extra_cflags]
     paths = [root / s for s in sources]
     kwargs = dict(name=name, sources=[str(p) for p in paths], extra_include_paths=[str(root)],
                   extra_cflags=flags, verbose=verbose)
