@@ -24,6 +24,7 @@ Arms (``--arms``), each from the same initialization and the same batches for a 
   upcast; ``fp4_split_ufp4`` / ``fp4_bf16_ufp4``: ``fp4_vsr``'s), against ``adamw_bf16m``: torch AdamW with an
   fp32 master kept by hand over the same bf16 parameters (what the fp32 master of FP4AdamW does, with fp32
   states);
+- ``fp4_ue2m0``: ``fp4`` with sqrt(v) on the 2-bit grid ue2m0 (1/8, 1/4, 1/2, 1 times the block scale);
 - ``torchao4bit``: torchao.optim.AdamW4bit; ``bnb8bit``: bitsandbytes AdamW8bit.
 - ``act`` / ``fp4_act``: ``adamw`` / ``fp4`` with every saved activation stored by
   ``fp4offload.ActivationPolicy()``'s defaults (host RAM; the run records the policy): what 4-bit saved
@@ -79,7 +80,8 @@ SIZES = {"tiny": dict(d=64, layers=2, heads=2, batch=8, seq=64, lr=3e-3),  # the
          "small": dict(d=128, layers=4, heads=4, batch=8, seq=128, lr=3e-3),
          "medium": dict(d=320, layers=8, heads=8, batch=4, seq=64, lr=1e-3)}
 ARMS = ("adamw", "fp4", "fp4_nearest", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_split", "fp4_bf16",
-        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit", "act", "fp4_act", "act_mlp4")
+        "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit", "act", "fp4_act", "act_mlp4",
+        "fp4_ue2m0")
 # saved activations compressed by fp4offload.ActivationPolicy()'s defaults (device "cpu"), over this optimizer arm
 ACT_ARMS = {"act": "adamw", "fp4_act": "fp4", "act_mlp4": "adamw"}
 ACT_POLICY = {"act_mlp4": {"mlp_format": "inherit"}}  # ActivationPolicy keywords besides the defaults
@@ -220,7 +222,8 @@ def make_optimizer(arm: str, params, lr: float):
               "fp4_split": {"master": "split"}, "fp4_bf16": {"master": "bf16"},
               "fp4_split_ufp4": {"master": "split", "state_format": StateFormat(m_rounding=sr, v_rounding=sr, **old)},
               "fp4_bf16_ufp4": {"master": "bf16",
-                                "state_format": StateFormat(m_rounding=sr, v_rounding=sr, **old)}}[arm]
+                                "state_format": StateFormat(m_rounding=sr, v_rounding=sr, **old)},
+              "fp4_ue2m0": {"state_format": StateFormat(v_format="ue2m0")}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     if arm in ("torchao4bit", "bnb8bit"):
         from benchmarks import accuracy

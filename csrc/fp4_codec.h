@@ -146,35 +146,40 @@ FP4_HD int32_t mx_exponent(float amax, uint32_t max_mant, int32_t emax, bool flo
 
 // ---- unsigned zero-free grids for u = sqrt(v) (3.7) ---------------------------------------------------
 //
-// `mbits` mantissa bits and 16 >> mbits binades, the top one [1, 2): code c = (e << mbits) | m is
-// 2^(e - nb + 1) * (1 + m / 2^mbits), nb = 16 >> mbits. ufp4 (E3M1) is mbits 1: 2^-7 .. 1.5; ue2m2 is
-// mbits 2: 2^-3 .. 1.75. No zero: values below the grid take code 0, the smallest value.
+// `cbits`-bit codes (4 or 2) with `mbits` mantissa bits and nb = 2^cbits >> mbits binades, the top one [1, 2):
+// code c = (e << mbits) | m is 2^(e - nb + 1) * (1 + m / 2^mbits). ufp4 (E3M1) is mbits 1: 2^-7 .. 1.5; ue2m2 is
+// mbits 2: 2^-3 .. 1.75; the 2-bit ue2m0 is mbits 0: 1/8, 1/4, 1/2, 1. No zero: values below the grid take code
+// 0, the smallest value.
 
-FP4_HD uint32_t ugrid_bias(int mbits) { return 128u - (16u >> mbits); }  // fp32 exponent field of binade 0
-FP4_HD float ugrid_min(int mbits) { return u2f((uint32_t)ugrid_bias(mbits) << 23); }
+FP4_HD uint32_t ugrid_bias(int mbits, int cbits = 4) {  // fp32 exponent field of binade 0
+  return 128u - ((1u << cbits) >> mbits);
+}
+FP4_HD float ugrid_min(int mbits, int cbits = 4) { return u2f((uint32_t)ugrid_bias(mbits, cbits) << 23); }
 FP4_HD float ugrid_max(int mbits) { return u2f((127u << 23) | (((1u << mbits) - 1u) << (23 - mbits))); }
 
-FP4_HD float ugrid_value(uint8_t code, int mbits) {
-  return u2f((((uint32_t)(code >> mbits) + ugrid_bias(mbits)) << 23) |
+FP4_HD float ugrid_value(uint8_t code, int mbits, int cbits = 4) {
+  return u2f((((uint32_t)(code >> mbits) + ugrid_bias(mbits, cbits)) << 23) |
              ((uint32_t)(code & ((1u << mbits) - 1u)) << (23 - mbits)));
 }
 
-FP4_HD uint8_t ugrid_encode(float y, int mbits) {  // y >= 0, already scaled; nearest, ties to even
+FP4_HD uint8_t ugrid_encode(float y, int mbits, int cbits = 4) {  // y >= 0, already scaled; nearest, ties to even
   const float a = fmin_(y, ugrid_max(mbits));
-  if (a < ugrid_min(mbits)) return 0;
-  int32_t c = rne_mantissa(a, mbits) - (int32_t)(ugrid_bias(mbits) << mbits);
-  return (uint8_t)(c > 15 ? 15 : c);
+  if (a < ugrid_min(mbits, cbits)) return 0;
+  const int32_t top = (1 << cbits) - 1;
+  int32_t c = rne_mantissa(a, mbits) - (int32_t)(ugrid_bias(mbits, cbits) << mbits);
+  return (uint8_t)(c > top ? top : c);
 }
 
 // Stochastic rounding (3.9) of y >= 0 (already scaled): X = pattern - (bias << 23) holds the code above
 // 23 - mbits fraction bits (the rule of e2m1_encode_mag_sr above 1), and the top 23 - mbits random bits carry
 // into it with probability equal to the fraction. Below the grid: code 0, as the nearest rule. The largest
-// value has a zero fraction, so the code stays <= 15.
-FP4_HD uint8_t ugrid_encode_sr(float y, uint32_t rnd, int mbits) {
+// value has a zero fraction, so the code stays <= 2^cbits - 1.
+FP4_HD uint8_t ugrid_encode_sr(float y, uint32_t rnd, int mbits, int cbits = 4) {
   const float a = fmin_(y, ugrid_max(mbits));
-  if (a < ugrid_min(mbits)) return 0;
+  if (a < ugrid_min(mbits, cbits)) return 0;
   const int shift = 23 - mbits;
-  return (uint8_t)(((int32_t)(f2u(a) - (ugrid_bias(mbits) << 23)) + (int32_t)(rnd >> (32 - shift))) >> shift);
+  return (uint8_t)(((int32_t)(f2u(a) - (ugrid_bias(mbits, cbits) << 23)) + (int32_t)(rnd >> (32 - shift))) >>
+                   shift);
 }
 
 FP4_HD float ufp4_value(uint8_t code) { return ugrid_value(code, 1); }
@@ -184,22 +189,27 @@ FP4_HD uint8_t ufp4_encode_sr(float y, uint32_t rnd) { return ugrid_encode_sr(y,
 // FP4AdamW's v state is one of the grids of FP4_V_GRIDS (grids.h, generated from fp4offload/_config/grids.py), by
 // its kernel id (the fused steps' v_kind). The mantissa bits of v_kind's unsigned grid u = sqrt(v) is stored on; 0
 // for v itself in NVFP4 (signed E2M1); -1 when v_kind names no grid.
-#define FP4_V_MBITS_OF(name, id, mbits, block) v_kind == id ? mbits:
+#define FP4_V_MBITS_OF(name, id, mbits, block, cbits) v_kind == id ? mbits:
 FP4_HD constexpr int v_mbits(int64_t v_kind) { return FP4_V_GRIDS(FP4_V_MBITS_OF) - 1; }
 #undef FP4_V_MBITS_OF
-#define FP4_V_BLOCK_OF(name, id, mbits, block) \
-  static_assert(block == kNvBlock && mbits >= 0 && mbits <= 4, "v grid " #name ": not a grid the kernels encode");
+// The bits of one code of v_kind's grid: 4 (two codes a byte) or 2 (four); 4 when v_kind names no grid.
+#define FP4_V_CBITS_OF(name, id, mbits, block, cbits) v_kind == id ? cbits:
+FP4_HD constexpr int v_cbits(int64_t v_kind) { return FP4_V_GRIDS(FP4_V_CBITS_OF) 4; }
+#undef FP4_V_CBITS_OF
+#define FP4_V_BLOCK_OF(name, id, mbits, block, cbits)                                                     \
+  static_assert(block == kNvBlock && (cbits == 4 || cbits == 2) && mbits >= 0 && mbits < cbits, \
+                "v grid " #name ": not a grid the kernels encode");
 FP4_V_GRIDS(FP4_V_BLOCK_OF)
 #undef FP4_V_BLOCK_OF
 // The kernel ids by name (kV_ue2m2, ...), for code that names a grid.
-#define FP4_V_ENUM_OF(name, id, mbits, block) kV_##name = id,
+#define FP4_V_ENUM_OF(name, id, mbits, block, cbits) kV_##name = id,
 enum VKind { FP4_V_GRIDS(FP4_V_ENUM_OF) };
 #undef FP4_V_ENUM_OF
 // " <id> (<name>)" for every grid, for messages.
-#define FP4_V_KIND_TEXT_OF(name, id, mbits, block) " " #id " (" #name ")"
+#define FP4_V_KIND_TEXT_OF(name, id, mbits, block, cbits) " " #id " (" #name ")"
 #define FP4_V_KINDS_TEXT FP4_V_GRIDS(FP4_V_KIND_TEXT_OF)
-// The largest element value of a 4-bit grid: E2M1's 6 (mbits 0) or the unsigned grid's.
-FP4_HD float grid_max(int mbits) { return mbits == 0 ? kE2M1Max : ugrid_max(mbits); }
+// The largest element value of a grid: E2M1's 6 (mbits 0 with 4-bit codes) or the unsigned grid's.
+FP4_HD float grid_max(int mbits, int cbits = 4) { return mbits == 0 && cbits == 4 ? kE2M1Max : ugrid_max(mbits); }
 
 // FP4AdamW's sqrt(v) with v_rounding="stochastic" draws its bits as m does (sr_key(seed, stream, 0) of the same
 // step and segment) from the seed XOR this constant, so the two states of an element get independent bits.
@@ -266,10 +276,23 @@ FP4_HD uint8_t pack2(uint8_t c0, uint8_t c1) { return (uint8_t)(word_slot(c0, 0)
 // The code of element i of a packed array.
 FP4_HD uint8_t code_at(const uint8_t* packed, int64_t i) { return word_code(packed[i >> 1], (int)(i & 1)); }
 
+// 2-bit codes (a 2-bit grid of FP4AdamW's v state) are stored four a byte, element 4i + k in bits 2k..2k+1 of byte
+// i; a block of 16 is one little-endian 32-bit word, element j in bits 2j..2j+1 (formats/reference.py's
+// pack_codes / unpack_codes with 2 bits).
+FP4_HD uint8_t code2_at(const uint8_t* packed, int64_t i) {
+  return (uint8_t)((packed[i >> 2] >> (2 * (int)(i & 3))) & 3u);
+}
+
 // n codes -> (n + 1) / 2 packed bytes.
 FP4_HD void pack_codes(const uint8_t* codes, int n, uint8_t* out) {
   for (int j = 0; j + 1 < n; j += 2) out[j >> 1] = pack2(codes[j], codes[j + 1]);
   if (n & 1) out[n >> 1] = pack2(codes[n - 1], 0);
+}
+
+// n 2-bit codes (a multiple of 4) -> n / 4 packed bytes.
+FP4_HD void pack_codes2(const uint8_t* codes, int n, uint8_t* out) {
+  for (int j = 0; j < n; j += 4)
+    out[j >> 2] = (uint8_t)(codes[j] | (codes[j + 1] << 2) | (codes[j + 2] << 4) | (codes[j + 3] << 6));
 }
 
 // ---- counter-based random bits (3.9) ----------------------------------------------------------------

@@ -397,12 +397,22 @@ inline void step_range_mb(const ChunkArgs& a, const G* grad, int64_t c0, int64_t
   }
 }
 
-// Chunks [c0, c1), instantiated per grid of FP4_V_GRIDS by its mantissa bits.
+// Chunks [c0, c1) of a grid of 4-bit codes on the hand-scheduled step; a grid of 2-bit codes takes the portable
+// vector path, built for AVX-512 (the same bytes on every path).
+template <typename G, int MB, int CB>
+inline void step_range_grid(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  if constexpr (CB == 4)
+    step_range_mb<G, MB>(a, grad, c0, c1);
+  else
+    vec::range_v<G, MB, CB>(a, grad, c0, c1);
+}
+
+// Chunks [c0, c1), instantiated per grid of FP4_V_GRIDS by its mantissa and code bits.
 template <typename G>
 inline void step_range_avx512(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   if (c0 >= c1) return;
-#define FP4_V_CASE(name, id, mbits, block) \
-  case id: return step_range_mb<G, mbits>(a, grad, c0, c1);
+#define FP4_V_CASE(name, id, mbits, block, cbits) \
+  case id: return step_range_grid<G, mbits, cbits>(a, grad, c0, c1);
   switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
 #undef FP4_V_CASE
 }

@@ -68,16 +68,18 @@ inline float load_grad(const float* g, int64_t i) { return g[i]; }
 inline float load_grad(const uint16_t* g, int64_t i) { return fp4::u2f((uint32_t)g[i] << 16); }
 
 // Decodes one packed 1x16 chunk of `cnt` elements into out[0..cnt), zeros after it up to the block end.
-// mbits 0: E2M1 codes; else the unsigned grid with that many mantissa bits (fp4::ugrid_value).
+// mbits 0 with 4-bit codes: E2M1; else the unsigned grid of cbits-bit codes with mbits mantissa bits
+// (fp4::ugrid_value).
 inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, float s_dec, int cnt, int mbits,
-                                float* out) {
+                                float* out, int cbits = 4) {
   const int nb = (cnt + 15) / 16;
+  const bool ugrid = mbits || cbits != 4;
   for (int b = 0; b < nb; ++b) {
     const float sv = fp4::e4m3_value(scales[b]);
     for (int j = 0; j < 16; ++j) {
       const int i = b * 16 + j;
-      const uint8_t c = fp4::code_at(codes, i);
-      const float val = mbits ? fp4::ugrid_value(c, mbits) : fp4::e2m1_value(c);
+      const uint8_t c = cbits == 2 ? fp4::code2_at(codes, i) : fp4::code_at(codes, i);
+      const float val = ugrid ? fp4::ugrid_value(c, mbits, cbits) : fp4::e2m1_value(c);
       out[i] = i < cnt ? (val * sv) * s_dec : 0.0f;
     }
   }
@@ -87,9 +89,10 @@ inline void decode_chunk_scalar(const uint8_t* codes, const uint8_t* scales, flo
 // Non-finite values (only from overflow) are left out of the amax and their block is written as zeros,
 // as the reference does with nonfinite='propagate' off.
 inline void encode_chunk_scalar(const float* x, int cnt, int mbits, bool stochastic, uint32_t key, uint32_t index0,
-                                uint8_t* codes, uint8_t* scales, float* s_dec_out) {
+                                uint8_t* codes, uint8_t* scales, float* s_dec_out, int cbits = 4) {
   const int nb = (cnt + 15) / 16;
-  const float elem_max = fp4::grid_max(mbits);
+  const bool ugrid = mbits || cbits != 4;
+  const float elem_max = fp4::grid_max(mbits, cbits);
   float amax_b[kChunk / 16];
   bool bad_b[kChunk / 16];
   float amax = 0.0f;
@@ -120,12 +123,16 @@ inline void encode_chunk_scalar(const float* x, int cnt, int mbits, bool stochas
       }
       const float y = x[b * 16 + j] * k;
       const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + b * 16 + j)) : 0u;
-      if (mbits)
-        c[j] = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits) : fp4::ugrid_encode(fp4::fabs_(y), mbits);
+      if (ugrid)
+        c[j] = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits, cbits)
+                          : fp4::ugrid_encode(fp4::fabs_(y), mbits, cbits);
       else
         c[j] = fp4::e2m1_encode(y, stochastic, rnd);
     }
-    fp4::pack_codes(c, 16, codes + b * 8);
+    if (cbits == 2)
+      fp4::pack_codes2(c, 16, codes + b * 4);
+    else
+      fp4::pack_codes(c, 16, codes + b * 8);
   }
 }
 
@@ -149,10 +156,11 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
   const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
   const int nb = (cnt + 15) / 16;
   float mbuf[kChunk], ubuf[kChunk];
-  const int vmb = fp4::v_mbits(a.v_kind);
-  const bool v_nv = vmb == 0;
+  const int vmb = fp4::v_mbits(a.v_kind), vcb = fp4::v_cbits(a.v_kind);
+  const bool v_nv = vmb == 0 && vcb == 4;
+  uint8_t* vcodes = a.v_codes + i0 * vcb / 8;
   decode_chunk_scalar(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], cnt, 0, mbuf);
-  decode_chunk_scalar(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], cnt, vmb, ubuf);
+  decode_chunk_scalar(vcodes, a.v_scales + i0 / 16, a.v_ts[c], cnt, vmb, ubuf, vcb);
   for (int j = 0; j < cnt; ++j) {
     const int64_t i = i0 + j;
     float p = a.param[i];
@@ -165,8 +173,8 @@ void chunk_scalar(const ChunkArgs& a, const G* grad, int64_t c) {
   const uint32_t index0 = (uint32_t)(i0 % kSegment);
   encode_chunk_scalar(mbuf, cnt, 0, a.m_stochastic, m_key(a, i0), index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16,
                       &a.m_ts[c]);
-  encode_chunk_scalar(ubuf, cnt, vmb, a.v_stochastic, v_key(a, i0), index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16,
-                      &a.v_ts[c]);
+  encode_chunk_scalar(ubuf, cnt, vmb, a.v_stochastic, v_key(a, i0), index0, vcodes, a.v_scales + i0 / 16, &a.v_ts[c],
+                      vcb);
 }
 
 // ---- portable vector path ---------------------------------------------------------------------------
@@ -184,19 +192,34 @@ static inline uint32_t e2m1_bits(uint32_t c) {
   return (mag >= 2u ? nrm : low) | ((c & 8u) << 28);
 }
 
-// fp32 pattern of unsigned-grid code c with MB mantissa bits (fp4::ugrid_value).
-template <int MB>
+// fp32 pattern of unsigned-grid code c with MB mantissa bits and CB-bit codes (fp4::ugrid_value).
+template <int MB, int CB = 4>
 static inline uint32_t ugrid_bits(uint32_t c) {
-  return (((c >> MB) + fp4::ugrid_bias(MB)) << 23) | ((c & ((1u << MB) - 1u)) << (23 - MB));
+  return (((c >> MB) + fp4::ugrid_bias(MB, CB)) << 23) | ((c & ((1u << MB) - 1u)) << (23 - MB));
 }
+
+// Whether MB mantissa bits with CB-bit codes is an unsigned grid (not E2M1).
+template <int MB, int CB>
+constexpr bool kUgrid = MB != 0 || CB != 4;
 
 // out[i] = (value(code_i) * scale_b) * s_dec over nb whole blocks (decode_chunk_scalar's rule; the caller zeroes
 // what lies past the data). A block's 16 codes are two little-endian words; code j of a word is bits 4j..4j+3.
-template <int MB>
+// 2-bit codes (CB 2): one word a block, code j in bits 2j..2j+1.
+template <int MB, int CB = 4>
 static inline void decode_chunk(const uint8_t* __restrict codes, const uint8_t* __restrict scales, float s_dec, int nb,
                                 float* __restrict out) {
   float sv[kChunk / 16];
   for (int b = 0; b < nb; ++b) sv[b] = fp4::e4m3_value(scales[b]);
+  if (CB == 2) {
+    for (int b = 0; b < nb; ++b) {
+      uint32_t w;
+      memcpy(&w, codes + b * 4, 4);
+      const float s = sv[b];
+      FP4_VEC_LOOP
+      for (int j = 0; j < 16; ++j) out[b * 16 + j] = (fp4::u2f(ugrid_bits<MB, CB>((w >> (2 * j)) & 3u)) * s) * s_dec;
+    }
+    return;
+  }
   for (int b = 0; b < nb; ++b) {
     uint32_t lo, hi;
     memcpy(&lo, codes + b * 8, 4);
@@ -229,11 +252,12 @@ static inline float e4m3_value_pos(uint32_t c) {
   return e == 0 ? sub : nrm;
 }
 
-// The code of the scaled value y: E2M1 (MB 0, sign kept) or the unsigned grid, nearest or stochastic (rnd).
-template <int MB, bool SR>
+// The code of the scaled value y: E2M1 (MB 0 with 4-bit codes, sign kept) or the unsigned grid of CB-bit codes,
+// nearest or stochastic (rnd).
+template <int MB, bool SR, int CB = 4>
 static inline uint32_t code_of(float y, uint32_t rnd) {
   const uint32_t yb = fp4::f2u(y);
-  if (MB == 0) {
+  if (!kUgrid<MB, CB>) {
     const float a = fp4::fmin_(fp4::u2f(yb & 0x7FFFFFFFu), fp4::kE2M1Max);
     const uint32_t ab = fp4::f2u(a);
     uint32_t mag;
@@ -253,18 +277,18 @@ static inline uint32_t code_of(float y, uint32_t rnd) {
   const uint32_t ab = fp4::f2u(a);
   int32_t c;
   if (SR)
-    c = ((int32_t)(ab - (fp4::ugrid_bias(MB) << 23)) + (int32_t)(rnd >> (32 - kShift))) >> kShift;
+    c = ((int32_t)(ab - (fp4::ugrid_bias(MB, CB) << 23)) + (int32_t)(rnd >> (32 - kShift))) >> kShift;
   else
     c = (int32_t)((ab + ((1u << (kShift - 1)) - 1u) + ((ab >> kShift) & 1u)) >> kShift) -
-        (int32_t)(fp4::ugrid_bias(MB) << MB);
-  return a < fp4::ugrid_min(MB) ? 0u : (uint32_t)c;
+        (int32_t)(fp4::ugrid_bias(MB, CB) << MB);
+  return a < fp4::ugrid_min(MB, CB) ? 0u : (uint32_t)c;
 }
 
 // Encodes buf[0..16*nb) (zeros past the data) as one chunk: encode_chunk_scalar's rules, loop by loop.
-template <int MB, bool SR>
+template <int MB, bool SR, int CB = 4>
 static inline void encode_chunk(const float* __restrict buf, int nb, uint32_t key, uint32_t index0,
                                 uint8_t* __restrict codes, uint8_t* __restrict scales, float* s_dec_out) {
-  const float elem_max = fp4::grid_max(MB);
+  const float elem_max = fp4::grid_max(MB, CB);
   uint32_t amax_bits[kChunk / 16];
   for (int b = 0; b < nb; ++b) {  // |x| as patterns: the integer max is the float max for values >= +0
     uint32_t m = 0;
@@ -275,7 +299,7 @@ static inline void encode_chunk(const float* __restrict buf, int nb, uint32_t ke
   uint32_t all = 0;
   for (int b = 0; b < nb; ++b) all = std::max(all, amax_bits[b]);
   if (all >= 0x7F800000u) {  // a non-finite value (only after an overflow): the scalar rules, which drop its block
-    encode_chunk_scalar(buf, nb * 16, MB, SR, key, index0, codes, scales, s_dec_out);
+    encode_chunk_scalar(buf, nb * 16, MB, SR, key, index0, codes, scales, s_dec_out, CB);
     return;
   }
   const fp4::TensorScale ts = fp4::tensor_scale(fp4::u2f(all), elem_max);
@@ -300,8 +324,14 @@ static inline void encode_chunk(const float* __restrict buf, int nb, uint32_t ke
     for (int j = 0; j < 16; ++j) {
       const float y = buf[b * 16 + j] * k;
       const uint32_t rnd = SR ? fp4::fmix32(base + (uint32_t)j * 0x9E3779B1u) : 0u;  // fp4::sr_bits(key, index)
-      c[b * 16 + j] = code_of<MB, SR>(y, rnd) & lv;
+      c[b * 16 + j] = code_of<MB, SR, CB>(y, rnd) & lv;
     }
+  }
+  if (CB == 2) {
+    FP4_VEC_LOOP
+    for (int j = 0; j < nb * 4; ++j)
+      codes[j] = (uint8_t)(c[4 * j] | (c[4 * j + 1] << 2) | (c[4 * j + 2] << 4) | (c[4 * j + 3] << 6));
+    return;
   }
   FP4_VEC_LOOP
   for (int j = 0; j < nb * 8; ++j) codes[j] = (uint8_t)(c[2 * j] | (c[2 * j + 1] << 4));
@@ -312,10 +342,10 @@ static inline float grad_value(const G* g, int64_t i) {
   return load_grad(g, i);
 }
 
-template <typename G, int VMB, bool WD, bool MAX, bool BF16, bool GS>
+template <typename G, int VMB, int VCB, bool WD, bool MAX, bool BF16, bool GS>
 static inline void update(const ChunkArgs& a, const G* __restrict grad, int64_t i0, int n16, float* __restrict mbuf,
                           float* __restrict ubuf) {
-  constexpr bool VNv = VMB == 0;
+  constexpr bool VNv = !kUgrid<VMB, VCB>;
   const Scalars s = a.s;
   const float gs = a.gscale;
   float* __restrict param = a.param + i0;
@@ -341,68 +371,68 @@ static inline void update(const ChunkArgs& a, const G* __restrict grad, int64_t 
   }
 }
 
-// VMB: the mantissa bits of the v state's grid (0: v itself in NVFP4).
-template <typename G, int VMB, bool SR, bool VSR, bool WD, bool MAX, bool BF16>
+// VMB, VCB: the mantissa and code bits of the v state's grid (0 and 4: v itself in NVFP4).
+template <typename G, int VMB, int VCB, bool SR, bool VSR, bool WD, bool MAX, bool BF16>
 void chunk(const ChunkArgs& a, const G* grad, int64_t c) {
   const int64_t i0 = c * kChunk;
   const int cnt = (int)std::min<int64_t>(kChunk, a.n - i0);
   const int nb = (cnt + 15) / 16;
   alignas(64) float mbuf[kChunk], ubuf[kChunk];
   decode_chunk<0>(a.m_codes + i0 / 2, a.m_scales + i0 / 16, a.m_ts[c], nb, mbuf);
-  decode_chunk<VMB>(a.v_codes + i0 / 2, a.v_scales + i0 / 16, a.v_ts[c], nb, ubuf);
+  decode_chunk<VMB, VCB>(a.v_codes + i0 * VCB / 8, a.v_scales + i0 / 16, a.v_ts[c], nb, ubuf);
   if (cnt == kChunk) {
     if (a.gscaled)
-      update<G, VMB, WD, MAX, BF16, true>(a, grad, i0, kChunk, mbuf, ubuf);
+      update<G, VMB, VCB, WD, MAX, BF16, true>(a, grad, i0, kChunk, mbuf, ubuf);
     else
-      update<G, VMB, WD, MAX, BF16, false>(a, grad, i0, kChunk, mbuf, ubuf);
+      update<G, VMB, VCB, WD, MAX, BF16, false>(a, grad, i0, kChunk, mbuf, ubuf);
   } else {
     if (a.gscaled)
-      update<G, VMB, WD, MAX, BF16, true>(a, grad, i0, cnt, mbuf, ubuf);
+      update<G, VMB, VCB, WD, MAX, BF16, true>(a, grad, i0, cnt, mbuf, ubuf);
     else
-      update<G, VMB, WD, MAX, BF16, false>(a, grad, i0, cnt, mbuf, ubuf);
+      update<G, VMB, VCB, WD, MAX, BF16, false>(a, grad, i0, cnt, mbuf, ubuf);
     for (int j = cnt; j < nb * 16; ++j) mbuf[j] = ubuf[j] = 0.0f;
   }
   const uint32_t index0 = (uint32_t)(i0 % kSegment);
   encode_chunk<0, SR>(mbuf, nb, m_key(a, i0), index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
-  encode_chunk<VMB, VSR>(ubuf, nb, v_key(a, i0), index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+  encode_chunk<VMB, VSR, VCB>(ubuf, nb, v_key(a, i0), index0, a.v_codes + i0 * VCB / 8, a.v_scales + i0 / 16, &a.v_ts[c]);
 }
 
-template <typename G, int VMB, bool SR, bool VSR, bool WD, bool MAX>
+template <typename G, int VMB, int VCB, bool SR, bool VSR, bool WD, bool MAX>
 void range_flags(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   if (a.bf16_out)
-    for (int64_t c = c0; c < c1; ++c) chunk<G, VMB, SR, VSR, WD, MAX, true>(a, grad, c);
+    for (int64_t c = c0; c < c1; ++c) chunk<G, VMB, VCB, SR, VSR, WD, MAX, true>(a, grad, c);
   else
-    for (int64_t c = c0; c < c1; ++c) chunk<G, VMB, SR, VSR, WD, MAX, false>(a, grad, c);
+    for (int64_t c = c0; c < c1; ++c) chunk<G, VMB, VCB, SR, VSR, WD, MAX, false>(a, grad, c);
 }
 
-template <typename G, int VMB, bool SR, bool VSR>
+template <typename G, int VMB, int VCB, bool SR, bool VSR>
 void range_rounding(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   const int f = (a.s.weight_decay ? 2 : 0) | (a.maximize ? 1 : 0);
   switch (f) {
-    case 0: return range_flags<G, VMB, SR, VSR, false, false>(a, grad, c0, c1);
-    case 1: return range_flags<G, VMB, SR, VSR, false, true>(a, grad, c0, c1);
-    case 2: return range_flags<G, VMB, SR, VSR, true, false>(a, grad, c0, c1);
-    default: return range_flags<G, VMB, SR, VSR, true, true>(a, grad, c0, c1);
+    case 0: return range_flags<G, VMB, VCB, SR, VSR, false, false>(a, grad, c0, c1);
+    case 1: return range_flags<G, VMB, VCB, SR, VSR, false, true>(a, grad, c0, c1);
+    case 2: return range_flags<G, VMB, VCB, SR, VSR, true, false>(a, grad, c0, c1);
+    default: return range_flags<G, VMB, VCB, SR, VSR, true, true>(a, grad, c0, c1);
   }
 }
 
-template <typename G, int VMB>
+template <typename G, int VMB, int VCB>
 void range_v(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   switch ((a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0)) {
-    case 0: return range_rounding<G, VMB, false, false>(a, grad, c0, c1);
-    case 1: return range_rounding<G, VMB, false, true>(a, grad, c0, c1);
-    case 2: return range_rounding<G, VMB, true, false>(a, grad, c0, c1);
-    default: return range_rounding<G, VMB, true, true>(a, grad, c0, c1);
+    case 0: return range_rounding<G, VMB, VCB, false, false>(a, grad, c0, c1);
+    case 1: return range_rounding<G, VMB, VCB, false, true>(a, grad, c0, c1);
+    case 2: return range_rounding<G, VMB, VCB, true, false>(a, grad, c0, c1);
+    default: return range_rounding<G, VMB, VCB, true, true>(a, grad, c0, c1);
   }
 }
 
 }  // namespace vec
 
-// Chunks [c0, c1) on the portable vector path, instantiated per grid of FP4_V_GRIDS by its mantissa bits.
+// Chunks [c0, c1) on the portable vector path, instantiated per grid of FP4_V_GRIDS by its mantissa and code bits.
 template <typename G>
 void step_range_vec(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-#define FP4_V_CASE(name, id, mbits, block) \
-  case id: return vec::range_v<G, mbits>(a, grad, c0, c1);
+#define FP4_V_CASE(name, id, mbits, block, cbits) \
+  case id: return vec::range_v<G, mbits, cbits>(a, grad, c0, c1);
   switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
 #undef FP4_V_CASE
 }

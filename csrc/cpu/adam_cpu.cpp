@@ -78,13 +78,13 @@ ChunkArgs state_args(int64_t n, torch::Tensor& m_codes, torch::Tensor& m_scales,
   a.m_codes = u8ptr(m_codes, "m_codes", nb * 8);
   a.m_scales = u8ptr(m_scales, "m_scales", nb);
   a.m_ts = reinterpret_cast<float*>(u8ptr(m_ts, "m_tscale", nchunks * 4));
-  a.v_codes = u8ptr(v_codes, "v_codes", nb * 8);
+  TORCH_CHECK(fp4::v_mbits(v_kind) >= 0, "fused_step: v_kind must be one of" FP4_V_KINDS_TEXT ", got ", v_kind);
+  a.v_codes = u8ptr(v_codes, "v_codes", nb * 2 * fp4::v_cbits(v_kind));  // 16 codes of 4 or 2 bits a block
   a.v_scales = u8ptr(v_scales, "v_scales", nb);
   a.v_ts = reinterpret_cast<float*>(u8ptr(v_ts, "v_tscale", nchunks * 4));
   a.s = Scalars{(float)b1, (float)omb1, (float)b2, (float)omb2, (float)eps, (float)decay, (float)step_size,
                 (float)rsbc2, weight_decay};
   a.maximize = maximize;
-  TORCH_CHECK(fp4::v_mbits(v_kind) >= 0, "fused_step: v_kind must be one of" FP4_V_KINDS_TEXT ", got ", v_kind);
   a.v_kind = (int)v_kind;
   a.m_stochastic = m_stochastic;
   a.v_stochastic = v_stochastic;

@@ -239,11 +239,21 @@ void range_v(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
 
 }  // namespace simd_step
 
-// Chunks [c0, c1) on the SIMD-layer step, instantiated per grid of FP4_V_GRIDS by its mantissa bits.
+// Chunks [c0, c1) of a grid of 4-bit codes on the SIMD-layer step; a grid of 2-bit codes takes the portable vector
+// path (its bytes are the same on every path; the SIMD layer has no 2-bit step yet).
+template <typename G, int MB, int CB>
+void range_simd_or_vec(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
+  if constexpr (CB == 4)
+    simd_step::range_v<G, MB>(a, grad, c0, c1);
+  else
+    vec::range_v<G, MB, CB>(a, grad, c0, c1);
+}
+
+// Chunks [c0, c1) on the SIMD-layer step, instantiated per grid of FP4_V_GRIDS by its mantissa and code bits.
 template <typename G>
 void step_range_simd(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-#define FP4_V_CASE(name, id, mbits, block) \
-  case id: return simd_step::range_v<G, mbits>(a, grad, c0, c1);
+#define FP4_V_CASE(name, id, mbits, block, cbits) \
+  case id: return range_simd_or_vec<G, mbits, cbits>(a, grad, c0, c1);
   switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
 #undef FP4_V_CASE
 }

@@ -60,7 +60,7 @@ void fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, 
   const int err = fp4adam_fused_step_cuda(
       param.data_ptr<float>(), gbf ? (const void*)grad.data_ptr<at::BFloat16>() : (const void*)grad.data_ptr<float>(),
       gbf ? 1 : 0, n, u8(m_codes, "m_codes", nb * 8, dev), u8(m_scales, "m_scales", nb, dev),
-      reinterpret_cast<float*>(u8(m_ts, "m_tscale", nchunks * 4, dev)), u8(v_codes, "v_codes", nb * 8, dev),
+      reinterpret_cast<float*>(u8(m_ts, "m_tscale", nchunks * 4, dev)), u8(v_codes, "v_codes", nb * 2 * fp4::v_cbits(v_kind), dev),
       u8(v_scales, "v_scales", nb, dev), reinterpret_cast<float*>(u8(v_ts, "v_tscale", nchunks * 4, dev)), sc,
       weight_decay, maximize, (int)v_kind, m_stochastic, (uint32_t)seed, (uint32_t)stream0, bf, v_stochastic,
       c10::cuda::getCurrentCUDAStream(dev.index()).stream());
@@ -127,7 +127,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
       mode == 1 ? pos.numel() : 0, mode == 1 ? reinterpret_cast<uint32_t*>(words.data_ptr<int32_t>()) : nullptr,
       (int)mode, gbf ? (const void*)grad.data_ptr<at::BFloat16>() : (const void*)grad.data_ptr<float>(), gbf ? 1 : 0,
       n, u8(m_codes, "m_codes", nb * 8, dev), u8(m_scales, "m_scales", nb, dev),
-      reinterpret_cast<float*>(u8(m_ts, "m_tscale", nchunks * 4, dev)), u8(v_codes, "v_codes", nb * 8, dev),
+      reinterpret_cast<float*>(u8(m_ts, "m_tscale", nchunks * 4, dev)), u8(v_codes, "v_codes", nb * 2 * fp4::v_cbits(v_kind), dev),
       u8(v_scales, "v_scales", nb, dev), reinterpret_cast<float*>(u8(v_ts, "v_tscale", nchunks * 4, dev)), sc,
       weight_decay, maximize, (int)v_kind, m_stochastic, (uint32_t)seed, (uint32_t)stream0, v_stochastic,
       c10::cuda::getCurrentCUDAStream(dev.index()).stream());

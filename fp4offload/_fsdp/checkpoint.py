@@ -286,6 +286,7 @@ class _Resharder:
         return {full: t, full + _NUMEL: n}
 
     def finish(self) -> None:
+        from .._config.grids import LEGACY_V_FORMAT
         from .._optim.state import PACKED_KEYS, decode_state, packed_from_entry
 
         sd = self.opt.packed_state_dict()
@@ -296,7 +297,8 @@ class _Resharder:
             shape = tuple(p.shape)
             d0, inner = shape[0], math.prod(shape[1:])
             st = self.opt.state[proxy]
-            v_format = st.get("v_format") or group_of[id(proxy)].get("v_format", "ufp4")  # fp32 here: the group's
+            # fp32 here: the group's
+            v_format = st.get("v_format") or group_of[id(proxy)].get("v_format", LEGACY_V_FORMAT)
             ms, vs = [], []
             for r in range(self.saved_world):
                 a, b = _shard_rows(d0, self.saved_world, r)
@@ -308,7 +310,7 @@ class _Resharder:
                     full = _state_key(name, k)
                     ln = int(self.rows[full + _NUMEL][r, 0])
                     entry[k] = self.rows[full][r, :ln]
-                m, v = decode_state(*packed_from_entry(entry, n), n, v_format)
+                m, v = decode_state(*packed_from_entry(entry, n, v_format), n, v_format)
                 ms.append(m)
                 vs.append(v)
             layout = shard_layout(p)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import torch
 
+from .._config.grids import LEGACY_V_FORMAT
 from ..errors import ConfigError, CorruptionError
 from . import master as MW
 from . import reference_step as R
@@ -102,7 +103,9 @@ def seal_entry(entry: dict, index: int, p) -> dict:
 def _sizes_ok(entry: Mapping, p, where: str) -> None:
     n = p.numel()
     c, s, t = R.packed_sizes(n)
-    want = dict(zip(PACKED_KEYS, (c, s, t, c, s, t)), exp_avg=n, exp_avg_sq=n, master=n, master_lo=2 * n)
+    v_format = entry.get("v_format", LEGACY_V_FORMAT)
+    cv = R.packed_sizes(n, R.v_bits(v_format))[0] if v_format in R.V_GRID else c
+    want = dict(zip(PACKED_KEYS, (c, s, t, cv, s, t)), exp_avg=n, exp_avg_sq=n, master=n, master_lo=2 * n)
     if "m_codes" not in entry and "exp_avg" not in entry:
         raise ConfigError(where, f"an entry with keys {sorted(map(str, entry))}",
                           "FP4AdamW's packed states (m_codes, ...) or Adam's step, exp_avg and exp_avg_sq")
@@ -161,14 +164,14 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
         want = group["v_format"]
         if packed_saved:
             m, v = packed_from_entry(entry, n)
-            have = entry.get("v_format", "ufp4")
+            have = entry.get("v_format", LEGACY_V_FORMAT)
             if have != want:
                 mf, vf = decode_state(m, v, n, have)
                 _, v = encode_state(mf, vf, want)
         else:  # fp32 states (torch AdamW, or a smaller min_numel): quantize once
             m, v = encode_state(_flat_cpu(entry["exp_avg"]), _flat_cpu(entry["exp_avg_sq"]), want)
     elif packed_saved:
-        m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", "ufp4"))
+        m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", LEGACY_V_FORMAT))
     else:
         m, v = entry["exp_avg"].detach().float(), entry["exp_avg_sq"].detach().float()
     # split's residual before the state is made: the NVMe tier writes it into the files with m and v

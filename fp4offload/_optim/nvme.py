@@ -51,7 +51,7 @@ from .checks import check_choice
 from .nvme_states import (FOLDER_PREFIX, KIND, MANIFEST_KIND, MANIFEST_NAME, Record, StateFolder, check_segment,
                           expected_header, header, locked_bytes, read_kept, segment_disk_bytes, segment_file_bytes,
                           segment_tensors, segments_of, tensor_disk_bytes, unpack)
-from .reference_step import Packed, empty_packed
+from .reference_step import Packed, empty_packed, v_bits
 from .state import Residual
 
 __all__ = ["ALIGN", "FOLDER_PREFIX", "KEEP_NAME", "KIND", "LOCK_NAME", "MANIFEST_KIND", "MANIFEST_NAME",
@@ -248,7 +248,8 @@ class NvmeStore:
             raise CorruptionError(self.path(key, seg), f"segment {seg} of tensor {key}: the store holds no states "
                                   "for this tensor")
         if rec.gen == 0:  # a fresh tensor: zero states (and residual), no file yet
-            return empty_packed(n, "cpu"), empty_packed(n, "cpu"), Residual.zeros(n) if self.residuals else None
+            return (empty_packed(n, "cpu"), empty_packed(n, "cpu", v_bits(v_format)),
+                    Residual.zeros(n) if self.residuals else None)
         path = self._txns.read_path(key, seg, rec)
         where = f"segment {seg} of tensor {key}"
         try:

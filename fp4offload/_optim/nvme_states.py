@@ -30,7 +30,7 @@ from ..formats.container import read_container
 from .._store.aio import ALIGN, aio_layout
 from .._store.folder import Folder, write_json
 from .._store.segment import KEY_RE, file_disk_bytes, header_mismatch, segment_name
-from .reference_step import SEGMENT, Packed, packed_sizes
+from .reference_step import SEGMENT, Packed, packed_sizes, v_bits
 from .state import PACKED_KEYS, RESIDUAL_KEYS, Residual, residual_sizes
 
 KIND = "fp4offload._optim.segment"
@@ -52,11 +52,11 @@ class Record(NamedTuple):
 
 # ---- sizes ----------------------------------------------------------------------------------------------------
 
-def segment_file_bytes(n: int, residual: bool = False) -> int:
-    """Payload bytes of one segment file of n elements, with split's residual or without (the header adds well
-    under 1 KiB)."""
+def segment_file_bytes(n: int, residual: bool = False, v_bits: int = 4) -> int:
+    """Payload bytes of one segment file of n elements, with split's residual or without, v's codes of `v_bits`
+    bits (the default, 4, bounds every v format; the header adds well under 1 KiB)."""
     c, s, t = packed_sizes(n)
-    return 2 * (c + s + t) + (sum(residual_sizes(n)) if residual else 0)
+    return 2 * (c + s + t) - (c - packed_sizes(n, v_bits)[0]) + (sum(residual_sizes(n)) if residual else 0)
 
 
 def segment_disk_bytes(n: int, residual: bool = False) -> int:
@@ -142,7 +142,7 @@ def check_segment(path: Path, where: str, meta, t: dict, want: dict, n: int, v_f
     if not isinstance(meta, dict) or meta != want:
         raise CorruptionError(path, f"{where}: {header_mismatch(meta, want, _IDENT)}", expected=want, found=meta)
     c, s, ts = packed_sizes(n)
-    sizes = dict(zip(PACKED_KEYS, (c, s, ts, c, s, ts)))
+    sizes = dict(zip(PACKED_KEYS, (c, s, ts, packed_sizes(n, v_bits(v_format))[0], s, ts)))
     for name, size in sizes.items():
         if name not in t or t[name].numel() != size or t[name].dtype != torch.uint8:
             raise CorruptionError(path, f"{where}: tensor {name!r} has the wrong size", expected=size,

@@ -62,8 +62,8 @@ from ..formats.layout import packed_sizes as layout_sizes
 CHUNK = 1024
 SEGMENT = 1 << 20
 V_SEED_XOR = 0x2545F491  # v's stochastic rounding: m's rule with seed ^ V_SEED_XOR (fp4_codec.h's kVSeedXor)
-#: v_format -> the mantissa bits of the unsigned grid u = sqrt(v) is stored on (0: v itself in NVFP4)
-V_MBITS = {g.name: g.mbits for g in V_GRIDS}
+#: v_format -> its row of grids.py (the grid, its mantissa and code bits; ``signed``: v itself in NVFP4)
+V_GRID = {g.name: g for g in V_GRIDS}
 #: v_format -> the fused steps' v_kind (csrc/grids.h's kernel id)
 V_KIND = {g.name: g.kid for g in V_GRIDS}
 BLOCK = 16
@@ -108,8 +108,8 @@ def sr_stream(pid: int, segment: int) -> int:
 
 
 class Packed(NamedTuple):
-    """A packed 1x16 state (or a segment of one): codes (u8, 8 bytes per block), block scales (u8, E4M3),
-    chunk scales (u8 holding the little-endian bytes of one fp32 decode scale per chunk)."""
+    """A packed 1x16 state (or a segment of one): codes (u8, 8 bytes per block; 4 for a 2-bit grid), block scales
+    (u8, E4M3), chunk scales (u8 holding the little-endian bytes of one fp32 decode scale per chunk)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
@@ -118,17 +118,28 @@ class Packed(NamedTuple):
     def tscale_f32(self) -> torch.Tensor:
         return self.tscale.view(torch.float32)
 
+    @property
+    def bits(self) -> int:
+        """Bits per code, from the sizes: 4 or 2."""
+        return self.codes.numel() // (2 * self.scales.numel()) if self.scales.numel() else 4
 
-def packed_sizes(n: int) -> tuple[int, int, int]:
-    """(code bytes, block scales, chunk-scale bytes) of a packed state of n elements (formats.layout's sizes of
-    nvfp4 1x16 with one fp32 scale per CHUNK; ufp4 has the same)."""
+
+def v_bits(v_format: str) -> int:
+    """Bits per code of the v state in `v_format`."""
+    return V_GRID[v_format].bits
+
+
+def packed_sizes(n: int, bits: int = 4) -> tuple[int, int, int]:
+    """(code bytes, block scales, chunk-scale bytes) of a packed state of n elements with codes of `bits` bits
+    (formats.layout's sizes of nvfp4 1x16 with one fp32 scale per CHUNK; ufp4 and ue2m2 have the same; a 2-bit
+    grid half the code bytes)."""
     sz = layout_sizes("nvfp4", "1x16", (n,), scope=CHUNK)
-    return sz.data, sz.scales, 4 * -(-n // CHUNK)
+    return sz.data * bits // 4, sz.scales, 4 * -(-n // CHUNK)
 
 
-def empty_packed(n: int, device) -> Packed:
+def empty_packed(n: int, device, bits: int = 4) -> Packed:
     """An all-zero packed state: decodes to 0 (its chunk scales are 0)."""
-    c, s, t = packed_sizes(n)
+    c, s, t = packed_sizes(n, bits)
     z = lambda k: torch.zeros(k, dtype=torch.uint8, device=device)  # noqa: E731
     return Packed(z(c), z(s), z(t))
 
@@ -141,24 +152,32 @@ def segment_ranges(n: int) -> list[tuple[int, int]]:
 def segment_view(p: Packed, start: int, stop: int) -> Packed:
     """The part of a packed state covering elements [start, stop); start is a multiple of CHUNK."""
     assert start % CHUNK == 0
-    c0, s0, t0 = start // 2, start // BLOCK, 4 * (start // CHUNK)
-    nc, ns, nt = packed_sizes(stop - start)
+    bits = p.bits
+    c0, s0, t0 = start * bits // 8, start // BLOCK, 4 * (start // CHUNK)
+    nc, ns, nt = packed_sizes(stop - start, bits)
     c1, s1, t1 = c0 + nc, s0 + ns, t0 + nt
     return Packed(p.codes[c0:c1], p.scales[s0:s1], p.tscale[t0:t1])
 
 
-def _grid_kern(kern, unsigned: int):
-    """The compiled codecs encode E2M1 and ufp4; the ue2m2 grid (FP4AdamW's v state, which the fused steps encode
-    themselves) goes through the reference, which runs on any device."""
-    return reference if int(unsigned) > 1 else kern
+def _grid_kern(kern, unsigned):
+    """(backend, its `ufp4` argument) for a grid: the compiled codecs encode E2M1 and ufp4; the other grids
+    (FP4AdamW's v states, which the fused steps encode themselves) go through the reference, which runs on any
+    device."""
+    ug, mb, cb = reference.grid_of(unsigned)
+    if not ug:
+        return kern, False
+    if (mb, cb) == (1, 4):
+        return kern, 1
+    return reference, unsigned
 
 
-def decode(kern, p: Packed, n: int, unsigned: bool | int) -> torch.Tensor:
+def decode(kern, p: Packed, n: int, unsigned) -> torch.Tensor:
     """fp32 values of a packed state of n elements, through the kernel API (`kern`: a backend module).
-    `unsigned`: False for E2M1 codes, else the unsigned grid's mantissa bits (True = 1: ufp4; 2: ue2m2)."""
+    `unsigned`: False for E2M1 codes, else the unsigned grid, as its mantissa bits (True = 1: ufp4; 2: ue2m2) or
+    its grids.py row."""
     if n == 0:
         return torch.zeros(0, dtype=torch.float32, device=p.codes.device)
-    kern = _grid_kern(kern, unsigned)
+    kern, unsigned = _grid_kern(kern, unsigned)
     return kern.nvfp4_decode(p.codes, p.scales, p.tscale_f32(), 1, n, 1, CHUNK, unsigned, torch.float32)
 
 
@@ -169,7 +188,7 @@ def encode_into(kern, x: torch.Tensor, out: Packed, unsigned: bool | int, stocha
     n = x.numel()
     if n == 0:
         return
-    kern = _grid_kern(kern, unsigned)
+    kern, unsigned = _grid_kern(kern, unsigned)
     data, scales, ts, _ = kern.nvfp4_encode(x.contiguous(), 1, n, 1, CHUNK, unsigned, stochastic, seed, stream, False)
     out.codes.copy_(data)
     out.scales.copy_(scales)
@@ -218,9 +237,9 @@ def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, s
     """
     n = param.numel()
     m_old = decode(kern, m, n, False)
-    vmb = V_MBITS[v_format]
-    if vmb:
-        u_old = decode(kern, v, n, vmb)
+    grid = V_GRID[v_format]
+    if not grid.signed:
+        u_old = decode(kern, v, n, grid)
         v_old = torch.mul(u_old, u_old)
     else:
         v_old = decode(kern, v, n, False)
@@ -230,8 +249,8 @@ def packed_step(param: torch.Tensor, grad: torch.Tensor, m: Packed, v: Packed, s
         bf16_out.copy_(p_new.to(torch.bfloat16))
     encode_into(kern, m_new, m, False, m_stochastic, seed, stream)
     v_seed = (seed ^ V_SEED_XOR) if v_stochastic else 0
-    if vmb:
-        encode_into(kern, u_new, v, vmb, v_stochastic, v_seed, stream if v_stochastic else 0)
+    if not grid.signed:
+        encode_into(kern, u_new, v, grid, v_stochastic, v_seed, stream if v_stochastic else 0)
     else:
         encode_into(kern, v_new, v, False, v_stochastic, v_seed, stream if v_stochastic else 0)
 

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .._config.grids import LEGACY_V_FORMAT
 from ..errors import ConfigError
 from ..formats import reference
 from . import reference_step as R
@@ -91,22 +92,25 @@ def step_of(value) -> int:
     return int(float(value.item() if torch.is_tensor(value) else value))
 
 
-def packed_from_entry(entry: dict, n: int) -> tuple[R.Packed, R.Packed]:
+def packed_from_entry(entry: dict, n: int, v_format: str | None = None) -> tuple[R.Packed, R.Packed]:
+    """The packed m and v of a state-dict entry of n elements, their sizes checked; v's code bytes are those of
+    `v_format` (default: the entry's, else 4-bit)."""
     c, s, t = R.packed_sizes(n)
-    u8 = {k: as_u8(entry[k], k, size) for k, size in zip(PACKED_KEYS, (c, s, t, c, s, t))}
+    cv = R.packed_sizes(n, R.v_bits(v_format or entry.get("v_format", LEGACY_V_FORMAT)))[0]
+    u8 = {k: as_u8(entry[k], k, size) for k, size in zip(PACKED_KEYS, (c, s, t, cv, s, t))}
     return (R.Packed(u8["m_codes"], u8["m_scales"], u8["m_tscale"]),
             R.Packed(u8["v_codes"], u8["v_scales"], u8["v_tscale"]))
 
 
 def encode_state(m: torch.Tensor, v: torch.Tensor, v_format: str, kern=reference) -> tuple[R.Packed, R.Packed]:
     """Quantize fp32 m and v (flat, CPU) once: m to NVFP4 (nearest), v to sqrt(v) on its unsigned grid (ue2m2,
-    ufp4) or v in NVFP4."""
+    ufp4, ue2m0) or v in NVFP4."""
     n = m.numel()
-    pm, pv = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
+    grid = R.V_GRID[v_format]
+    pm, pv = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu", grid.bits)
     R.encode_into(kern, m.float().contiguous(), pm, False, False, 0, 0)
-    vmb = R.V_MBITS[v_format]
-    if vmb:
-        R.encode_into(kern, R.sqrt_rn(v.float().clamp(min=0)).contiguous(), pv, vmb, False, 0, 0)
+    if not grid.signed:
+        R.encode_into(kern, R.sqrt_rn(v.float().clamp(min=0)).contiguous(), pv, grid, False, 0, 0)
     else:
         R.encode_into(kern, v.float().contiguous(), pv, False, False, 0, 0)
     return pm, pv
@@ -115,8 +119,8 @@ def encode_state(m: torch.Tensor, v: torch.Tensor, v_format: str, kern=reference
 def decode_state(m: R.Packed, v: R.Packed, n: int, v_format: str, kern=reference) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 m and v (flat) of packed states."""
     md = R.decode(kern, m, n, False)
-    vmb = R.V_MBITS[v_format]
-    if vmb:
-        u = R.decode(kern, v, n, vmb)
+    grid = R.V_GRID[v_format]
+    if not grid.signed:
+        u = R.decode(kern, v, n, grid)
         return md, torch.mul(u, u)
     return md, R.decode(kern, v, n, False)

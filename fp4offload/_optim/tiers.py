@@ -127,7 +127,7 @@ class DeviceTier:
         if res is not None:
             raise ValueError(f"the {self.name} tier keeps no residual in its storage")
         n, dev = p.numel(), self.compute_device(p)
-        new = (*R.empty_packed(n, dev), *R.empty_packed(n, dev))
+        new = (*R.empty_packed(n, dev), *R.empty_packed(n, dev, R.v_bits(st["v_format"])))
         if self.pinned(p):
             new = tuple(t.pin_memory() for t in new)
         for k, t, src in zip(PACKED_KEYS, new, (None,) * 6 if m is None else (*m, *v)):
@@ -390,7 +390,7 @@ class NvmeTier(HostTier):
             store.set_record(key, Record(0, step, n, v_format))
             return
         if m is None:  # a residual to keep beside zero states
-            m, v = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
+            m, v = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu", R.v_bits(v_format))
         own = not store.in_transaction
         if own:
             store.begin(tensor_disk_bytes(n, store.residuals), f"tensor {key}")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .._config.grids import V_GRIDS
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -122,48 +121,62 @@ def e8m0_exponent(amax: torch.Tensor, elem_max_mant: int, elem_emax: int, mode: 
     return e.clamp_(-127, 127)
 
 
-# Unsigned zero-free 4-bit grids for u = sqrt(v) (docs/design.md 3.7): `mbits` mantissa bits and 16 >> mbits
-# binades, the top one [1, 2): code c is (1 + (c mod 2^mbits) / 2^mbits) * 2^(c >> mbits - nb + 1), nb = 16 >> mbits.
-# ufp4 (E3M1) has mbits 1 (2^-7 .. 1.5); ue2m2 has mbits 2 (2^-3 .. 1.75). Values below the grid take code 0.
+# Unsigned zero-free grids for u = sqrt(v) (docs/design.md 3.7): `cbits`-bit codes (4, or 2 for ue2m0), `mbits`
+# mantissa bits and nb = 2^cbits >> mbits binades, the top one [1, 2): code c is
+# (1 + (c mod 2^mbits) / 2^mbits) * 2^(c >> mbits - nb + 1). ufp4 (E3M1) has mbits 1 (2^-7 .. 1.5); ue2m2 has
+# mbits 2 (2^-3 .. 1.75); the 2-bit ue2m0 has mbits 0 (1/8, 1/4, 1/2, 1). Values below the grid take code 0.
 # The grids by name: the unsigned rows of grids.py.
-UGRID_MBITS = {g.name: g.mbits for g in V_GRIDS if not g.signed}
 
 
-def ugrid_min(mbits: int) -> float:
-    return 2.0 ** (1 - (16 >> mbits))
+def ugrid_spec(grid) -> tuple[int, int]:
+    """(mantissa bits, code bits) of an unsigned grid given as its mantissa bits (an int or True: 4-bit codes) or
+    as a grids.VGrid row."""
+    if hasattr(grid, "bits"):
+        return grid.mbits, grid.bits
+    return int(grid), 4
+
+
+def _nb(mbits: int, cbits: int) -> int:
+    return (1 << cbits) >> mbits
+
+
+def ugrid_min(mbits: int, cbits: int = 4) -> float:
+    return 2.0 ** (1 - _nb(mbits, cbits))
 
 
 def ugrid_max(mbits: int) -> float:
     return 2.0 - 2.0 ** -mbits
 
 
-def _ugrid_bias(mbits: int) -> int:
-    return 128 - (16 >> mbits)  # the fp32 exponent field of the grid's smallest binade
+def _ugrid_bias(mbits: int, cbits: int = 4) -> int:
+    return 128 - _nb(mbits, cbits)  # the fp32 exponent field of the grid's smallest binade
 
 
-def ugrid_encode(y: torch.Tensor, mbits: int = 1) -> torch.Tensor:
-    """Code of y >= 0 (already scaled) on the `mbits` grid: nearest code value, ties to even code; below the
-    grid's smallest value -> code 0."""
+def ugrid_encode(y: torch.Tensor, mbits: int = 1, cbits: int = 4) -> torch.Tensor:
+    """Code of y >= 0 (already scaled) on the grid: nearest code value, ties to even code; below the grid's
+    smallest value -> code 0."""
     a = y.clamp(max=ugrid_max(mbits))
-    code = _rne_mantissa(a, mbits) - (_ugrid_bias(mbits) << mbits)
-    return torch.where(a < ugrid_min(mbits), torch.zeros_like(code), code).clamp_(0, 15)
+    code = _rne_mantissa(a, mbits) - (_ugrid_bias(mbits, cbits) << mbits)
+    return torch.where(a < ugrid_min(mbits, cbits), torch.zeros_like(code), code).clamp_(0, (1 << cbits) - 1)
 
 
-def ugrid_encode_sr(y: torch.Tensor, rand: torch.Tensor, mbits: int = 1) -> torch.Tensor:
-    """Stochastic rounding of y >= 0 (already scaled) to the `mbits` grid (fp4_codec.h's ugrid_encode_sr): the
+def ugrid_encode_sr(y: torch.Tensor, rand: torch.Tensor, mbits: int = 1, cbits: int = 4) -> torch.Tensor:
+    """Stochastic rounding of y >= 0 (already scaled) to the grid (fp4_codec.h's ugrid_encode_sr): the
     fp32 pattern less bias << 23 is the code above 23 - mbits fraction bits, plus the top 23 - mbits random bits;
-    below the grid's smallest value -> code 0. The largest value has a zero fraction, so the code stays <= 15."""
+    below the grid's smallest value -> code 0. The largest value has a zero fraction, so the code stays below
+    2^cbits."""
     a = y.clamp(max=ugrid_max(mbits))
     shift = 23 - mbits
-    code = ((_bits(a).to(torch.int64) - (_ugrid_bias(mbits) << 23) + (rand.to(torch.int64) >> (32 - shift)))
+    code = ((_bits(a).to(torch.int64) - (_ugrid_bias(mbits, cbits) << 23) + (rand.to(torch.int64) >> (32 - shift)))
             >> shift).to(torch.int32)
-    return torch.where(a < ugrid_min(mbits), torch.zeros_like(code), code)
+    return torch.where(a < ugrid_min(mbits, cbits), torch.zeros_like(code), code)
 
 
-def ugrid_values(mbits: int = 1, device=None) -> torch.Tensor:
-    c = torch.arange(16, dtype=torch.float64)
+def ugrid_values(mbits: int = 1, device=None, cbits: int = 4) -> torch.Tensor:
+    """The values of the grid's codes, 0 .. 2^cbits - 1."""
+    c = torch.arange(1 << cbits, dtype=torch.float64)
     per = 2 ** mbits
-    val = torch.pow(2.0, torch.div(c, per, rounding_mode="floor") - ((16 >> mbits) - 1)) * (1 + (c % per) / per)
+    val = torch.pow(2.0, torch.div(c, per, rounding_mode="floor") - (_nb(mbits, cbits) - 1)) * (1 + (c % per) / per)
     return val.to(torch.float32).to(device) if device is not None else val.to(torch.float32)
 
 

@@ -10,7 +10,9 @@ Layouts (shared by all backends):
   stored row-major over the padded view, block scales row-major over the tile grid; one tensor scale.
 Packed nibbles: element 2i in bits 0-3 of byte i, element 2i+1 in bits 4-7, an odd tail padded with code
 0; :func:`pack_nibbles` and :func:`unpack_nibbles` are the only place this module writes that rule (the C++
-and CUDA kernels have theirs in csrc/fp4_codec.h). Sizes and the rows/cols view are ``layout``'s.
+and CUDA kernels have theirs in csrc/fp4_codec.h). A 2-bit grid (FP4AdamW's ue2m0 v state) packs four codes a
+byte, element 4i + k in bits 2k..2k+1 of byte i (:func:`pack_codes` with 2 bits). Sizes and the rows/cols view are
+``layout``'s.
 """
 
 from __future__ import annotations
@@ -53,6 +55,34 @@ def unpack_nibbles(data: torch.Tensor) -> torch.Tensor:
     """uint8 -> the codes, flat, two per byte (a padded odd tail comes back as a last code 0)."""
     d = data.reshape(-1)
     return torch.stack((d & 0xF, d >> 4), dim=1).reshape(-1)
+
+
+def pack_codes(codes: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Codes of `bits` bits (4: :func:`pack_nibbles`; 2: four a byte, element 4i + k in bits 2k..2k+1 of byte i,
+    a tail padded with code 0)."""
+    if bits == 4:
+        return pack_nibbles(codes)
+    c = codes.to(torch.uint8).reshape(-1)
+    if c.numel() % 4:
+        c = torch.cat((c, c.new_zeros(4 - c.numel() % 4)))
+    c = c.view(-1, 4)
+    return c[:, 0] | (c[:, 1] << 2) | (c[:, 2] << 4) | (c[:, 3] << 6)
+
+
+def unpack_codes(data: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`: the codes, flat."""
+    if bits == 4:
+        return unpack_nibbles(data)
+    d = data.reshape(-1)
+    return torch.stack((d & 3, (d >> 2) & 3, (d >> 4) & 3, d >> 6), dim=1).reshape(-1)
+
+
+def grid_of(ufp4) -> tuple[bool, int, int]:
+    """(unsigned grid, mantissa bits, code bits) of nvfp4_encode's `ufp4` argument: False (E2M1), True or the
+    mantissa bits of a 4-bit unsigned grid, or a grids.VGrid row."""
+    if hasattr(ufp4, "bits"):
+        return not ufp4.signed, ufp4.mbits, ufp4.bits
+    return bool(int(ufp4)), int(ufp4), 4
 
 
 def _tile_layout(x: torch.Tensor, rows: int, cols: int):
@@ -100,14 +130,15 @@ def _e2m1_codes(y: torch.Tensor, stochastic: bool, seed: int, stream: int, index
 def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, ufp4: bool,
                  stochastic: bool, seed: int, stream: int, propagate: bool, amax: torch.Tensor | None = None):
     """NVFP4 (or ufp4 when `ufp4`) encode. Returns (data u8, scales u8, tensor_scale f32[nscopes], nonfinite).
-    `ufp4` may also be the mantissa bits of an unsigned grid (bits.UGRID_MBITS: 1 is ufp4, 2 is FP4AdamW's ue2m2
-    state; only this reference encodes grids other than ufp4).
+    `ufp4` may also be the mantissa bits of an unsigned 4-bit grid (grids.py's rows: 1 is ufp4, 2 is FP4AdamW's
+    ue2m2 state) or a grids.VGrid row (the 2-bit ue2m0 is only reachable so); only this reference encodes grids
+    other than ufp4.
 
     `amax` (fp32, one per scope) replaces the measured scope amax: sharded weights use the amax
     max-reduced across ranks so every rank encodes with the same tensor scale (docs/design.md 3.8).
     """
-    mb = int(ufp4)
-    elem_max = B.ugrid_max(mb) if mb else B.E2M1_MAX
+    ug, mb, cb = grid_of(ufp4)
+    elem_max = B.ugrid_max(mb) if ug else B.E2M1_MAX
     if tile == 16:
         blocks, index, (R, C) = _tile_layout(x, rows, cols)
         scope_of_block = torch.zeros(blocks.shape[0], dtype=torch.long, device=x.device)
@@ -134,10 +165,10 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
     s_enc_b = torch.where(live, _div(1.0, torch.where(live, scale_val * s_dec[scope_of_block], 1.0)), 0.0)
     s_enc_b = s_enc_b.clamp(max=B.F32_MAX)  # the reciprocal may overflow when the tensor scale was clamped
     y = blocks * s_enc_b[:, None]
-    if mb and stochastic:
-        codes = B.ugrid_encode_sr(y.abs(), B.random_bits(seed, stream, index), mb)
-    elif mb:
-        codes = B.ugrid_encode(y.abs(), mb)
+    if ug and stochastic:
+        codes = B.ugrid_encode_sr(y.abs(), B.random_bits(seed, stream, index), mb, cb)
+    elif ug:
+        codes = B.ugrid_encode(y.abs(), mb, cb)
     else:
         codes = _e2m1_codes(y, stochastic, seed, stream, index)
     codes = torch.where(live[:, None], codes, torch.zeros_like(codes))
@@ -145,15 +176,16 @@ def nvfp4_encode(x: torch.Tensor, rows: int, cols: int, tile: int, scope: int, u
         scale_code = torch.where(bad, torch.full_like(scale_code, B.E4M3_NAN), scale_code)
     if tile == 16:
         codes = _untile(codes, R, C)
-    data = pack_nibbles(codes.reshape(-1))
+    data = pack_codes(codes.reshape(-1), cb)
     return data, scale_code.to(torch.uint8).reshape(-1), s_dec.to(torch.float32), count
 
 
 def nvfp4_decode(data: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, rows: int, cols: int,
                  tile: int, scope: int, ufp4: bool, out_dtype: torch.dtype) -> torch.Tensor:
     """Inverse of nvfp4_encode: (value(code) * fp32(scale_b)) * s_dec, returned flat with rows*cols elements."""
-    codes = unpack_nibbles(data).long()
-    table = (B.ugrid_values(int(ufp4), data.device) if ufp4
+    ug, mb, cb = grid_of(ufp4)
+    codes = unpack_codes(data, cb).long()
+    table = (B.ugrid_values(mb, data.device, cb) if ug
              else B.e2m1_decode_magnitude(torch.arange(16, device=data.device)))
     vals = table[codes]
     scale_val = B.e4m3_table(data.device)[scales.long()]

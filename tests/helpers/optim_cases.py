@@ -24,7 +24,8 @@ def run_fused(step_ext, n, v_format, stochastic, gdt, *, steps=3, wd=0.01, maxim
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
     pa, pb = p.clone(), p.clone()
-    ma, va, mb, vb = (R.empty_packed(n, "cpu") for _ in range(4))
+    ma, mb = (R.empty_packed(n, "cpu") for _ in range(2))
+    va, vb = (R.empty_packed(n, "cpu", R.v_bits(v_format)) for _ in range(2))
     for t in range(1, steps + 1):
         g = (torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)).to(gdt)
         if n > 3:
@@ -148,7 +149,8 @@ def run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, st
     if special is not None and n > 8:
         _plant_specials(h0, lo0, split)
         odd0 = odd0[(odd0 < 3) | (odd0 > 6)]
-    runs = {name: [h0.clone(), lo0.clone(), odd0.clone(), R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")]
+    runs = {name: [h0.clone(), lo0.clone(), odd0.clone(), R.empty_packed(n, "cpu"),
+                   R.empty_packed(n, "cpu", R.v_bits(v_format))]
             for name in ("ref", *exts)}
     still = (torch.arange(n) // 16) % 5 == 2  # whole blocks with zero gradients: m = v = 0, the update is 0
     odd_before = odd0.numel()

@@ -5,6 +5,7 @@ import pytest
 import torch
 from helpers.optim_cases import run_fused, special_grads
 
+from fp4offload._config import V_FORMATS
 from fp4offload._optim import reference_step as R
 
 SIZES = [1, 15, 16, 17, 1000, 1024, 1025, 4096, 5003, 70001]
@@ -13,7 +14,7 @@ ROUNDING_IDS = ["m-nearest", "m-sr", "m-sr-v-sr", "v-sr"]
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
+@pytest.mark.parametrize("v_format", V_FORMATS)
 @pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
 def test_fused_equals_reference(step_ext, simd, n, v_format, stochastic, v_stochastic):
     run_fused(step_ext, n, v_format, stochastic, torch.float32, v_stochastic=v_stochastic)
@@ -25,7 +26,7 @@ def test_fused_bf16_grad_maximize_no_decay(step_ext, simd, maximize, wd):
 
 
 @pytest.mark.parametrize("kind", ["overflow", "nonfinite", "zeros", "range"])
-@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
+@pytest.mark.parametrize("v_format", V_FORMATS)
 @pytest.mark.parametrize("stochastic,v_stochastic", ROUNDINGS, ids=ROUNDING_IDS)
 def test_fused_special_values(step_ext, simd, kind, v_format, stochastic, v_stochastic):
     run_fused(step_ext, 5003, v_format, stochastic, torch.float32, special=special_grads(kind),

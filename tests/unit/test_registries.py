@@ -19,7 +19,7 @@ from fp4offload._config import grids, isas
 from fp4offload._ops import build, cpu_isa
 from fp4offload._optim import reference_step as R
 from fp4offload._planner.hardware import CPU_FP4_PER_CORE
-from fp4offload.formats import bits, layout
+from fp4offload.formats import layout
 
 ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "csrc"
@@ -40,8 +40,7 @@ def test_the_generated_headers_are_current(registry):
 
 def test_every_list_derives_from_the_rows():
     assert vocab.V_FORMATS == tuple(g.name for g in grids.V_GRIDS) and vocab.V_FORMAT_DEFAULT == vocab.V_FORMATS[0]
-    assert R.V_MBITS == {g.name: g.mbits for g in grids.V_GRIDS}
-    assert bits.UGRID_MBITS == {g.name: g.mbits for g in grids.V_GRIDS if g.mbits}
+    assert R.V_GRID == {g.name: g for g in grids.V_GRIDS} and R.V_KIND == {g.name: g.kid for g in grids.V_GRIDS}
     assert vocab.CPU_ISAS == tuple(i.name for i in isas.ISAS) and vocab.CPU_ISAS[-1] == "scalar"
     assert list(CPU_FP4_PER_CORE) == list(vocab.CPU_ISAS)
     assert all(f"-DFP4_CPU_ISA_ID={i.id}" in cpu_isa.flags(i.name) for i in isas.ISAS)
@@ -51,7 +50,7 @@ def test_every_list_derives_from_the_rows():
 
 def test_the_numbers_stay():
     """Kernel ids of the grids and CPU paths are for good: states, checkpoints and build caches hold them."""
-    assert R.V_KIND == {"ufp4": 0, "nvfp4": 1, "ue2m2": 2}
+    assert R.V_KIND == {"ufp4": 0, "nvfp4": 1, "ue2m2": 2, "ue2m0": 3}
     assert {i.name: i.id for i in isas.ISAS} == {"scalar": 0, "avx512": 1, "avx2": 2, "neon": 3, "sve": 4}
 
 
@@ -104,7 +103,7 @@ def test_the_scan_sees_a_table(tmp_path):
 
 # A throwaway unsigned grid with 3 mantissa bits (2 binades, 0.5 .. 1.875) and a second name for a CPU path with
 # flags of its own, each one row added to the tables.
-NEW_GRID = grids.VGrid("ue1m3", 3, 3)
+NEW_GRID = grids.VGrid("ue1m3", 4, 3)
 
 
 def _new_path() -> isas.Isa:
@@ -118,13 +117,13 @@ def test_a_new_grid_and_a_new_cpu_path_are_one_row_each(tmp_path, monkeypatch):
     the build knows its name, and on the new grid its vector and scalar paths give the reference step's bytes."""
     path = _new_path()
     monkeypatch.setattr(isas, "ISAS", (*isas.ISAS[:-1], path, isas.ISAS[-1]))
-    for table, value in ((R.V_MBITS, NEW_GRID.mbits), (R.V_KIND, NEW_GRID.kid)):
+    for table, value in ((R.V_GRID, NEW_GRID), (R.V_KIND, NEW_GRID.kid)):
         monkeypatch.setitem(table, NEW_GRID.name, value)
     src = tmp_path / "csrc"
     shutil.copytree(build.csrc_dir(), src, ignore=shutil.ignore_patterns("__pycache__"))
     grids.write_header(src, (*grids.V_GRIDS, NEW_GRID))
     isas.write_header(src, isas.ISAS)
-    assert "X(ue1m3, 3, 3, 16)" in (src / grids.HEADER).read_text()
+    assert "X(ue1m3, 4, 3, 16, 4)" in (src / grids.HEADER).read_text()
     assert path.name in cpu_isa.available() and cpu_isa.flags(path.name)[-1] == "-DFP4_CPU_ISA_ID=9"
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
@@ -132,9 +131,9 @@ def test_a_new_grid_and_a_new_cpu_path_are_one_row_each(tmp_path, monkeypatch):
                       extra_cflags=[*cpu_isa.flags(path.name), "-fopenmp"], root=src)
     assert ext.isa() == path.name
     n, sc = 16, R.StepScalars.make(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1)
-    with pytest.raises(RuntimeError, match=r"v_kind must be one of 2 \(ue2m2\) 0 \(ufp4\) 1 \(nvfp4\) 3 \(ue1m3\)"):
+    with pytest.raises(RuntimeError, match=r"v_kind must be one of 2 \(ue2m2\) 0 \(ufp4\) 1 \(nvfp4\) 3 \(ue2m0\) 4 \(ue1m3\)"):
         ext.fused_step(torch.zeros(n), torch.zeros(n), *R.empty_packed(n, "cpu"), *R.empty_packed(n, "cpu"), sc.b1,
-                       sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, False, False, 4, False, 0, 0,
+                       sc.omb1, sc.b2, sc.omb2, sc.eps, sc.decay, sc.step_size, sc.rsbc2, False, False, 5, False, 0, 0,
                        None)
     for simd in (True, False):
         ext.set_simd(simd)

@@ -309,7 +309,7 @@ int main(int argc, char** argv) {
     if (FP4_CPU_VEC) printf("%s %s %016llx\n", name.c_str(), vec_name, (unsigned long long)fn(true));
   };
   const int64_t sizes[] = {1, 15, 16, 17, 1000, 1024, 1025, 5003, 70001};
-#define FP4_V_ID(name, id, mbits, block) id,
+#define FP4_V_ID(name, id, mbits, block, cbits) id,
   const int vkinds[] = {FP4_V_GRIDS(FP4_V_ID)};  // every v grid (csrc/grids.h)
 #undef FP4_V_ID
   for (int64_t n : sizes)
