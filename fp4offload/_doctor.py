@@ -15,8 +15,8 @@ _GENERATIONS = {7: "Volta/Turing", 8: "Ampere/Ada", 9: "Hopper", 10: "Blackwell"
 
 
 def gpu_report() -> dict:
-    """GPUs through NVML (:func:`fp4offload._machine.gpus`): name, memory, compute capability, generation, FP4
-    hardware, and the source of the memory figures."""
+    """GPUs through NVML, else AMD SMI (:func:`fp4offload._machine.gpus`): name, memory, compute capability (NVIDIA),
+    generation, FP4 hardware, and the source of the memory figures; when neither answered, why (both reasons)."""
     from ._machine import gpus
 
     got = gpus()
@@ -223,6 +223,7 @@ def report(config: str | None = None) -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
+        "torch_hip": getattr(torch.version, "hip", None),
         "cuda_available": torch.cuda.is_available(),
         "nvcc": shutil.which("nvcc"),
         "nvcc_version": _nvcc_version(),
@@ -264,7 +265,7 @@ def _nvcc_version() -> str | None:
 
 def render(r: dict) -> str:
     lines = [f"fp4offload {r['fp4offload']}  python {r['python']}  torch {r['torch']} "
-             f"(CUDA {r['torch_cuda'] or 'none'})"]
+             f"(CUDA {r['torch_cuda'] or 'none'}" + (f", ROCm {r['torch_hip']})" if r.get("torch_hip") else ")")]
     g = r["gpu"]
     if g["available"]:
         lines.append(f"GPUs (driver {g['driver'] or 'unknown'}; memory from {g['source']}):")
@@ -272,8 +273,9 @@ def render(r: dict) -> str:
             fp4 = "hardware FP4" if d["fp4_hardware"] else "FP4 as storage/transfer format"
             cc = d["compute_capability"]
             sm = f"sm_{cc.replace('.', '')}" if cc else "compute capability unknown"
+            kind = "AMD" if d["source"] == "amdsmi" else f"{sm} {d['generation']}"
             lines.append(f"  [{d['index']}] {d['name']}  {d['total_gib']} GiB ({d['free_gib']} free, {d['source']})  "
-                         f"{sm} {d['generation']}: {fp4}")
+                         f"{kind}: {fp4}")
     else:
         lines.append(f"GPU: none ({g['why']})")
     lines.append(f"nvcc: {r['nvcc_version'] or 'not found'}")

@@ -240,8 +240,8 @@ def limits(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup",
 
 @dataclass(frozen=True)
 class GpuMemory:
-    """One GPU as NVML reports it: memory in bytes; compute capability and PCIe link (the maximum it trains to,
-    and the current one) where NVML answered, else None."""
+    """One GPU as NVML (or AMD SMI: ``source`` says) reports it: memory in bytes; compute capability and PCIe link
+    (the maximum it trains to, and the current one) where NVML answered, else None (always None from AMD SMI)."""
 
     index: int
     name: str
@@ -298,8 +298,14 @@ def amd_gpus(module: Any = None) -> Gpus:
     if module is None:
         try:
             import amdsmi as module
-        except Exception as exc:  # not installed, or ROCm's libamd_smi.so is missing
-            return Gpus(note=f"amdsmi does not load ({type(exc).__name__}: {exc})"[:200], source="amdsmi")
+        except ModuleNotFoundError as exc:
+            if exc.name not in (None, "amdsmi"):  # amdsmi is there, one of its own imports is not
+                return Gpus(note=f"amdsmi does not load ({type(exc).__name__}: {exc})"[:200], source="amdsmi")
+            return Gpus(note="amdsmi is not installed (AMD GPUs are read through ROCm's amdsmi package)",
+                        source="amdsmi")
+        except Exception as exc:  # installed, but ROCm's libamd_smi.so is missing or does not load
+            return Gpus(note=f"amdsmi is installed but ROCm's library does not load ({type(exc).__name__}: {exc})"
+                        [:200], source="amdsmi")
     try:
         module.amdsmi_init()
     except Exception as exc:
@@ -315,7 +321,7 @@ def amd_gpus(module: Any = None) -> Gpus:
             except Exception:
                 name = "AMD GPU"
             out.append(GpuMemory(index=i, name=name, total=total, free=max(0, total - used), used=used,
-                                 compute_capability=None))
+                                 compute_capability=None, source="amdsmi"))
         return Gpus(devices=tuple(out), note=None if out else "amdsmi found no GPU", source="amdsmi")
     except Exception as exc:
         return Gpus(note=f"amdsmi could not read the GPUs ({type(exc).__name__}: {exc})"[:200], source="amdsmi")

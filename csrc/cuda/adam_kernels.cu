@@ -18,12 +18,14 @@
 // The bindings turn the sorted odd positions into the mask (fp4adam_fused_step_master_cuda does it, on the
 // stream, with a validity flag that makes the step a no-op) and the mask back into positions.
 //
-// Pure CUDA (no torch headers): csrc/cuda/adam_cuda.cpp binds it.
-#include <cuda_runtime.h>
+// Pure CUDA (HIP on AMD, through gpu_compat.h; no torch headers): csrc/cuda/adam_cuda.cpp binds it.
 #include <stdint.h>
 
+#include "gpu_compat.h"
+FP4_GPU_HD_BEGIN
 #include "fp4_codec.h"
 #include "master_bits.h"
+FP4_GPU_HD_END
 
 namespace fp4adam_cuda {
 
@@ -34,6 +36,7 @@ using fp4master::to_bf16;
 
 constexpr int kChunk = 1024;
 constexpr int kBlocksPerChunk = kChunk / 16;  // threads per CUDA block
+constexpr int kWarpsPerChunk = kBlocksPerChunk / fp4gpu::kWarp;  // 2 on NVIDIA, 1 wave64 on AMD
 constexpr int64_t kSegment = 1 << 20;
 constexpr int kFp32 = 0, kSplit = 1, kBf16 = 2;  // the master forms (fused_step_master's mode is 1 or 2)
 
@@ -58,22 +61,26 @@ struct Args {
   uint32_t seed, stream0;
 };
 
-// Max over the CUDA block (kBlocksPerChunk threads = 2 warps); every thread gets the result.
-__device__ __forceinline__ float block_max(float v, float* shared2) {
-  for (int o = 16; o > 0; o >>= 1) v = fp4::fmax_(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
-  const int warp = threadIdx.x >> 5;
+// Max over the CUDA block (kBlocksPerChunk threads = kWarpsPerChunk warps); every thread gets the result.
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  for (int o = fp4gpu::kWarp / 2; o > 0; o >>= 1) v = fp4::fmax_(v, fp4gpu::shfl_xor(v, o));
+  const int warp = threadIdx.x / fp4gpu::kWarp;
   __syncthreads();
-  if ((threadIdx.x & 31) == 0) shared2[warp] = v;
+  if ((threadIdx.x % fp4gpu::kWarp) == 0) shared[warp] = v;
   __syncthreads();
-  return fp4::fmax_(shared2[0], shared2[1]);
+  float r = shared[0];
+  for (int w = 1; w < kWarpsPerChunk; ++w) r = fp4::fmax_(r, shared[w]);
+  return r;
 }
 
-// Encodes this thread's 16 values (x) into its block of a chunk, given the chunk's tensor scale. mbits 0: E2M1
-// codes; else the unsigned grid with that many mantissa bits.
+// Encodes this thread's 16 values (x) into its block of a chunk, given the chunk's tensor scale. mbits 0 with
+// 4-bit codes: E2M1; else the unsigned grid of cbits-bit codes with mbits mantissa bits. `codes`: the block's
+// 8 bytes (4-bit codes) or 4 (2-bit).
 __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool bad, const fp4::TensorScale& ts,
                                              int mbits, bool stochastic, uint32_t key, uint32_t index0,
-                                             uint8_t* codes8, uint8_t* scale) {
-  const float elem_max = fp4::grid_max(mbits);
+                                             uint8_t* codes, uint8_t* scale, int cbits = 4) {
+  const bool ugrid = mbits || cbits != 4;
+  const float elem_max = fp4::grid_max(mbits, cbits);
   float k;
   bool live;
   *scale = fp4::block_scale(amax_b, bad, elem_max, ts, k, live);
@@ -84,20 +91,27 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
       const float y = x[j] * k;
       const uint32_t rnd = stochastic ? fp4::sr_bits(key, (uint64_t)(index0 + j)) : 0u;
       uint8_t c;
-      if (mbits) {
-        c = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits) : fp4::ugrid_encode(fp4::fabs_(y), mbits);
+      if (ugrid) {
+        c = stochastic ? fp4::ugrid_encode_sr(fp4::fabs_(y), rnd, mbits, cbits)
+                       : fp4::ugrid_encode(fp4::fabs_(y), mbits, cbits);
       } else {
         c = fp4::e2m1_encode(y, stochastic, rnd);
       }
-      w[j >> 3] |= fp4::word_slot(c, j & 7);
+      if (cbits == 2)
+        w[0] |= (uint32_t)c << (2 * j);
+      else
+        w[j >> 3] |= fp4::word_slot(c, j & 7);
     }
   }
-  reinterpret_cast<uint2*>(codes8)[0] = make_uint2(w[0], w[1]);
+  if (cbits == 2)
+    reinterpret_cast<uint32_t*>(codes)[0] = w[0];
+  else
+    reinterpret_cast<uint2*>(codes)[0] = make_uint2(w[0], w[1]);
 }
 
 template <int kMode>
 __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
-  __shared__ float red[2];
+  __shared__ float red[kWarpsPerChunk];
   if (kMode == kSplit && *a.bad) return;  // the same for every thread: no barrier is left waiting
   const int64_t c = blockIdx.x;
   const int64_t i0 = c * kChunk + (int64_t)threadIdx.x * 16;
@@ -108,8 +122,8 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   const int64_t seg = (c * kChunk) / kSegment;
   const uint32_t index0 = (uint32_t)(i0 - seg * kSegment);
   const uint32_t wkey = kMode == kBf16 ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 1u) : 0u;
-  const int vmb = fp4::v_mbits(a.v_kind);
-  const bool v_nv = vmb == 0;
+  const int vmb = fp4::v_mbits(a.v_kind), vcb = fp4::v_cbits(a.v_kind);
+  const bool v_nv = vmb == 0 && vcb == 4;
   float m[16], u[16];
   float m_amax = 0.0f, u_amax = 0.0f;
   bool m_bad = false, u_bad = false;
@@ -117,15 +131,17 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
     const float msd = a.m_ts[c], vsd = a.v_ts[c];
     const float msv = fp4::e4m3_value(a.m_scales[b]), vsv = fp4::e4m3_value(a.v_scales[b]);
     const uint2 mc = reinterpret_cast<const uint2*>(a.m_codes)[b];
-    const uint2 vc = reinterpret_cast<const uint2*>(a.v_codes)[b];
+    const uint2 vc = vcb == 2 ? make_uint2(reinterpret_cast<const uint32_t*>(a.v_codes)[b], 0u)
+                              : reinterpret_cast<const uint2*>(a.v_codes)[b];
     const uint32_t odd_in = kMode == kSplit ? (uint32_t)a.odd[b] : 0u;
     uint32_t odd_out = 0u;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const uint32_t mw = j < 8 ? mc.x : mc.y, vw = j < 8 ? vc.x : vc.y;
-      const uint8_t mcode = fp4::word_code(mw, j & 7), vcode = fp4::word_code(vw, j & 7);
+      const uint8_t mcode = fp4::word_code(mw, j & 7);
+      const uint8_t vcode = vcb == 2 ? (uint8_t)((vc.x >> (2 * j)) & 3u) : fp4::word_code(vw, j & 7);
       const float mo = (fp4::e2m1_value(mcode) * msv) * msd;
-      const float vdec = ((v_nv ? fp4::e2m1_value(vcode) : fp4::ugrid_value(vcode, vmb)) * vsv) * vsd;
+      const float vdec = ((v_nv ? fp4::e2m1_value(vcode) : fp4::ugrid_value(vcode, vmb, vcb)) * vsv) * vsd;
       if (j < cnt) {
         const int64_t i = i0 + j;
         float g = a.grad_f32 ? a.grad_f32[i] : __uint_as_float((uint32_t)a.grad_bf16[i] << 16);
@@ -170,12 +186,12 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
   const float u_chunk = block_max(u_amax, red);
   if (!has) return;
   const fp4::TensorScale mts = fp4::tensor_scale(m_chunk, fp4::kE2M1Max);
-  const fp4::TensorScale uts = fp4::tensor_scale(u_chunk, fp4::grid_max(vmb));
+  const fp4::TensorScale uts = fp4::tensor_scale(u_chunk, fp4::grid_max(vmb, vcb));
   const uint32_t key = a.m_stochastic ? fp4::sr_key(a.seed, a.stream0 + (uint32_t)seg, 0u) : 0u;
   const uint32_t vkey = a.v_stochastic ? fp4::sr_key(a.seed ^ fp4::kVSeedXor, a.stream0 + (uint32_t)seg, 0u) : 0u;
   encode_block(m, m_amax, m_bad, mts, 0, a.m_stochastic != 0, key, index0, a.m_codes + b * 8, a.m_scales + b);
-  encode_block(u, u_amax, u_bad, uts, vmb, a.v_stochastic != 0, vkey, index0, a.v_codes + b * 8,
-               a.v_scales + b);
+  encode_block(u, u_amax, u_bad, uts, vmb, a.v_stochastic != 0, vkey, index0, a.v_codes + b * 2 * vcb,
+               a.v_scales + b, vcb);
   if (threadIdx.x == 0) {
     a.m_ts[c] = mts.dec;
     a.v_ts[c] = uts.dec;

@@ -7,7 +7,7 @@
 // Work split (all loops grid-stride; loops that shuffle are warp-uniform so every lane takes part):
 // - 1x16 NVFP4/ufp4 and 1x32 MX: a thread owns one 16-byte run of the source (4 fp32 or 8 bf16/fp16
 //   elements), so G = block / run consecutive lanes own one block and reduce its amax by shuffles.
-// - 16x16 tiles: one warp per tile, lane l owns 8 elements of tile row l/2.
+// - 16x16 tiles: 32 lanes per tile (a warp; half an AMD wave64), lane l owns 8 elements of tile row l/2.
 // - NVFP4 is two passes: (1) finite amax + non-finite count, scope amax by atomicMax on the fp32 bits
 //   (valid for non-negative floats), a tiny kernel turns it into (s_enc, s_dec); (2) block scale +
 //   encode + pack, re-reading the source instead of storing per-block amax. MX is one pass.
@@ -21,12 +21,12 @@
 // cuda_fp4.hpp keeps the sign, -0 -> 0x8, which is also the software rule) or a NaN (the emulation gives
 // +6, code 0x7, dropping the sign; the software rule keeps it). NaN magnitudes give code 7 either way.
 // Stochastic rounding and ufp4 (nearest or stochastic) always use the software rule.
-#include <cuda_runtime.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "gpu_compat.h"
+FP4_GPU_HD_BEGIN
 #include "fp4_codec.h"
+FP4_GPU_HD_END
 #include "fp4_kernels.cuh"
 
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 1000) && \
@@ -39,8 +39,11 @@
 namespace fp4cuda {
 namespace {
 
-constexpr unsigned kFull = 0xFFFFFFFFu;
+using fp4gpu::kWarp;  // lanes of a warp: 32 on NVIDIA, 64 on AMD (gpu_compat.h)
 constexpr int kThreads = 256;
+// A 16x16 tile is reduced by kTileLanes consecutive lanes of 8 elements each: a warp on NVIDIA, half a wave64.
+constexpr int kTileLanes = 32;
+static_assert(kWarp % kTileLanes == 0 && kThreads % kWarp == 0, "tiles and CTAs are whole lane groups");
 
 // ---- element types ----------------------------------------------------------------------------------
 
@@ -56,7 +59,7 @@ template <>
 struct Elem<kBF16> {
   using raw = uint16_t;
   __device__ static float get(raw r) { return __uint_as_float((uint32_t)r << 16); }  // exact
-  __device__ static raw put(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+  __device__ static raw put(float f) { return fp4gpu::bf16_bits_rn(f); }
 };
 template <>
 struct Elem<kF16> {
@@ -147,20 +150,20 @@ __device__ __forceinline__ void store_bytes(uint8_t* p, uint32_t packed) {
 template <int G>
 __device__ __forceinline__ float group_max(float m) {
 #pragma unroll
-  for (int off = G / 2; off > 0; off >>= 1) m = fp4::fmax_(m, __shfl_xor_sync(kFull, m, off));
+  for (int off = G / 2; off > 0; off >>= 1) m = fp4::fmax_(m, fp4gpu::shfl_xor(m, off));
   return m;
 }
 
 template <int G>
 __device__ __forceinline__ uint32_t group_or(uint32_t b) {
 #pragma unroll
-  for (int off = G / 2; off > 0; off >>= 1) b |= __shfl_xor_sync(kFull, b, off);
+  for (int off = G / 2; off > 0; off >>= 1) b |= fp4gpu::shfl_xor(b, off);
   return b;
 }
 
 __device__ __forceinline__ uint32_t warp_sum(uint32_t s) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+  for (int off = kWarp / 2; off > 0; off >>= 1) s += fp4gpu::shfl_xor(s, off);
   return s;
 }
 
@@ -271,7 +274,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int N = 16 / (int)sizeof(raw);
   constexpr int G = fp4::kNvBlock / N;
   const raw* x = static_cast<const raw*>(xv);
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x % kWarp;
   const int64_t total = nb * G, stride = (int64_t)gridDim.x * blockDim.x;
   float run = 0.0f;
   uint32_t bad_run = 0;
@@ -285,14 +288,14 @@ __global__ void __launch_bounds__(kThreads)
     if (mode == kWhole) {
       run = fp4::fmax_(run, m);
     } else if (mode == kPerWarp) {  // the warp's blocks share one scope
-      m = group_max<32>(m);
+      m = group_max<kWarp>(m);
       if (lane == 0 && m > 0.0f) atomic_max_nonneg(&amax_s[(base / G) / per], m);
     } else if (mode == kPerBlock) {
       if (u < total && lane % G == 0 && m > 0.0f) atomic_max_nonneg(&amax_s[(u / G) / per], m);
     }
   }
   if (mode == kWhole) {
-    run = group_max<32>(run);
+    run = group_max<kWarp>(run);
     if (lane == 0 && run > 0.0f) atomic_max_nonneg(&amax_s[0], run);
   }
   bad_run = warp_sum(bad_run);
@@ -305,9 +308,9 @@ __global__ void __launch_bounds__(kThreads)
                  unsigned long long* bad_total) {
   using raw = typename Elem<DT>::raw;
   const raw* x = static_cast<const raw*>(xv);
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  const int lane = threadIdx.x % kTileLanes;  // lane of the tile's group
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kTileLanes;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) / kTileLanes;
   float run = 0.0f;
   uint32_t bad_run = 0;
   for (int64_t t = warp; t < ntiles; t += nwarps) {
@@ -317,11 +320,11 @@ __global__ void __launch_bounds__(kThreads)
     finite_amax(v, run, bad_run);
   }
   if (amax_s) {
-    run = group_max<32>(run);
+    run = group_max<kTileLanes>(run);
     if (lane == 0 && run > 0.0f) atomic_max_nonneg(&amax_s[0], run);
   }
-  bad_run = warp_sum(bad_run);
-  if (lane == 0 && bad_run) atomicAdd(bad_total, (unsigned long long)bad_run);
+  bad_run = warp_sum(bad_run);  // the whole warp's count: one lane of the warp adds it
+  if (threadIdx.x % kWarp == 0 && bad_run) atomicAdd(bad_total, (unsigned long long)bad_run);
 }
 
 // ws[s] holds the scope amax (or `amax` overrides it); leaves s_enc in ws[s] and writes s_dec.
@@ -361,7 +364,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int N = 16 / (int)sizeof(raw);
   constexpr int G = fp4::kNvBlock / N;
   const raw* x = static_cast<const raw*>(xv);
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x % kWarp;
   const int64_t total = nb * G, stride = (int64_t)gridDim.x * blockDim.x;
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x - lane); base < total; base += stride) {
     const int64_t u = base + lane, i0 = u * N;
@@ -385,9 +388,9 @@ __global__ void __launch_bounds__(kThreads)
     nv_tile_encode(const void* xv, int64_t rows, int64_t cols, int64_t ntiles, int64_t C, int64_t cp, EncodeArgs a) {
   using raw = typename Elem<DT>::raw;
   const raw* x = static_cast<const raw*>(xv);
-  const int lane = threadIdx.x & 31;
-  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+  const int lane = threadIdx.x % kTileLanes;  // lane of the tile's group
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / kTileLanes;
+  const int64_t nwarps = ((int64_t)gridDim.x * blockDim.x) / kTileLanes;
   for (int64_t t = warp; t < ntiles; t += nwarps) {
     const int64_t r = (t / C) * 16 + (lane >> 1), c0 = (t % C) * 16 + (lane & 1) * 8;
     float v[8];
@@ -395,8 +398,8 @@ __global__ void __launch_bounds__(kThreads)
     float m = 0.0f;
     uint32_t bad = 0;
     finite_amax(v, m, bad);
-    m = group_max<32>(m);
-    bad = group_or<32>(bad);
+    m = group_max<kTileLanes>(m);
+    bad = group_or<kTileLanes>(bad);
     const int64_t pos = r * cp + c0;  // position in the padded row-major code layout
     uint8_t sc;
     const uint32_t packed = encode_scaled_run<8>(v, m, bad, a.s_enc[0], a.s_dec[0], a, pos, sc);
@@ -421,7 +424,7 @@ __global__ void __launch_bounds__(kThreads) mx_encode_k(const void* xv, int64_t 
   constexpr int N = 16 / (int)sizeof(raw);
   constexpr int G = fp4::kMxBlock / N;
   const raw* x = static_cast<const raw*>(xv);
-  const int lane = threadIdx.x & 31;
+  const int lane = threadIdx.x % kWarp;
   const int64_t total = nb * G, stride = (int64_t)gridDim.x * blockDim.x;
   uint32_t bad_run = 0;
   for (int64_t base = (int64_t)blockIdx.x * blockDim.x + (threadIdx.x - lane); base < total; base += stride) {
@@ -610,10 +613,10 @@ cudaError_t nvfp4_encode(const void* x, DType dt, int64_t rows, int64_t cols, in
   const bool vec = aligned(x, 16) && (!L.tiled || (cols * (int64_t)esize(dt)) % 16 == 0);
   if (L.nb > 0) {
     if (L.tiled) {
-      FP4_DISPATCH(dt, DTC, (nv_tile_amax<DTC><<<grid_for(L.nb * 32), kThreads, 0, stream>>>(
+      FP4_DISPATCH(dt, DTC, (nv_tile_amax<DTC><<<grid_for(L.nb * kTileLanes), kThreads, 0, stream>>>(
                                 x, rows, cols, L.nb, L.C, vec, amax_s, nonfinite)));
     } else {
-      const int G = dt == kF32 ? 4 : 2, blocks_per_warp = 32 / G;
+      const int G = dt == kF32 ? 4 : 2, blocks_per_warp = kWarp / G;
       const int mode = !amax_s ? kNone : (L.nscopes == 1 ? kWhole : (L.per % blocks_per_warp == 0 ? kPerWarp : kPerBlock));
       FP4_DISPATCH(dt, DTC, (nv_flat_amax<DTC><<<grid_for(L.nb * G), kThreads, 0, stream>>>(
                                 x, L.n, L.nb, L.per, mode, vec, amax_s, nonfinite)));
@@ -636,7 +639,7 @@ cudaError_t nvfp4_encode(const void* x, DType dt, int64_t rows, int64_t cols, in
   a.data = data;
   a.scales = scales;
   if (L.tiled) {
-    FP4_DISPATCH(dt, DTC, (nv_tile_encode<DTC><<<grid_for(L.nb * 32), kThreads, 0, stream>>>(
+    FP4_DISPATCH(dt, DTC, (nv_tile_encode<DTC><<<grid_for(L.nb * kTileLanes), kThreads, 0, stream>>>(
                               x, rows, cols, L.nb, L.C, L.cp, a)));
   } else {
     const int G = dt == kF32 ? 4 : 2;

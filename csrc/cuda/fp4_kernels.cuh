@@ -1,6 +1,6 @@
 // fp4_kernels.cuh: host launchers of the CUDA codecs (docs/design.md sections 3 and 4).
 //
-// Pure CUDA runtime API, no torch headers: fp4_kernels.cu compiles standalone with nvcc, and the torch
+// Pure CUDA runtime API (HIP's on AMD, through gpu_compat.h), no torch headers: fp4_kernels.cu compiles standalone with nvcc, and the torch
 // bindings (fp4_cuda.cpp) only allocate tensors and call these. Every launcher takes raw device
 // pointers and the cudaStream_t to enqueue on, never synchronizes, and returns the launch status
 // (cudaErrorInvalidValue for a tile other than 1/16 or a scope that is not a multiple of 16).
@@ -14,7 +14,7 @@
 //   padded view, block scales row-major over the tile grid, one tensor scale.
 #pragma once
 
-#include <cuda_runtime_api.h>
+#include "gpu_compat.h"
 #include <stdint.h>
 
 namespace fp4cuda {

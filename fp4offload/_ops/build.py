@@ -153,7 +153,7 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
     kwargs = dict(name=name, sources=[str(p) for p in paths], extra_include_paths=[str(root)],
                   extra_cflags=flags, verbose=verbose)
     if cuda:
-        kwargs["extra_cuda_cflags"] = ["-O3", "--fmad=false", *extra_cuda_cflags]
+        kwargs["extra_cuda_cflags"] = device_cflags(extra_cuda_cflags)
     build_dir = extensions_root() / name
     with owning(build_dir, name):
         if needs_build(build_dir, name, paths):
@@ -162,6 +162,23 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
             announce(f"building the {name} kernel for this machine (first use, about {base} s on one core; "
                      f"cached in {build_dir})")
         return cpp_extension.load(**kwargs)
+
+
+def device_cflags(extra=()) -> list[str]:
+    """The device compiler's flags of a build: nvcc's ``-O3 --fmad=false`` and `extra`; on a ROCm build of torch
+    (``torch.version.hip`` set), hipcc's ``-O3`` and :data:`fp4offload._ops.cuda.HIPCC_FLAGS`, then `extra` less the
+    flags only nvcc takes, with one ``--offload-arch`` per target (:func:`fp4offload._ops.cuda.rocm_archs`) unless
+    `extra` names them (torch would otherwise add every architecture it was built for)."""
+    from . import cuda as backend
+
+    extra = list(extra)
+    if not backend.is_rocm():
+        return ["-O3", "--fmad=false", *extra]
+    kept = [f for f in extra if not f.startswith(backend.NVCC_ONLY_PREFIXES)]
+    flags = ["-O3", *backend.HIPCC_FLAGS, *(f for f in kept if f not in backend.HIPCC_FLAGS)]
+    if not any(f.startswith("--offload-arch") for f in kept):
+        flags += [f for f in backend.hipcc_flags() if f.startswith("--offload-arch")]
+    return flags
 
 
 class BuildError(RuntimeError):

@@ -106,8 +106,14 @@ GPU_PRESETS: dict[str, GpuSpec] = {g.key: g for g in (
     _g("l4-24gb", "NVIDIA L4", 23034, (8, 9), 121, 300, 4),
     _g("a10g-24gb", "NVIDIA A10G", 23028, (8, 6), 70, 600, 4),
     _g("v100-32gb", "Tesla V100-SXM2-32GB", 32768, (7, 0), 125, 900, 3, nvlink_gbps=150, bf16=False),
-    # AMD Instinct, vendor figures (dense bf16, HBM bandwidth, Infinity Fabric to each peer as the peer link).
-    # compute_capability is NVIDIA's notion: (0, 0) here. An MI250X is two devices (GCDs) to ROCm: one each.
+    # AMD Instinct, vendor figures (dense bf16 matrix peak, HBM bandwidth, host link, Infinity Fabric to each peer as
+    # the peer link), from AMD's product pages and datasheets (amd.com/en/products/accelerators/instinct/...):
+    #   MI250X: 128 GB HBM2e, 3.2 TB/s, 383 TFLOPS bf16 (220 CUs x 1.7 GHz x 1024), PCIe 4.0 x16. ROCm sees its two
+    #           GCDs as two devices, so the preset is one GCD: 64 GB, 1.6 TB/s, 191.5 TFLOPS.
+    #   MI300X: 192 GB HBM3, 5.3 TB/s, 1307 TFLOPS bf16 (304 CUs x 2.1 GHz x 2048), PCIe 5.0 x16.
+    #   MI325X: 256 GB HBM3E, 6.0 TB/s, 1307 TFLOPS bf16 (the MI300X's compute), PCIe 5.0 x16.
+    #   MI355X: 288 GB HBM3E, 8.0 TB/s, 2.5 PFLOPS bf16 (256 CUs x 2.4 GHz x 4096 = 2516), PCIe 5.0 x16.
+    # compute_capability is NVIDIA's notion: (0, 0) here.
     _g("mi250x-64gb", "AMD Instinct MI250X (one GCD)", 65536, (0, 0), 191.5, 1638, 4, nvlink_gbps=100,
        internode_gbps=25),
     _g("mi300x-192gb", "AMD Instinct MI300X", 196608, (0, 0), 1307, 5300, 5, nvlink_gbps=448, internode_gbps=50),
@@ -282,7 +288,7 @@ def build_cluster(*, readings: Readings | None = None, gpu: str | None = None, g
             notes.append(f"{first.name} matches no preset; assuming {tflops} dense bf16 TFLOPS")
         memory = min(g.memory_total for g in seen)
         source = "measured"
-        gpu_src = "pynvml"
+        gpu_src = first.source
     node = NODE_PRESETS.get(spec.key, NodeSpec(gpus or 1, 256 * GiB, 32, 2 * TB, 5, 3, 150))
     n_gpus = gpus or (len(seen) if seen and gpu is None else node.gpus)
 

@@ -1,8 +1,8 @@
-"""Read the machine: GPUs through NVML (pynvml), the host RAM this process may use (the machine's and its
-cgroups' limits) and free space at the NVMe path through :mod:`fp4offload._machine`, cores through psutil, and on
-request short bandwidth measurements (NVMe read/write, host<->device).
+"""Read the machine: GPUs through NVML (pynvml) or AMD SMI (amdsmi), the host RAM this process may use (the
+machine's and its cgroups' limits) and free space at the NVMe path through :mod:`fp4offload._machine`, cores through
+psutil, and on request short bandwidth measurements (NVMe read/write, host<->device).
 
-Nothing here needs a GPU: without NVML the GPU list is empty and a one-line note says why.
+Nothing here needs a GPU: without NVML and AMD SMI the GPU list is empty and a one-line note says why.
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ _PLAN_FROM_PRESETS = "planning from --gpu PRESET, --gpus N, --nodes N"
 
 
 def probe_gpus() -> tuple[list[GpuReading], str | None, str | None, str | None]:
-    """(GPUs, driver version, CUDA driver version, note), read by :func:`fp4offload._machine.gpus` (pynvml). The
-    note is None when NVML answered with at least one GPU."""
+    """(GPUs, driver version, CUDA driver version, note), read by :func:`fp4offload._machine.gpus` (pynvml, else
+    amdsmi). The note is None when NVML or AMD SMI answered with at least one GPU."""
     got = machine.gpus()
     out = [GpuReading(index=g.index, name=g.name, memory_total=g.total, memory_free=g.free, memory_used=g.used,
                       compute_capability=g.compute_capability, pcie_gen=g.pcie_gen, pcie_width=g.pcie_width,
-                      pcie_gen_current=g.pcie_gen_current, pcie_width_current=g.pcie_width_current)
+                      pcie_gen_current=g.pcie_gen_current, pcie_width_current=g.pcie_width_current, source=g.source)
            for g in got.devices]
     note = f"{got.note}: {_PLAN_FROM_PRESETS}" if got.note else None
     return out, got.driver, got.cuda, note

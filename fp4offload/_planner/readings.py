@@ -22,8 +22,8 @@ SCHEMA_VERSION = 1
 
 @dataclass(frozen=True)
 class GpuReading:
-    """One GPU as NVML reports it. Memory in bytes; PCIe generation and lane width of the link
-    (the maximum the link trains to, which idle GPUs may undercut in the current values)."""
+    """One GPU as NVML (or AMD SMI: ``source``) reports it. Memory in bytes; PCIe generation and lane width of the
+    link (the maximum the link trains to, which idle GPUs may undercut in the current values)."""
 
     index: int
     name: str
@@ -35,6 +35,7 @@ class GpuReading:
     pcie_width: int | None = None
     pcie_gen_current: int | None = None
     pcie_width_current: int | None = None
+    source: str = "pynvml"
 
 
 @dataclass(frozen=True)

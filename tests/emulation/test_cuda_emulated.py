@@ -5,6 +5,9 @@ in turn, threads as fibers, warp shuffles as lock-step exchanges), and its launc
 ctypes on CPU tensors. This proves the work split, the index arithmetic of every layout, the warp
 reductions (including that every shuffle is warp-uniform), the scope reduction modes, the vector and
 scalar load/store paths and the launch sequence; the GPU itself is tested by tests/emulation/test_cuda_backend.py.
+Every codec test runs twice: with 32-lane warps (NVIDIA) and with 64-lane ones (an AMD wave64, -DFP4_WARP_SIZE=64,
+which csrc/cuda/gpu_compat.h turns into the kernels' kWarp and 64-bit lane masks); both must give the reference's
+bytes. The fused step runs with 64 lanes on a subset of its cases.
 The fused CUDA FP4AdamW step (csrc/cuda/adam_kernels.cu) runs the same way against the reference step,
 through tests/unit/test_optim_fused.py's checks, and against the reference and the CPU step together for the
 compact masters and for sqrt(v)'s stochastic rounding (the GPU run is tests/emulation/test_optim_cuda.py).
@@ -55,6 +58,7 @@ int e_mx_dec(const uint8_t* d, const uint8_t* s, long n, int fp8, void* out, int
   return fp4cuda::mx_decode(d, s, n, fp8, out, (fp4cuda::DType)dt, nullptr);
 }
 long e_divergent() { return emu::S().divergent; }
+int e_lanes() { return fp4gpu::kWarp == emu::kLanes ? fp4gpu::kWarp : -1; }
 }
 """
 
@@ -66,8 +70,9 @@ def _rewrite_launches(source: str, at_least: int = 8) -> str:
     return out
 
 
-def _emu_library(d: Path, sources: dict[str, str]) -> ctypes.CDLL:
-    """Compiles `sources` (file name -> text) with g++ against emu.h (standing in for the CUDA headers)."""
+def _emu_library(d: Path, sources: dict[str, str], warp: int = 32) -> ctypes.CDLL:
+    """Compiles `sources` (file name -> text) with g++ against emu.h (standing in for the CUDA headers), with
+    `warp` lanes to a warp (32: NVIDIA; 64: an AMD wave64)."""
     cxx = shutil.which("g++")
     if cxx is None:
         pytest.skip("g++ is not on PATH")
@@ -80,25 +85,35 @@ def _emu_library(d: Path, sources: dict[str, str]) -> ctypes.CDLL:
         (d / name).write_text(text)
     lib = d / "libemu.so"
     cmd = [cxx, "-std=c++17", "-O1", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wno-unknown-pragmas",
-           "-Wno-unused-function", "-I", str(stub), "-I", str(CSRC), "-include", "emu.h",
-           *(str(d / name) for name in sources), "-o", str(lib)]
+           "-Wno-unused-function", f"-DFP4_WARP_SIZE={warp}", "-I", str(stub), "-I", str(CSRC),
+           "-I", str(CSRC / "cuda"), "-include", "emu.h", *(str(d / name) for name in sources), "-o", str(lib)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return ctypes.CDLL(str(lib))
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    src = (CSRC / "cuda" / "fp4_kernels.cu").read_text().replace('#include "fp4_kernels.cuh"',
-                                                                  '#include "cuda/fp4_kernels.cuh"')
-    so = _emu_library(tmp_path_factory.mktemp("cuda_emu"), {"kernels.cpp": _rewrite_launches(src), "api.cpp": _API})
+WARPS = [32, 64]
+WARP_IDS = ["warp32", "wave64"]
+
+
+def _codec_library(d: Path, warp: int, source: str | None = None) -> ctypes.CDLL:
+    """csrc/cuda/fp4_kernels.cu (or `source`, a changed copy of it) with `warp` lanes, its launchers typed."""
+    src = (CSRC / "cuda" / "fp4_kernels.cu").read_text() if source is None else source
+    src = src.replace('#include "fp4_kernels.cuh"', '#include "cuda/fp4_kernels.cuh"')
+    so = _emu_library(d, {"kernels.cpp": _rewrite_launches(src), "api.cpp": _API}, warp)
     P, Int, L, U = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_uint
     so.e_nv_enc.argtypes = [P, Int, L, L, L, L, Int, Int, U, U, Int, P, P, P, P, P, P]
     so.e_nv_dec.argtypes = [P, P, P, L, L, L, L, Int, P, Int]
     so.e_mx_enc.argtypes = [P, Int, L, Int, Int, Int, U, U, Int, P, P, P]
     so.e_mx_dec.argtypes = [P, P, L, Int, P, Int]
     so.e_divergent.restype = ctypes.c_long
+    assert so.e_lanes() == warp, "the kernels' kWarp is not the emulated warp's width"
     return so
+
+
+@pytest.fixture(scope="module", params=WARPS, ids=WARP_IDS)
+def emu(request, tmp_path_factory):
+    return _codec_library(tmp_path_factory.mktemp(f"cuda_emu{request.param}"), request.param)
 
 
 def _p(t):
@@ -337,9 +352,21 @@ def emu_adam(tmp_path_factory):
     """csrc/cuda/adam_kernels.cu (the fused CUDA FP4AdamW step) compiled with g++ against emu.h, with the
     extensions' fused_step and fused_step_master signatures (the latter wrapped as adam_cuda.cpp wraps it), so
     tests/unit/test_optim_fused.py's checks and the compact-master checks below run on it."""
+    return _adam_library(tmp_path_factory.mktemp("cuda_emu_adam"), 32)
+
+
+@pytest.fixture(scope="module")
+def emu_adam64(tmp_path_factory):
+    """emu_adam with 64-lane warps (an AMD wave64: one warp per CTA of 64 threads)."""
+    return _adam_library(tmp_path_factory.mktemp("cuda_emu_adam64"), 64)
+
+
+def _adam_library(d: Path, warp: int):
     src = _rewrite_launches((CSRC / "cuda" / "adam_kernels.cu").read_text(), at_least=2)
-    so = _emu_library(tmp_path_factory.mktemp("cuda_emu_adam"),
-                      {"adam.cpp": src + '\nextern "C" long e_divergent() { return emu::S().divergent; }\n'})
+    so = _emu_library(d, {"adam.cpp": src + '\nextern "C" long e_divergent() { return emu::S().divergent; }\n'
+                          'extern "C" int e_lanes() { return fp4gpu::kWarp == emu::kLanes ? fp4gpu::kWarp : -1; }\n'},
+                      warp)
+    assert so.e_lanes() == warp, "the kernels' kWarp is not the emulated warp's width"
     P, Int, U, I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_int64
     so.fp4adam_fused_step_cuda.argtypes = [P, P, Int, I64, P, P, P, P, P, P, P, Int, Int, Int, Int, U, U, P, Int,
                                            P]
@@ -389,10 +416,25 @@ def emu_adam(tmp_path_factory):
 
 
 @pytest.mark.parametrize("n", [1, 17, 1024, 5003])
-@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4"])
+@pytest.mark.parametrize("v_format", ["ue2m2", "ufp4", "nvfp4", "ue2m0"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
 def test_fused_adam_kernel_matches_reference_step(n, v_format, stochastic, emu_adam):
     run_fused(emu_adam, n, v_format, stochastic, torch.float32)
+
+
+@pytest.mark.parametrize("n,v_format,stochastic", [(17, "ue2m2", True), (5003, "ufp4", False),
+                                                    (3 * 1024 + 7, "nvfp4", True), (1025, "ue2m0", True)])
+def test_fused_adam_kernel_with_wave64_matches_reference_step(n, v_format, stochastic, emu_adam64):
+    """The fused step with 64-lane warps (one wave64 per CTA: block_max's second warp is gone) stores the
+    reference's bytes, with fp32 and bf16 gradients."""
+    run_fused(emu_adam64, n, v_format, stochastic, torch.float32)
+    run_fused(emu_adam64, n, v_format, stochastic, torch.bfloat16, wd=0.1)
+
+
+@pytest.mark.parametrize("mode", ["split", "bf16"])
+def test_fused_adam_kernel_with_wave64_compact_master_matches_cpu_and_reference(mode, emu_adam64, cpu_ext):
+    run_master(_oracles(emu_adam64, cpu_ext), 5003, mode, True, "ufp4", torch.bfloat16, 0.1, steps=2,
+               v_stochastic=mode == "bf16")
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "sr"])
@@ -422,7 +464,8 @@ def _run_fp32(exts, n, v_format, m_sr, v_sr, gdt, *, wd=0.01, maximize=False, sp
     agrees after each step. With v_sr, also that v's codes are not those of nearest rounding."""
     g0 = torch.Generator().manual_seed(n)
     p0 = torch.randn(n, generator=g0)
-    runs = {name: [p0.clone(), R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")] for name in ("ref", *exts)}
+    runs = {name: [p0.clone(), R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu", R.v_bits(v_format))]
+            for name in ("ref", *exts)}
     moved = 0
     for t in range(1, steps + 1):
         g = torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)
@@ -471,7 +514,8 @@ V_SR_CASES += [(3 * 1024 + 7, "ufp4", True, torch.bfloat16, 0.1, True),
                (3 * 1024 + 7, "nvfp4", False, torch.bfloat16, 0.0, False),
                (5003, "ue2m2", False, torch.float32, 0.01, False),
                (3 * 1024 + 7, "ue2m2", True, torch.bfloat16, 0.1, True),
-               (R.SEGMENT + 1043, "ue2m2", True, torch.float32, 0.01, False)]
+               (R.SEGMENT + 1043, "ue2m2", True, torch.float32, 0.01, False),
+               (5003, "ue2m0", True, torch.bfloat16, 0.1, False)]
 
 
 @pytest.mark.parametrize("n,v_format,m_sr,gdt,wd,maximize", V_SR_CASES,
@@ -516,6 +560,7 @@ MASTER_CASES += [(5003, mode, sr, vf, gdt, 0.0 if gdt == torch.bfloat16 else 0.1
                  for mode in ("split", "bf16") for sr, vf, gdt in _COMBOS]
 MASTER_CASES += [(5003, mode, sr, "ue2m2", torch.float32, 0.1) for mode, sr in (("split", True), ("bf16", False))]
 MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ue2m2", torch.bfloat16, 0.0)]
+MASTER_CASES += [(5003, "split", True, "ue2m0", torch.float32, 0.1)]
 
 
 @pytest.mark.parametrize("n,mode,stochastic,v_format,gdt,wd", MASTER_CASES,
@@ -546,6 +591,7 @@ V_SR_MASTER_CASES = [(5003, mode, sr, vf, gdt) for mode in ("split", "bf16")
                      for sr, vf, gdt in ((True, "ufp4", torch.float32), (False, "nvfp4", torch.bfloat16),
                                          (True, "ue2m2", torch.bfloat16))]
 V_SR_MASTER_CASES += [(R.SEGMENT + 1043, "bf16", True, "ue2m2", torch.bfloat16)]
+V_SR_MASTER_CASES += [(5003, "bf16", True, "ue2m0", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("n,mode,stochastic,v_format,gdt", V_SR_MASTER_CASES,
@@ -580,3 +626,51 @@ def test_fused_adam_kernel_compact_master_refuses_bad_odd_positions(emu_adam):
         assert torch.equal(hh.view(torch.int16), h.view(torch.int16)) and torch.equal(ll, lo)
         assert not any(t.any() for t in (*m, *v))
     print(f"fuzz: {len(cases)} cases of bad odd positions, each refused with nothing changed")
+
+
+# ---- the warp-size switch itself ----------------------------------------------------------------------
+
+_SHFL_PROBE = r"""
+#include "gpu_compat.h"
+__global__ void probe(unsigned* out, int narrow) {
+  const unsigned v = threadIdx.x;
+  out[threadIdx.x] = narrow ? __shfl_xor_sync(0xFFFFFFFFu, v, 1) : fp4gpu::shfl_xor(v, fp4gpu::kWarp / 2);
+}
+extern "C" long e_probe(unsigned* out, int narrow) {
+  emu::S().divergent = 0;
+  emu::Launch(1, 128)(probe, out, narrow);
+  return emu::S().divergent;
+}
+"""
+
+
+@pytest.mark.parametrize("warp", WARPS, ids=WARP_IDS)
+def test_emulated_warp_width_and_lane_mask(warp, tmp_path):
+    """The switch changes the warp: with 64 lanes, fp4gpu::shfl_xor(v, kWarp / 2) exchanges lanes 32 apart inside
+    each 64-lane warp, and a 32-bit lane mask (which leaves half a wave64 out) is counted as divergent; with 32 lanes
+    that mask is whole and the exchange is 16 apart."""
+    so = _emu_library(tmp_path, {"probe.cpp": _SHFL_PROBE}, warp)
+    so.e_probe.restype = ctypes.c_long
+    out = torch.zeros(128, dtype=torch.int32)
+    assert so.e_probe(_p(out), 0) == 0
+    lane = torch.arange(128, dtype=torch.int32)
+    assert torch.equal(out, lane ^ (warp // 2))
+    assert so.e_probe(_p(out), 1) == (128 if warp == 64 else 0)
+
+
+def test_wave64_emulation_catches_a_32_lane_leftover(tmp_path):
+    """A kernel that still adds its warp's count on every 32nd lane (the tile kernels' lane) after a whole-warp
+    sum counts each non-finite element twice with 64 lanes: the wave64 build's count is wrong, the 32-lane one's
+    is right, so the 64-lane run is what keeps such a line out of the kernels."""
+    src = (CSRC / "cuda" / "fp4_kernels.cu").read_text()
+    fixed = "if (threadIdx.x % kWarp == 0 && bad_run) atomicAdd"
+    assert src.count(fixed) == 1
+    x = _data((20, 30), torch.float32, 7)
+    x.view(-1)[[5, 77, 301]] = float("nan")
+    want = reference.nvfp4_encode(x, 20, 30, 16, 0, False, False, 0, 0, True)[3]
+    assert want == 3
+    for warp, ok in ((32, True), (64, False)):
+        (tmp_path / f"w{warp}").mkdir()
+        so = _codec_library(tmp_path / f"w{warp}", warp, src.replace(fixed, "if (lane == 0 && bad_run) atomicAdd"))
+        got = nv_encode(so, x, 20, 30, 16, 0, False, False, 0, 0, True)[3]
+        assert (got == want) is ok, (warp, got, want)

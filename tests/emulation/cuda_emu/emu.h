@@ -4,17 +4,25 @@
 // `emu::Launch(grid, block, shm, stream)(kernel, args)` and compiles the file with g++ and this header.
 //
 // Model: the CTAs of a launch run one after another; the threads of a CTA are ucontext fibers resumed
-// round-robin. A warp shuffle is a two-phase exchange (post, yield, read, yield), so it is exact as long
-// as every lane of a warp takes the same sequence of shuffles, which the kernels guarantee (their loops
-// that shuffle are warp-uniform). __syncthreads is one yield: a barrier as long as every thread of the CTA
+// round-robin. A warp has FP4_WARP_SIZE lanes: 32 (NVIDIA) unless the build passes -DFP4_WARP_SIZE=64 (an AMD
+// wave64), which csrc/cuda/gpu_compat.h then uses as the kernels' kWarp and lane mask width. A warp shuffle is a
+// two-phase exchange (post, yield, read, yield), so it is exact as long as every lane of a warp takes the same
+// sequence of shuffles, which the kernels guarantee (their loops that shuffle are warp-uniform); a shuffle whose
+// partner lane was elsewhere, whose offset leaves the warp, or whose mask leaves a lane of the warp out is counted
+// in `divergent` (each is a bug on a GPU too). __syncthreads is one yield: a barrier as long as every thread of the CTA
 // yields equally often between two of them (the codecs call it once, at entry; the fused Adam step's
 // block_max shuffles warp-uniformly between its two). `__shared__` becomes `static` (one CTA at a time). Atomics are plain read-modify-writes (one OS thread).
 // The fp4_codec.h rules compile as host code here (the CPU backend's versions); the device-only
 // intrinsics are replaced by exact host equivalents. This checks the kernels' logic, not the GPU.
 #pragma once
+#define FP4_GPU_EMULATION 1
+#ifndef FP4_WARP_SIZE
+#define FP4_WARP_SIZE 32
+#endif
 #include <ucontext.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
 #include <math.h>
 #include <vector>
 #include <functional>
@@ -72,14 +80,16 @@ inline unsigned atomicOr(unsigned* a, unsigned v) { unsigned o = *a; *a = o | v;
 inline unsigned long long atomicAdd(unsigned long long* a, unsigned long long v) { auto o = *a; *a += v; return o; }
 
 namespace emu {
+constexpr int kLanes = FP4_WARP_SIZE;
+constexpr int kMaxThreads = 2048;  // per CTA
 struct Thread { ucontext_t ctx; dim3v tid; bool done; uint64_t shuffles; };
 struct State {
   std::vector<Thread> th;
   std::vector<std::vector<char>> stacks;
   ucontext_t sched;
   int cur = 0;
-  uint64_t slots[64][32], gens[64][32];
-  long divergent = 0;  // shuffles whose partner lane was not at the same shuffle (a bug on a GPU too)
+  uint64_t slots[kMaxThreads / kLanes][kLanes], gens[kMaxThreads / kLanes][kLanes];
+  long divergent = 0;  // shuffles that are not a whole warp's exchange (see above)
   dim3v block{0, 0, 0}, bdim{1, 1, 1}, gdim{1, 1, 1};
   std::function<void()> body;
   long switches = 0;
@@ -90,7 +100,11 @@ inline void yield() { State& s = S(); ++s.switches; swapcontext(&s.th[s.cur].ctx
 inline void entry() { S().body(); S().th[S().cur].done = true; }
 template <class T> inline T shfl_xor(T v, int off) {
   State& s = S();
-  const int w = s.cur / 32, l = s.cur % 32;
+  const int w = s.cur / kLanes, l = s.cur % kLanes;
+  if (off <= 0 || off >= kLanes) {
+    ++s.divergent;
+    off = 0;
+  }
   uint64_t bits = 0;
   memcpy(&bits, &v, sizeof(T));
   const uint64_t gen = ++s.th[s.cur].shuffles;
@@ -111,6 +125,7 @@ struct Launch {
     State& s = S();
     s.gdim = dim3v{g, 1, 1};
     s.bdim = dim3v{t, 1, 1};
+    if (t == 0 || t > (unsigned)kMaxThreads) abort();
     s.th.assign(t, Thread{});
     s.stacks.resize(t);
     for (unsigned b = 0; b < g; ++b) {
@@ -148,5 +163,11 @@ struct Launch {
 #define blockIdx (emu::S().block)
 #define blockDim (emu::S().bdim)
 #define gridDim (emu::S().gdim)
-template <class T> inline T __shfl_xor_sync(unsigned, T v, int off) { return emu::shfl_xor(v, off); }
+// The mask must name every lane of the warp: all 32 bits, or all 64 with FP4_WARP_SIZE=64 (a 32-bit mask
+// there leaves half the wave out).
+template <class M, class T> inline T __shfl_xor_sync(M mask, T v, int off) {
+  const unsigned long long all = emu::kLanes == 64 ? ~0ull : 0xFFFFFFFFull;
+  if ((unsigned long long)mask != all || sizeof(M) * 8 < (size_t)emu::kLanes) ++emu::S().divergent;
+  return emu::shfl_xor(v, off);
+}
 inline void __syncthreads() { emu::yield(); }
