@@ -28,6 +28,7 @@ class VGrid(NamedTuple):
     block: int = 16  #: elements per block scale
     scale: str = "e4m3"  #: the block scale's format
     bits: int = 4  #: bits per code: 4 (two codes a byte) or 2 (four)
+    cost: str = ""  #: what training on the grid costs, measured (benchmarks/RESULTS.md); plan prints it
 
     @property
     def signed(self) -> bool:
@@ -52,10 +53,15 @@ class VGrid(NamedTuple):
 
 #: every grid, the default (vocab.V_FORMAT_DEFAULT) first
 V_GRIDS = (
-    VGrid("ue2m2", 2, 2),
-    VGrid("ufp4", 0, 1),
-    VGrid("nvfp4", 1, 0),
-    VGrid("ue2m0", 3, 0, bits=2),
+    VGrid("ue2m2", 2, 2, cost="the default: +0.38% validation loss against fp32 AdamW at 10M parameters, "
+                              "10,000 steps (benchmarks/RESULTS.md, Long horizon)"),
+    VGrid("ufp4", 0, 1, cost="the default before ue2m2: +1.7% validation loss against fp32 AdamW at 10M parameters, "
+                             "10,000 steps (benchmarks/RESULTS.md, Long horizon)"),
+    VGrid("nvfp4", 1, 0, cost="v itself in NVFP4: not measured at long horizons"),
+    VGrid("ue2m0", 3, 0, bits=2,
+          cost="sqrt(v) on the 2-bit grid ue2m0, m and v 0.883 B/param (1.133 with the default); measured -0.53% "
+               "+- 0.25% validation loss against fp32 AdamW at 0.88M parameters, 4000 steps, 3 seeds (2026-12-05, AMD "
+               "EPYC; benchmarks/RESULTS.md, Two bits); experimental"),
 )
 
 #: the rows by name

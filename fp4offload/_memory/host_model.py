@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from fp4offload._memory.sizes import BF16_BYTES, FP32_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES
+from fp4offload._config.grids import BY_NAME as V_GRID_NAMES
+from fp4offload._memory.sizes import (BF16_BYTES, FP32_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, WEIGHT_PACKED_BYTES,
+                                      state_bytes)
 
 __all__ = ["Inputs", "HostEstimate", "estimate_host", "inputs_from_config", "alternatives"]
 
@@ -56,7 +58,8 @@ class Inputs:
         buffers are host RAM) or ``"gpu"``. stage: ZeRO stage. compute_bytes: 2 (bf16/fp16) or 4.
         offload_optimizer / offload_param: ``"none"``, ``"cpu"`` or ``"nvme"``, as DeepSpeed sees them
         (after the block's rewrites). grad_accum: micro-steps per step.
-        states: the block's states, ``None`` (DeepSpeed's fp32 m and v) or (format, device).
+        states: the block's states, ``None`` (DeepSpeed's fp32 m and v) or (format, device). v_format: the
+        block's ``optimizer_states.v_format`` (None: the default), which sizes v.
         bf16_grads / share_staging: the block's host settings, as they apply. allocator: ``"glibc"``
         (its adaptive mmap threshold: freed blocks under 32 MiB stay in the heap) or ``"fixed"`` (the
         block's ``host.mmap_threshold``: they go back to the kernel), with ``cache_fraction`` the block's
@@ -83,6 +86,7 @@ class Inputs:
     offload_param: str = "none"
     grad_accum: int = 1
     states: tuple[str, str] | None = None
+    v_format: str | None = None
     bf16_grads: bool = False
     share_staging: bool = False
     packed_weights: bool = False
@@ -181,6 +185,10 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
         if dev == "same":
             dev = "cpu" if offload_opt != "none" else "device"
         placed = (fmt, dev)
+    v_format = None
+    if isinstance(block.get("optimizer_states"), Mapping):
+        vf = block["optimizer_states"].get("v_format")
+        v_format = vf if vf in V_GRID_NAMES else None
     weights = block.get("weights") if isinstance(block.get("weights"), Mapping) else None
     off = zero.get("offload_optimizer") if isinstance(zero.get("offload_optimizer"), Mapping) else {}
     grad_accum = ds.get("gradient_accumulation_steps", 1)
@@ -221,7 +229,8 @@ def inputs_from_config(ds: Mapping[str, Any], params: int, *, world: int = 1, lo
         params=int(params), world=max(1, int(world)), local_ranks=max(1, int(local_ranks)), accelerator=accelerator,
         stage=stage, compute_bytes=BF16_BYTES if mixed else FP32_BYTES,
         offload_optimizer=offload_opt, offload_param=device("offload_param") if stage == 3 else "none",
-        grad_accum=grad_accum, states=placed, bf16_grads=bf16_grads, share_staging=share, allocator=allocator,
+        grad_accum=grad_accum, states=placed, v_format=v_format, bf16_grads=bf16_grads, share_staging=share,
+        allocator=allocator,
         cache_fraction=cache,
         packed_weights=weights is not None and weights.get("format", "nvfp4") == "nvfp4" and stage == 3,
         reduce_bucket=_zero_key(zero, "reduce_bucket_size"), sub_group=_zero_key(zero, "sub_group_size"),
@@ -313,7 +322,7 @@ def estimate_host(x: Inputs, runtime_bytes: int = 0, built_bytes: int = 0) -> Ho
             device("optimizer states (fp32 m, v)", 2 * FP32_BYTES * part)
     else:
         fmt, where = x.states
-        b = STATE_BYTES.get(fmt, STATE_BYTES["fp32"])
+        b = state_bytes(fmt, x.v_format) if fmt in STATE_BYTES else STATE_BYTES["fp32"]
         if where == "nvme":
             put(f"optimizer states ({fmt})", b * part, "nvme")
             seg = b + (RESIDUAL_NVME_BYTES if x.residual_on_nvme else 0)  # a segment's residual travels with it

@@ -1,8 +1,8 @@
 """Bytes per element and per parameter that the planner counts, derived from the formats' own sizes.
 
-Owns the planner's byte sizes: :data:`STATE_BYTES`, :data:`ACT_BYTES`, :data:`WEIGHT_PACKED_BYTES` (the
-memory model, memory.py) and :func:`step_bytes_per_param` (the memory traffic of one optimizer step:
-hardware.py's CPU rate cap, timing.py's GPU step). No packed size is typed in here: each comes from
+Owns the planner's byte sizes: :data:`STATE_BYTES` and :func:`state_bytes`, :data:`ACT_BYTES`,
+:data:`WEIGHT_PACKED_BYTES` (the memory model, memory.py) and :func:`step_bytes_per_param` (the memory traffic of
+one optimizer step: hardware.py's CPU rate cap, timing.py's GPU step). No packed size is typed in here: each comes from
 :func:`fp4offload.formats.layout.bytes_per_element`, the function the codecs' own sizes come from (and split's
 NVMe residual from :func:`fp4offload._optim.state.residual_sizes`, what the state files hold), so the planner
 cannot disagree with what is allocated. Imports nothing of the planner or the runtime (the host model, the
@@ -11,11 +11,13 @@ planner's memory, hardware and timing, and the DeepSpeed block's announcement al
 
 from __future__ import annotations
 
+from fp4offload._config.grids import BY_NAME as V_GRID_BY_NAME
+from fp4offload._config.vocab import V_FORMAT_DEFAULT
 from fp4offload.formats.layout import bytes_per_element
 from fp4offload._optim import CHUNK, SEGMENT
 from fp4offload._optim.state import residual_sizes
 
-__all__ = ["FP32_BYTES", "BF16_BYTES", "STATE_BYTES", "MASTER_BYTES", "RESIDUAL_NVME_BYTES", "ACT_BYTES",
+__all__ = ["FP32_BYTES", "BF16_BYTES", "STATE_BYTES", "state_bytes", "MASTER_BYTES", "RESIDUAL_NVME_BYTES", "ACT_BYTES",
            "WEIGHT_PACKED_BYTES", "step_bytes_per_param"]
 
 FP32_BYTES = 4
@@ -28,6 +30,17 @@ STATE_BYTES: dict[str, float] = {
     "fp32": 2.0 * FP32_BYTES,
     "nvfp4": bytes_per_element("nvfp4", "1x16", CHUNK) + bytes_per_element("ufp4", "1x16", CHUNK),
 }
+
+
+def state_bytes(state_format: str, v_format: str | None = None) -> float:
+    """Bytes per parameter of m and v together: :data:`STATE_BYTES` of ``state_format``, with FP4AdamW's v in
+    ``v_format`` (a grid of _config/grids.py, default the block's; the 2-bit ue2m0 makes 0.8828125)."""
+    if state_format == "fp32":
+        return STATE_BYTES["fp32"]
+    v = V_GRID_BY_NAME[v_format or V_FORMAT_DEFAULT]
+    return bytes_per_element("nvfp4", "1x16", CHUNK) + v.bytes_per_element
+
+
 #: Bytes per parameter of the master weight in each form (FP4AdamW's ``master``): fp32; split = the bf16
 #: partition (which is also the copy that goes to the device) plus a 16-bit residual; bf16.
 MASTER_BYTES: dict[str, float] = {"fp32": float(FP32_BYTES), "split": 2.0 * BF16_BYTES, "bf16": float(BF16_BYTES)}

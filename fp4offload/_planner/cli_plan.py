@@ -16,11 +16,13 @@ import sys
 from typing import Any, Sequence
 
 from fp4offload._config.checks import check_choice
+from fp4offload._config.grids import BY_NAME as V_GRIDS_BY_NAME
+from fp4offload._config.vocab import V_FORMAT_DEFAULT, V_FORMATS
 from fp4offload.errors import ConfigError
 
 #: the flags that take one of a few words, checked by the validator kit (so a slip reads as it does in a config)
 CHOICES = {"--checkpointing": ("auto", "on", "off"), "--engine": ("deepspeed", "fsdp2"), "--format": ("table", "json"),
-           "--accelerator": ("cuda", "cpu")}
+           "--accelerator": ("cuda", "cpu"), "--v-format": V_FORMATS}
 
 
 def _shown(flag: str) -> str:
@@ -103,6 +105,9 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "the target node: --gpu PRESET, --host-ram-gb, --readings or --accelerator; then on that "
                         "node, as plan's table counts it. --gpus: ranks per node (default: 1 here, the preset's "
                         "on a named node); --nodes: nodes")
+    s.add_argument("--v-format", metavar=_shown("--v-format"), default=None,
+                   help=f"FP4AdamW's grid of v in every strategy with 4-bit states (default {V_FORMAT_DEFAULT}); "
+                        "the plan counts its bytes and prints what it has cost in training, as measured")
     s.add_argument("--accelerator", metavar=_shown("--accelerator"),
                    help="with --check: the accelerator DeepSpeed runs on (default: cuda on a named GPU node; "
                         "on this machine, DeepSpeed's own choice)")
@@ -250,11 +255,19 @@ def build_plan(args: argparse.Namespace):
     strategies = select(catalogue, args.strategy, args.engine)
     if not strategies:
         raise ConfigError("--engine", args.engine, "an engine with strategies among those selected")
+    v_format = getattr(args, "v_format", None)
+    if v_format not in (None, V_FORMAT_DEFAULT):  # FP4AdamW's v on another grid: every strategy with 4-bit states
+        strategies = [dataclasses.replace(s, optimizer_states=dataclasses.replace(s.optimizer_states,
+                                                                                  v_format=v_format))
+                      if s.optimizer_states.format != "fp32" else s for s in strategies]
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     plan = make_plan(strategies, model, cluster, setup, ckpt)
     if not args.model:
         plan = dataclasses.replace(plan, notes=(f"no --model given: planning for {DEFAULT_MODEL} (name yours with "
                                                 "--model PRESET, a config.json or dims)", *plan.notes))
+    if v_format not in (None, V_FORMAT_DEFAULT):
+        cost = V_GRIDS_BY_NAME[v_format].cost
+        plan = dataclasses.replace(plan, notes=(f"--v-format {v_format}: {cost}", *plan.notes))
     return plan, readings
 
 

@@ -50,7 +50,8 @@ def fp4offload_block(strategy: Strategy, nvme_path: str | None = None, monitor_e
                               "optimizer states on NVMe")
         # master_device "nvme": split's residual in the state files (the strategy puts the states on NVMe too)
         opt = OptimizerStatesConfig(format="nvfp4", device=dev, nvme_path=nvme_path if dev == "nvme" else None,
-                                    master=s.master.format, master_device="nvme" if s.residual_on_nvme else "same")
+                                    master=s.master.format, master_device="nvme" if s.residual_on_nvme else "same",
+                                    **({"v_format": v} if (v := s.optimizer_states.v_format) else {}))
     acts = None
     a = s.activations
     if a.device != "gpu" or a.format != "bf16":

@@ -25,7 +25,7 @@ from fp4offload._memory import host_model
 from fp4offload._memory.host_model import NVME_SEGMENT, NVME_SEGMENTS_IN_FLIGHT
 from fp4offload._planner.models import ModelSpec
 from fp4offload._memory.sizes import (ACT_BYTES, BF16_BYTES, MASTER_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES,
-                                      WEIGHT_PACKED_BYTES)
+                                      WEIGHT_PACKED_BYTES, state_bytes)
 from fp4offload._planner.strategies import Strategy
 
 __all__ = ["TrainSetup", "MemoryEstimate", "estimate_memory", "deepspeed_inputs", "ACT_BYTES", "STATE_BYTES",
@@ -228,7 +228,8 @@ def _master_and_states(x: _Shape, led: _Ledger) -> None:
         led.put(s.master.device, "master", master_bytes * P / x.shard_o)
     if residual:
         led.put("nvme", "master_residual", RESIDUAL_NVME_BYTES * P / x.shard_o)
-    led.put(s.optimizer_states.device, "optimizer_states", STATE_BYTES[s.optimizer_states.format] * P / x.shard_o)
+    o = s.optimizer_states
+    led.put(o.device, "optimizer_states", state_bytes(o.format, o.v_format) * P / x.shard_o)
 
 
 def _gradients(x: _Shape, led: _Ledger) -> tuple[float, float]:
@@ -355,7 +356,8 @@ def _nvme_staging(x: _Shape, led: _Ledger) -> None:
     if s.optimizer_states.format == "fp32":
         led.host["staging"] = led.host.get("staging", 0) + t.nvme_buffer_count * t.sub_group_size * 4
     else:
-        per_elem = STATE_BYTES["nvfp4"] + (RESIDUAL_NVME_BYTES if s.residual_on_nvme else 0)
+        per_elem = state_bytes("nvfp4", s.optimizer_states.v_format) + (RESIDUAL_NVME_BYTES if s.residual_on_nvme
+                                                                         else 0)
         led.host["staging"] = led.host.get("staging", 0) + NVME_SEGMENTS_IN_FLIGHT * per_elem * min(
             NVME_SEGMENT, x.P / x.shard_o)
 
@@ -377,13 +379,14 @@ def deepspeed_inputs(strategy: Strategy, model: ModelSpec, cluster: Cluster, set
     if block:
         dev = s.optimizer_states.device
         states = (s.optimizer_states.format, "device" if dev == "gpu" else dev)
+    v_format = s.optimizer_states.v_format if block else None
     bf16_grads = block and e == BF16_BYTES and offload_opt != "none" and (
         (stage in (1, 2) and setup.grad_accum == 1) or (stage == 3 and s.weights.format != "nvfp4"))
     return host_model.Inputs(
         params=model.param_count(), world=cluster.world, local_ranks=cluster.gpus_per_node, accelerator="gpu",
         stage=stage, compute_bytes=e, offload_optimizer=offload_opt,
         offload_param={"gpu": "none"}.get(s.weights.device, s.weights.device) if stage == 3 else "none",
-        grad_accum=setup.grad_accum, states=states, bf16_grads=bf16_grads, share_staging=False,
+        grad_accum=setup.grad_accum, states=states, v_format=v_format, bf16_grads=bf16_grads, share_staging=False,
         packed_weights=stage == 3 and s.weights.format == "nvfp4",
         allocator="fixed" if block else "glibc", cache_fraction=0.125 if block else 0.0,
         reduce_bucket=setup.reduce_bucket, sub_group=setup.sub_group_size, prefetch_bucket=setup.prefetch_bucket,

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from fp4offload._config.grids import BY_NAME as V_GRID_BY_NAME
+from fp4offload._config.vocab import V_FORMAT_DEFAULT
 from fp4offload._planner.hardware import Cluster
 from fp4offload._planner.memory import MemoryEstimate, TrainSetup, estimate_memory
 from fp4offload._planner.models import ModelSpec
@@ -89,10 +91,19 @@ class Plan:
         return self.ranked[1:3]
 
 
+def _risk_of(strategy: Strategy, cls: str, fmt: str) -> tuple[str, str]:
+    """(level, why) of one compressed tensor class: RISKS', except states whose v is on a grid other than the
+    default (plan --v-format), which are "medium" (experimental) with that grid's measured cost."""
+    v_format = strategy.optimizer_states.v_format
+    if cls == "optimizer_states" and v_format not in (None, V_FORMAT_DEFAULT):
+        return "medium", f"v on {v_format}: {V_GRID_BY_NAME[v_format].cost}"
+    return RISKS[(cls, fmt)]
+
+
 def _risk(strategy: Strategy) -> tuple[str, tuple[str, ...]]:
     level, notes = "none", []
     for cls, fmt in strategy.compressions():
-        lv, text = RISKS[(cls, fmt)]
+        lv, text = _risk_of(strategy, cls, fmt)
         notes.append(f"{cls} {fmt}: {lv} - {text}")
         if RISK_ORDER[lv] > RISK_ORDER[level]:
             level = lv
@@ -154,8 +165,8 @@ def risk_profile(strategy: Strategy) -> tuple[int, ...]:
     """The accuracy risks of a strategy's lossy parts, highest first: a strategy with fewer or milder lossy parts
     compares lower. An exact part (the split master) adds nothing, so split ties with the fp32 master and beats
     the bf16 master, whose overall risk level is the same."""
-    return tuple(sorted((RISK_ORDER[RISKS[(cls, fmt)][0]] for cls, fmt in strategy.compressions()
-                         if RISK_ORDER[RISKS[(cls, fmt)][0]] > 0), reverse=True))
+    levels = (RISK_ORDER[_risk_of(strategy, cls, fmt)[0]] for cls, fmt in strategy.compressions())
+    return tuple(sorted((lv for lv in levels if lv > 0), reverse=True))
 
 
 def _rank(fitting: list[Candidate]) -> list[Candidate]:

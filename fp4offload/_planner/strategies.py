@@ -60,6 +60,7 @@ class Placement:
     device: str
     format: str
     residual: str | None = None
+    v_format: str | None = None  #: optimizer_states only: FP4AdamW's v grid (None: the block's default)
 
 
 @dataclass(frozen=True)

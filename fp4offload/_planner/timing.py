@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from fp4offload._planner.hardware import Cluster
 from fp4offload._planner.memory import MemoryEstimate, TrainSetup, weight_host_bytes
 from fp4offload._planner.models import ModelSpec
-from fp4offload._memory.sizes import ACT_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, step_bytes_per_param
+from fp4offload._memory.sizes import ACT_BYTES, RESIDUAL_NVME_BYTES, STATE_BYTES, state_bytes, step_bytes_per_param
 from fp4offload._planner.strategies import Strategy
 
 __all__ = ["StepTime", "estimate_time", "GPU_STEP_BYTES_PER_PARAM"]
@@ -104,7 +104,8 @@ def estimate_time(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup:
     node_share = P * c.gpus_per_node / N
     nv_read = nv_write = 0.0
     if s.optimizer_states.device == "nvme":
-        per_param = (4 + STATE_BYTES["fp32"]) if s.optimizer_states.format == "fp32" else STATE_BYTES["nvfp4"]
+        o = s.optimizer_states
+        per_param = (4 + STATE_BYTES["fp32"]) if o.format == "fp32" else state_bytes("nvfp4", o.v_format)
         if s.residual_on_nvme:  # split's residual is read and written with the states it sits beside
             per_param += RESIDUAL_NVME_BYTES
         nv_read += per_param * node_share
