@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -169,10 +168,10 @@ def attach(engine: Any, monitor_cfg: Any, attached: Any) -> Writer:
     every = int(monitor_cfg.every)
     writer = Writer(engine=engine, every=every, collect=_collector(engine, attached))
     inner = dsi.read(engine, "basic_optimizer")
-    if isinstance(getattr(inner, "metrics_every", None), int) and inner.metrics_every > 0:
-        # FP4AdamW samples its quantization error every metrics_every steps (100 by default): at each write
-        # instead, so the first write has one
-        inner.metrics_every = math.gcd(inner.metrics_every, every)
+    if callable(getattr(inner, "sample_also_every", None)):
+        # FP4AdamW samples its quantization error every metrics_every steps (100 by default): at each write too,
+        # so the first write has one
+        inner.sample_also_every(every)
     inner_step = engine.step
 
     def step(*args, **kwargs):

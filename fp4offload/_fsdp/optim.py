@@ -18,7 +18,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
-from .._optim.shards import STATE, LocalShards
+from .._optim.shards import STATE, LocalShards, ShardedEntryPoints
 from ..errors import ConfigError
 from .policy import Policy
 
@@ -27,10 +27,11 @@ log = logging.getLogger("fp4offload.fsdp")
 __all__ = ["optimizer", "ShardedAdamW", "inner_optimizer_class", "local_shards_of"]
 
 
-class ShardedAdamW(torch.optim.AdamW):
+class ShardedAdamW(ShardedEntryPoints, torch.optim.AdamW):
     """torch.optim.AdamW over the local shards of a sharded model's parameters (fp32 states beside the shards)."""
 
     state = STATE
+    _packed_fp4 = False
 
     def __init__(self, params: Iterable[Any], **kwargs: Any):
         groups, shards = LocalShards.of(params, always=True)
@@ -41,35 +42,18 @@ class ShardedAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         return self.local_shards.step(self, closure, super().step)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.local_shards.zero_grad(set_to_none)
-
     def init_state(self) -> None:
         """Create every state without changing a parameter (one step with zero gradients and lr 0)."""
         self.local_shards.init_state(self, super().step)
 
-    def packed_form(self):
-        """Within: ``state_dict`` / ``load_state_dict`` are the positional ones over the local shards."""
-        return self.local_shards.packed_form(self)
-
     def packed_state_dict(self) -> dict:
         """torch AdamW's own state dict over the local shards (positional)."""
         with self.local_shards.in_groups(self):
-            return super().state_dict()
+            return torch.optim.AdamW.state_dict(self)  # not super(): ShardedEntryPoints.state_dict comes first
 
     def load_packed_state_dict(self, state_dict: dict) -> None:
         with self.local_shards.in_groups(self):
-            super().load_state_dict(state_dict)
-
-    def state_dict(self) -> dict:
-        if self.local_shards.packed:
-            return self.packed_state_dict()
-        return self.local_shards.torch_form(self.packed_state_dict(), fp4=False)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        if self.local_shards.packed:
-            return self.load_packed_state_dict(state_dict)
-        self.load_packed_state_dict(self.local_shards.from_torch_form(self, state_dict, fp4=False))
+            torch.optim.AdamW.load_state_dict(self, state_dict)
 
 
 def local_shards_of(optimizer, depth: int = 4):

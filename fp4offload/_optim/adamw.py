@@ -10,6 +10,7 @@ and the torch AdamW conversion convert.py's, the argument checks checks.py's.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -24,12 +25,12 @@ from .checks import (check_arguments, check_extra_keywords, check_master, check_
 from .hooks import EngineHooks
 from .options import NvmeOptions, StateFormat, StepOptions
 from .placement import Placement
-from .shards import STATE, LocalShards, zero_lr_step
+from .shards import STATE, LocalShards, ShardedEntryPoints, zero_lr_step
 from .step import GRAD_LIMIT, KEYED_STREAM0, ParamStep
 from .working_copy import WeightRegion, copy_amax
 
 
-class FP4AdamW(Optimizer):
+class FP4AdamW(ShardedEntryPoints, Optimizer):
     """AdamW (decoupled weight decay, bias correction) with m in NVFP4 and sqrt(v) in 4 bits (ue2m2).
 
     Args:
@@ -185,6 +186,16 @@ class FP4AdamW(Optimizer):
             return self.local_shards.step(self, closure, lambda: self._step(None, grad_norm))
         return self._step(closure, grad_norm)
 
+    def sample_also_every(self, every: int) -> None:
+        """Take the quantization-error sample and refresh the byte gauges every `every` steps as well (a monitor
+        that writes every `every` steps: each write then has a fresh sample); no-op when metrics are off."""
+        if self.metrics_every > 0 and every > 0:
+            self.metrics_every = math.gcd(self.metrics_every, int(every))
+
+    def local_grads_ok(self, grads: list[torch.Tensor]) -> bool:
+        """Whether these gradients are fit to step: finite and below GRAD_LIMIT (the sharded step's vote uses it)."""
+        return self.stepper.grads_finite(grads)
+
     def _step(self, closure: Callable | None, grad_norm):
         loss = None
         if closure is not None:
@@ -199,6 +210,8 @@ class FP4AdamW(Optimizer):
         try:
             with metrics.timer("optim.time.step"):
                 finite = self.hooks.finite_from_norm(grad_norm) if self.skip_nonfinite and todo else True
+                if finite is None and self.local_shards is not None and self.local_shards.voted:
+                    finite = True  # every rank's shards passed local_grads_ok in the vote that led here
                 if finite is None:
                     finite = self.stepper.grads_finite([p.grad for _, p, _ in todo])
                 if not finite:
@@ -240,12 +253,6 @@ class FP4AdamW(Optimizer):
             convert.change_v_format(self, group, p)
             st = self.state[p]
         return self.stepper.step(group, p, st, pid, self.is_packed(group, p), fresh, sample, self.hooks.scales.get(p))
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self.local_shards is not None:
-            self.local_shards.zero_grad(set_to_none)
-        else:
-            super().zero_grad(set_to_none)
 
     def init_state(self) -> None:
         """Create every state without changing a parameter (one step with zero gradients and lr 0): what a
@@ -291,27 +298,9 @@ class FP4AdamW(Optimizer):
 
     # ---- state dict -------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """:meth:`packed_state_dict`; over a sharded model torch AdamW's form (shards.LocalShards.torch_form), which
-        torch.distributed.checkpoint reshards (not within :meth:`packed_form`)."""
-        if self.local_shards is None or self.local_shards.packed:
-            return self.packed_state_dict()
-        return self.local_shards.torch_form(self.packed_state_dict(), fp4=True)
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict`'s form: FP4AdamW's own or torch AdamW's (over a sharded model each rank takes
-        its shard of it; m and v are quantized once)."""
-        if self.local_shards is None or self.local_shards.packed:
-            return self.load_packed_state_dict(state_dict)
-        with self.local_shards.in_groups(self):  # a state dict keyed by parameter positions, as torch's is
-            own = self.local_shards.from_torch_form(self, state_dict, fp4=True)
-        self.load_packed_state_dict(own)
-
-    def packed_form(self):
-        """Within (a context manager): ``state_dict`` / ``load_state_dict`` are :meth:`packed_state_dict`'s form
-        also over a sharded model (for a caller that round-trips the state dict of an optimizer it does not
-        know, as Accelerate's prepare does)."""
-        return contextlib.nullcontext(self) if self.local_shards is None else self.local_shards.packed_form(self)
+    # state_dict, load_state_dict (torch AdamW's form over a sharded model, m and v quantized once on load) and
+    # packed_form: shards.ShardedEntryPoints
+    _packed_fp4 = True
 
     def packed_state_dict(self) -> dict:
         """A tier-independent state dict: packed states as uint8 CPU tensors, fp32 ones as fp32 (see state.py).

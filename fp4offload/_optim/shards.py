@@ -133,6 +133,7 @@ class LocalShards:
         self.padded = {id(proxy): _padded_local_numel(p) for p, proxy in self.pairs}
         self.inner: list[list[torch.Tensor]] = []  # each group's proxies, once attached
         self.packed = False  # within packed_form(): state_dict is the optimizer's own
+        self.voted = False  # within the step's run: every rank found its gradients fit to step (the vote)
         self._depth = 0
         self._shown: list = []
 
@@ -198,12 +199,16 @@ class LocalShards:
                 g = p.grad
                 proxy.grad = None if g is None else local_tensor(g, g)
 
-    def finite_everywhere(self) -> bool:
-        """True when every rank's gradient shards are finite (one all-reduce of a flag over the mesh)."""
+    def finite_everywhere(self, local_ok: Callable[[list], bool] | None = None) -> bool:
+        """True when every rank's gradient shards are fit to step (one all-reduce of a flag over the mesh):
+        `local_ok` (the optimizer's own test of its gradients: FP4AdamW's also bounds their magnitude), else finite."""
         import torch.distributed as dist
 
         grads = [proxy.grad for _, proxy in self.pairs if proxy.grad is not None]
-        ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        if local_ok is not None:
+            ok = torch.tensor(bool(local_ok(grads)))
+        else:
+            ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
         mesh = next((p.device_mesh for p, _ in self.pairs if hasattr(p, "device_mesh")), None)
         if mesh is None or mesh.size() == 1:
             return bool(ok)
@@ -218,7 +223,9 @@ class LocalShards:
 
     def step(self, opt, closure: Callable | None, run: Callable[[], Any]):
         """``opt.step(closure)``: bind the proxies, skip the step on every rank when any rank's gradients are not
-        finite (with ``opt.skip_nonfinite``), run the step (`run`) and tell wrapped local tensors."""
+        finite (with ``opt.skip_nonfinite``; the test is ``opt.local_grads_ok`` where it has one), run the step
+        (`run`; :attr:`voted` is set meanwhile, so the optimizer need not test the gradients again) and tell wrapped
+        local tensors."""
         with self.in_groups(opt):
             try:
                 loss = None
@@ -226,12 +233,17 @@ class LocalShards:
                     with torch.enable_grad():
                         loss = closure()
                 self.bind()
-                if getattr(opt, "skip_nonfinite", False) and not self.finite_everywhere():
+                vote = getattr(opt, "skip_nonfinite", False)
+                if vote and not self.finite_everywhere(getattr(opt, "local_grads_ok", None)):
                     opt.skipped_steps += 1
                     log.warning("fp4offload.fsdp: non-finite gradients on some rank: step skipped on every rank "
                                 "(%d so far)", opt.skipped_steps)
                     return loss
-                run()
+                self.voted = vote
+                try:
+                    run()
+                finally:
+                    self.voted = False
                 for p, _ in self.pairs:
                     stepped = getattr(local_tensor(p, p), "fp4offload_stepped", None)
                     if stepped is not None:
@@ -312,6 +324,47 @@ class LocalShards:
             inner_groups.append({**g, "params": list(range(start, start + n))})
             start += n
         return {"state": state, "param_groups": inner_groups}
+
+
+class ShardedEntryPoints:
+    """The state-dict and gradient entry points of an optimizer that may step a sharded model's local shards
+    (FP4AdamW, and _fsdp.optim.ShardedAdamW for fp32 states), written once over :class:`LocalShards`.
+
+    Put before the torch optimizer class in the bases. The optimizer has ``local_shards`` (None over a model that is
+    not sharded), :meth:`packed_state_dict` / :meth:`load_packed_state_dict` (its own positional form) and
+    ``_packed_fp4`` (whether that form holds FP4AdamW's packed states, which torch AdamW's form is converted
+    from and to)."""
+
+    local_shards: LocalShards | None
+    _packed_fp4: bool
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.local_shards is not None:
+            self.local_shards.zero_grad(set_to_none)
+        else:
+            super().zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        """:meth:`packed_state_dict`; over a sharded model torch AdamW's form (LocalShards.torch_form), which
+        torch.distributed.checkpoint reshards (not within :meth:`packed_form`)."""
+        if self.local_shards is None or self.local_shards.packed:
+            return self.packed_state_dict()
+        return self.local_shards.torch_form(self.packed_state_dict(), fp4=self._packed_fp4)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`'s form: the optimizer's own or torch AdamW's (over a sharded model each rank
+        takes its shard of it)."""
+        if self.local_shards is None or self.local_shards.packed:
+            return self.load_packed_state_dict(state_dict)
+        with self.local_shards.in_groups(self):  # a state dict keyed by parameter positions, as torch's is
+            own = self.local_shards.from_torch_form(self, state_dict, fp4=self._packed_fp4)
+        self.load_packed_state_dict(own)
+
+    def packed_form(self):
+        """Within (a context manager): ``state_dict`` / ``load_state_dict`` are :meth:`packed_state_dict`'s form
+        also over a sharded model (for a caller that round-trips the state dict of an optimizer it does not
+        know, as Accelerate's prepare does)."""
+        return contextlib.nullcontext(self) if self.local_shards is None else self.local_shards.packed_form(self)
 
 
 def zero_lr_step(opt, tensors: list[torch.Tensor], run: Callable[[], Any]) -> None:

@@ -40,3 +40,44 @@ def test_unit_parameters_and_local_tensors(one_rank):
     assert fsdp_internals.unit_parameters(plain) is None  # not a fully_shard unit: the fallback path
     assert fsdp_internals.local_tensor(plain.weight) is None
     assert fsdp_internals.local_tensor(plain.weight, plain.weight) is plain.weight
+
+
+def test_a_sharded_step_reads_the_gradients_once_for_the_vote(one_rank, monkeypatch):
+    """Over a sharded model the all-rank vote tests the gradients with FP4AdamW's own test (finite and bounded) and
+    FP4AdamW does not test them again; a gradient past the bound skips the step on the vote alone."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fp4offload import FP4AdamW
+    from fp4offload._fsdp.optim import ShardedAdamW
+    from fp4offload._optim.step import GRAD_LIMIT
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 64))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    opt = FP4AdamW(model.parameters(), lr=1e-3)
+    assert opt.local_shards is not None
+    calls = []
+    real = opt.stepper.grads_finite
+    monkeypatch.setattr(opt.stepper, "grads_finite", lambda grads: calls.append(len(grads)) or real(grads))
+    model(torch.randn(4, 64)).sum().backward()
+    before = [p.detach().to_local().clone() for p in model.parameters()]
+    opt.step()
+    assert calls == [4] and opt.skipped_steps == 0  # one pass, in the vote, over the 4 shards
+    assert any(not torch.equal(b, p.detach().to_local()) for b, p in zip(before, model.parameters()))
+    opt.zero_grad()
+    model(torch.randn(4, 64)).sum().backward()
+    next(model.parameters()).grad.to_local()[0, 0] = 2 * GRAD_LIMIT  # finite, but g*g would overflow
+    stepped = [p.detach().to_local().clone() for p in model.parameters()]
+    opt.step()
+    assert opt.skipped_steps == 1 and len(calls) == 2
+    assert all(torch.equal(b, p.detach().to_local()) for b, p in zip(stepped, model.parameters()))
+    # the shared entry points (shards.ShardedEntryPoints): torch AdamW's form out of both optimizers
+    fp32 = ShardedAdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64)).sum().backward()
+    fp32.step()
+    for o in (opt, fp32):
+        sd = o.state_dict()
+        assert set(sd["state"][0]) >= {"step", "exp_avg", "exp_avg_sq"}
+        with o.packed_form():
+            assert "exp_avg" not in o.state_dict()["state"][0] or o is fp32
+        o.load_state_dict(sd)
