@@ -24,6 +24,7 @@ Arms (``--arms``):
 - ``adamw``: torch.optim.AdamW, fp32 states, fp32 model (the reference);
 - ``fp4``: fp4offload.FP4AdamW with its defaults, fp32 model (each run records the settings it ran with);
   ``fp4_ufp4``: the same with sqrt(v) on the ufp4 grid (``v_format="ufp4"``, the default before 2026-12-03);
+  ``fp4_ue2m0``: with sqrt(v) on the 2-bit grid ue2m0 (``v_format="ue2m0"``);
 - ``fp4_split`` / ``fp4_bf16``: FP4AdamW with ``master="split"`` / ``master="bf16"`` over the model's
   parameters cast to bf16 (bf16 gradients; forward reads the weights upcast to fp32, the tied embedding stays
   tied), against ``adamw_bf16m``: torch AdamW on an fp32 master of the same bf16 parameters (the fp32-master
@@ -98,7 +99,8 @@ ACT_ARMS = {"act_nvfp4": {"format": "nvfp4"}, "act_mxfp8": {"format": "mxfp8"},
 # what AdamW updates): every weight rounded to bf16, or the linear weights outside weights.keep_bf16's defaults
 # (embeddings, head, norms, biases, the first and last block) as NVFP4 16x16 tiles and the rest bf16
 GATHER_ARMS = {"gather_bf16": "bf16", "gather_nvfp4": "nvfp4"}
-ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_split", "fp4_bf16", "adamw_bf16m", *ACT_ARMS, *GATHER_ARMS, "deepspeed")
+ARMS = ("adamw", "fp4", "fp4_ufp4", "fp4_ue2m0", "fp4_split", "fp4_bf16", "adamw_bf16m", *ACT_ARMS, *GATHER_ARMS,
+        "deepspeed")
 BF16_ARMS = ("fp4_split", "fp4_bf16", "adamw_bf16m")
 LR = 5e-5
 BATCH = 8
@@ -287,12 +289,12 @@ def make_optimizer(arm: str, params, lr: float = LR):
         from benchmarks.accuracy_long import MasterAdamW
 
         return MasterAdamW(params, lr, WEIGHT_DECAY)
-    if arm in ("fp4", "fp4_ufp4", "fp4_split", "fp4_bf16"):
+    if arm in ("fp4", "fp4_ufp4", "fp4_ue2m0", "fp4_split", "fp4_bf16"):
         from fp4offload import FP4AdamW
         from fp4offload._optim import StateFormat
 
         kw = {"fp4": {}, "fp4_ufp4": {"state_format": StateFormat(v_format="ufp4")}, "fp4_split": {"master": "split"},
-              "fp4_bf16": {"master": "bf16"}}[arm]
+              "fp4_bf16": {"master": "bf16"}, "fp4_ue2m0": {"state_format": StateFormat(v_format="ue2m0")}}[arm]
         return FP4AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, **kw)
     raise ValueError(f"arm={arm!r} is not one of {ARMS}")
 

@@ -40,10 +40,11 @@ run finishes; a file already there is not run again, so an interrupted sweep res
 table (final validation loss, paired gap to fp32 AdamW of the same seed, its spread over seeds, the staleness)
 and draws benchmarks/plots/accuracy_long_<size>.png.
 
-- ``sim:<m rule>:<v rule>[:<grid>]``: benchmarks/quant_sim.py's QuantSimAdamW, fp32 AdamW with m and sqrt(v)
-  stored in FP4AdamW's layout with rule ``none`` (fp32), ``rn``, ``sr`` or ``dither``, sqrt(v) on the grid
-  ``e3m1`` (ufp4, the default), ``e2m2`` (ue2m2) or ``e1m3``: which state's rounding costs accuracy, one state
-  at a time, and what a grid does before it goes into the kernels.
+- ``sim:<m rule>:<v rule>[:<grid>[:<m grid>]]``: benchmarks/quant_sim.py's QuantSimAdamW, fp32 AdamW with m and
+  sqrt(v) stored in FP4AdamW's layout with rule ``none`` (fp32), ``rn``, ``sr`` or ``dither``, sqrt(v) on the grid
+  ``e3m1`` (ufp4, the default), ``e2m2`` (ue2m2), ``e1m3`` or a 2-bit one (``l2b2``, ``l2b4``), m on ``e2m1``
+  (the default) or the 2-bit ``s2t`` (-1, 0, +1): which state's rounding costs accuracy, one state at a time, and
+  what a grid does before it goes into the kernels.
 
 Staleness: at 90% of the steps every state entry is kept; at the end, the share of entries still the same is
 reported per state (m, v), for the entry's own code (the 4-bit code; the value itself for an fp32 state) and for
@@ -204,7 +205,7 @@ def make_optimizer(arm: str, params, lr: float):
 
         _, m_rule, v_rule, *grid = arm.split(":")
         return QuantSimAdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, m_rule=m_rule, v_rule=v_rule,
-                             v_grid=grid[0] if grid else "e3m1")
+                             v_grid=grid[0] if grid else "e3m1", m_grid=grid[1] if len(grid) > 1 else "e2m1")
     if arm == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY)
     if arm == "adamw_bf16m":
@@ -389,11 +390,11 @@ def train_run(arm: str, *, size: str, steps: int, seed: int, autocast: bool, eva
 
 
 def _is_sim(arm: str) -> bool:
-    from benchmarks.quant_sim import GRIDS, RULES
+    from benchmarks.quant_sim import GRIDS, M_GRIDS, RULES
 
     parts = arm.split(":")
-    return (len(parts) in (3, 4) and parts[0] == "sim" and parts[1] in RULES and parts[2] in RULES
-            and (len(parts) == 3 or parts[3] in GRIDS))
+    return (len(parts) in (3, 4, 5) and parts[0] == "sim" and parts[1] in RULES and parts[2] in RULES
+            and (len(parts) == 3 or parts[3] in GRIDS) and (len(parts) < 5 or parts[4] in M_GRIDS))
 
 
 def result_path(out: Path, size: str, steps: int, arm: str, seed: int) -> Path:

@@ -11,7 +11,8 @@ skipped, as under DeepSpeed; ``fp4adamw_clip_g32`` / ``fp4adamw_clip_g16``: an f
 handed over, as under DeepSpeed ZeRO-3, its gradient fp32 or the bf16 gradient partition (the fused step applies
 the factor as it reads each gradient); ``fp4adamw_noclip_g16``
 the same at factor 1, no clipping; ``fp4adamw_vnearest`` / ``fp4adamw_vsr``: sqrt(v) rounded to nearest /
-stochastically; ``fp4adamw_ufp4``: sqrt(v) on the ufp4 grid instead of ue2m2),
+stochastically; ``fp4adamw_ufp4`` / ``fp4adamw_ue2m0``: sqrt(v) on the ufp4 / the 2-bit ue2m0 grid instead of
+ue2m2),
 and the NVMe tier: seconds per step with states in files against the same step in RAM, bytes written per step.
 
 CPU paths: an arm named ``<optimizer>@<path>`` runs on that vector path (``fp4adamw@avx2``: FP4AdamW's step
@@ -231,12 +232,12 @@ def make_optimizers(n: int, lr: float, which: list[str]):
                 vr = "nearest" if name == "fp4adamw_vnearest" else "stochastic"
                 out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(v_rounding=vr),
                                       step_options=StepOptions(backend="fused")), p)
-            elif name == "fp4adamw_ufp4":  # sqrt(v) on the ufp4 grid (the default before 2026-12-03)
+            elif name in ("fp4adamw_ufp4", "fp4adamw_ue2m0"):  # sqrt(v) on ufp4 (before 2026-12-03) / 2 bits
                 from fp4offload import FP4AdamW
                 from fp4offload._optim import StateFormat, StepOptions
 
                 p = param()
-                out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(v_format="ufp4"),
+                out[name] = (FP4AdamW([p], lr=lr, state_format=StateFormat(v_format=name.split("_")[1]),
                                       step_options=StepOptions(backend="fused")), p)
             elif name == "fp4adamw_nocheck":  # without the non-finite gradient pass (DeepSpeedCPUAdam has none)
                 from fp4offload import FP4AdamW
@@ -311,6 +312,7 @@ def make_optimizers(n: int, lr: float, which: list[str]):
 #: (`_norm`, `_clip_*`, `_noclip_*`, `_nocheck`), and a bf16 gradient is 2 B (a clipping factor is applied as the
 #: fused step reads the gradient: no pass of its own)
 _FP4_STATES = 2 * 2 * (0.5 + 1 / 16 + 4 / 1024)
+_UE2M0_STATES = 2 * (0.5 + 1 / 16 + 4 / 1024) + 2 * (0.25 + 1 / 16 + 4 / 1024)  # v's codes 2 bits
 
 
 def bytes_per_param(name: str) -> float | None:
@@ -319,6 +321,8 @@ def bytes_per_param(name: str) -> float | None:
         return 28.0
     if name in ("fp4adamw", "fp4adamw_nearest", "fp4adamw_vnearest", "fp4adamw_vsr", "fp4adamw_ufp4"):
         return 8 + 4 + 4 + _FP4_STATES
+    if name == "fp4adamw_ue2m0":
+        return 8 + 4 + 4 + _UE2M0_STATES
     if name in ("fp4adamw_norm", "fp4adamw_nocheck", "fp4adamw_clip_g32"):
         return 8 + 4 + _FP4_STATES
     if name in ("fp4adamw_clip_g16", "fp4adamw_noclip_g16"):

@@ -34,6 +34,8 @@ RULES = ("none", "rn", "sr", "dither", "srv")
 #: unsigned grids of sqrt(v): (binades, codes per binade, base). 4 bits: e3m1 (ufp4), e2m2 (ue2m2), e1m3;
 #: 2 bits (4 codes, one per binade, no mantissa): l2b2 (1/8 .. 1, a factor 2 apart), l2b4 (1/64 .. 1, 4 apart)
 GRIDS = {"e3m1": (8, 2, 2), "e2m2": (4, 4, 2), "e1m3": (2, 8, 2), "l2b2": (4, 1, 2), "l2b4": (4, 1, 4)}
+#: signed grids of m: e2m1 (4 bits, FP4AdamW's), s2t (2 bits: -1, 0, +1 times the block scale, a code left over)
+M_GRIDS = ("e2m1", "s2t")
 
 
 def codes(grid: str) -> int:
@@ -60,6 +62,8 @@ def _position(a: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tens
         e = torch.div(exp2 - 1, int(math.log2(base)), rounding_mode="floor").float()  # a in [base^e, base^(e+1))
         lo = torch.pow(float(base), e)
         return M * (e + nb - 1) + M * (a - lo) / (lo * (base - 1))
+    if grid == "s2t":
+        return a.clamp(max=1.0)
     a = a.clamp(max=6.0)
     return torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, 0.5 * a + 4))
 
@@ -71,6 +75,8 @@ def _value(t: torch.Tensor, unsigned: bool, grid: str = "e3m1") -> torch.Tensor:
         k = torch.floor(t / M).clamp(0, nb - 1)
         lo = torch.pow(float(base), k - nb + 1)
         return lo * (1.0 + (base - 1) * (t - M * k) / M)
+    if grid == "s2t":
+        return t
     return torch.where(t < 4, t / 2, torch.where(t < 6, t - 2, 2 * t - 8))
 
 
@@ -81,8 +87,8 @@ def roundtrip(x: torch.Tensor, rule: str, unsigned: bool, gen: torch.Generator, 
     n = x.numel()
     pad = (-n) % CHUNK
     X = torch.nn.functional.pad(x, (0, pad)).view(-1, CHUNK // BLOCK, BLOCK)
-    emax = grid_max(grid) if unsigned else 6.0
-    top = codes(grid) - 1 if unsigned else 7
+    emax = grid_max(grid) if unsigned else (1.0 if grid == "s2t" else 6.0)
+    top = codes(grid) - 1 if unsigned else (1 if grid == "s2t" else 7)
     amax_c = X.abs().amax(dim=(1, 2), keepdim=True)
     s_enc = torch.where(amax_c > 0, emax * 448.0 / amax_c.clamp(min=1e-38), torch.zeros_like(amax_c))
     s_dec = torch.where(s_enc > 0, 1.0 / s_enc.clamp(min=1e-38), torch.zeros_like(s_enc))
@@ -116,12 +122,13 @@ class QuantSimAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  m_rule: str = "sr", v_rule: str = "rn", seed: int = 0, min_numel: int = 4096,
-                 v_grid: str = "e3m1"):
-        if m_rule not in RULES or v_rule not in RULES or v_grid not in GRIDS:
-            raise ValueError(f"rules must be in {RULES} and v_grid in {tuple(GRIDS)}, got m_rule={m_rule!r}, "
-                             f"v_rule={v_rule!r}, v_grid={v_grid!r}")
+                 v_grid: str = "e3m1", m_grid: str = "e2m1"):
+        if m_rule not in RULES or v_rule not in RULES or v_grid not in GRIDS or m_grid not in M_GRIDS:
+            raise ValueError(f"rules must be in {RULES}, v_grid in {tuple(GRIDS)} and m_grid in {M_GRIDS}, got "
+                             f"m_rule={m_rule!r}, v_rule={v_rule!r}, v_grid={v_grid!r}, m_grid={m_grid!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.m_rule, self.v_rule, self.min_numel, self.v_grid = m_rule, v_rule, min_numel, v_grid
+        self.m_grid = m_grid
         self.gen = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
@@ -147,7 +154,7 @@ class QuantSimAdamW(torch.optim.Optimizer):
                 w.addcdiv_(m, denom, value=-group["lr"] / (1 - b1 ** t))
                 p.copy_(w.view_as(p))
                 quantize = p.numel() >= self.min_numel
-                st["m"] = roundtrip(m, self.m_rule, False, self.gen) if quantize else m
+                st["m"] = roundtrip(m, self.m_rule, False, self.gen, self.m_grid) if quantize else m
                 if quantize and self.v_rule != "none":
                     u = roundtrip(v.sqrt(), self.v_rule, True, self.gen, self.v_grid)
                     st["v"] = u * u
