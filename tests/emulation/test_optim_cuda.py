@@ -19,13 +19,13 @@ def cuda_ext():
 @pytest.mark.parametrize("v_format,stochastic,v_stochastic", [("ufp4", False, False), ("ufp4", True, False),
                                                               ("nvfp4", False, False), ("ufp4", True, True),
                                                               ("nvfp4", False, True), ("ue2m2", True, True),
-                                                              ("ue2m2", False, False)])
+                                                              ("ue2m2", False, False), ("ue2m0", True, True)])
 def test_cuda_fused_equals_cpu_reference(cuda_ext, n, v_format, stochastic, v_stochastic):
     g0 = torch.Generator().manual_seed(n)
     p = torch.randn(n, generator=g0)
     pa, pb = p.clone(), p.clone().cuda()
-    ma, va = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu")
-    mb, vb = R.empty_packed(n, "cuda"), R.empty_packed(n, "cuda")
+    ma, va = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu", R.v_bits(v_format))
+    mb, vb = R.empty_packed(n, "cuda"), R.empty_packed(n, "cuda", R.v_bits(v_format))
     for t in range(1, 4):
         g = torch.randn(n, generator=g0) * torch.exp(torch.randn(n, generator=g0) * 2)
         sc = R.StepScalars.make(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=t)
@@ -72,7 +72,8 @@ class _OnGpu:
                                                                    (True, "nvfp4", torch.bfloat16, False),
                                                                    (True, "ufp4", torch.bfloat16, True),
                                                                    (False, "nvfp4", torch.float32, True),
-                                                                   (True, "ue2m2", torch.bfloat16, True)])
+                                                                   (True, "ue2m2", torch.bfloat16, True),
+                                                                   (True, "ue2m0", torch.bfloat16, True)])
 def test_cuda_fused_step_master_equals_cpu_and_reference(cuda_ext, n, mode, stochastic, v_format, gdt, v_stochastic):
     """The compact masters in the CUDA kernel (the dense odd mask and its conversions included): the CPU
     fused_step_master's and the reference's bytes, with planted ties that stay odd in zero-gradient blocks."""
