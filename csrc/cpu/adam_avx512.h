@@ -397,14 +397,20 @@ inline void step_range_mb(const ChunkArgs& a, const G* grad, int64_t c0, int64_t
   }
 }
 
-// Chunks [c0, c1) of a grid of 4-bit codes on the hand-scheduled step; a grid of 2-bit codes takes the portable
-// vector path, built for AVX-512 (the same bytes on every path).
+// Chunks [c0, c1) of a grid of 4-bit codes on the hand-scheduled step; a grid of 2-bit codes takes the SIMD-layer
+// step on AVX-512 (adam_simd.h, included first by adam_cpu.cpp), else the portable vector path (the same bytes on
+// every path).
 template <typename G, int MB, int CB>
 inline void step_range_grid(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-  if constexpr (CB == 4)
+  if constexpr (CB == 4) {
     step_range_mb<G, MB>(a, grad, c0, c1);
-  else
+  } else {
+#if defined(FP4_SIMD_STEP) && FP4_SIMD_STEP
+    simd_step::range_v<G, MB, CB>(a, grad, c0, c1);
+#else
     vec::range_v<G, MB, CB>(a, grad, c0, c1);
+#endif
+  }
 }
 
 // Chunks [c0, c1), instantiated per grid of FP4_V_GRIDS by its mantissa and code bits.

@@ -12,6 +12,8 @@
 //            rounds in place (nearest even: + half - 1 + lsb; stochastic: + the top random bits), with the sign
 //            of E2M1 added at bit S + 3 and the unsigned grids' bias subtracted with saturation (below the
 //            grid: code 0); the encoder's lane order lets 16 codes pack with three shift-inserts.
+// A grid of 2-bit codes (ue2m0) runs the same machinery: its 256 code bytes of a chunk are spread to nibbles before
+// the update (expand2) and the nibbles folded back after the encode (compress2).
 // Every v format and rounding, fp32 and bf16 gradients, the gradient scale, maximize, weight decay and the bf16
 // copy (hence the compact masters) run here. A partial last chunk runs the portable path; a buffer with a
 // non-finite value (only after an overflow) is encoded by the scalar rules, which drop its block, as the other
@@ -36,22 +38,48 @@ using S::U16;
 
 // Row s of a grid: its 16 values times e4m3_value(s). Exact (at most 9 significant bits, far from the fp32
 // range's ends; a NaN scale gives a NaN row), so (value * scale) * s_dec is one multiply of a row by s_dec.
-// grid[mb]: E2M1 (mb 0) or the unsigned grid of mb mantissa bits.
+// grid[mb]: E2M1 (mb 0) or the unsigned grid of mb mantissa bits; grid2[mb]: the unsigned grid of 2-bit codes with
+// mb mantissa bits (codes 0..3; the row's other entries are never looked up).
 struct Luts {
   S::Lut256 grid[FP4_V_MBITS_MAX + 1];
+  S::Lut256 grid2[2];
   Luts() {
-    for (int mb = 0; mb <= FP4_V_MBITS_MAX; ++mb)
-      for (int s = 0; s < 256; ++s) {
-        const float sv = fp4::e4m3_value((uint8_t)s);
-        float a[16];
+    for (int s = 0; s < 256; ++s) {
+      const float sv = fp4::e4m3_value((uint8_t)s);
+      float a[16];
+      for (int mb = 0; mb <= FP4_V_MBITS_MAX; ++mb) {
         for (int k = 0; k < 16; ++k) a[k] = (mb ? fp4::ugrid_value((uint8_t)k, mb) : fp4::e2m1_value((uint8_t)k)) * sv;
         S::set_row(grid[mb], s, a);
       }
+      for (int mb = 0; mb < 2; ++mb) {
+        for (int k = 0; k < 16; ++k) a[k] = k < 4 ? fp4::ugrid_value((uint8_t)k, mb, 2) * sv : 0.0f;
+        S::set_row(grid2[mb], s, a);
+      }
+    }
   }
+  const S::Lut256& rows(int mb, int cb) const { return cb == 2 ? grid2[mb] : grid[mb]; }
 };
 inline const Luts& luts() {
   static const Luts t;
   return t;
+}
+
+// A chunk's 2-bit codes (256 bytes, four a byte) as nibbles (512 bytes, two a byte: the 4-bit layout), and back.
+// Byte j of 2-bit codes holds elements 4j..4j+3; nibble bytes 2j and 2j+1 hold the same four.
+static inline void expand2(const uint8_t* __restrict in, uint8_t* __restrict out) {
+  FP4_VEC_LOOP
+  for (int j = 0; j < kChunk / 4; ++j) {
+    const uint32_t b = in[j];
+    out[2 * j] = (uint8_t)((b & 3u) | ((b << 2) & 0x30u));
+    out[2 * j + 1] = (uint8_t)(((b >> 4) & 3u) | ((b >> 2) & 0x30u));
+  }
+}
+static inline void compress2(const uint8_t* __restrict in, uint8_t* __restrict out) {
+  FP4_VEC_LOOP
+  for (int j = 0; j < kChunk / 4; ++j) {
+    const uint32_t lo = in[2 * j], hi = in[2 * j + 1];
+    out[j] = (uint8_t)((lo & 3u) | ((lo >> 2) & 0x0Cu) | ((hi & 3u) << 4) | ((hi << 2) & 0xC0u));
+  }
 }
 
 FP4_SIMD_FN F16 load_grad16(const float* g) { return S::load(g); }
@@ -72,10 +100,11 @@ FP4_SIMD_FN U16 with_lsb(U16 ab) {
   return S::shr_add<31>(ab, S::shl<31 - Sh>(ab));
 }
 
-// The 16 codes of y (scaled) on grid MB (0: signed E2M1), nearest or stochastic with bits rnd (fp4_codec.h).
-template <int MB, bool SR>
+// The 16 codes of y (scaled) on grid MB with CB-bit codes (MB 0 with 4 bits: signed E2M1), nearest or stochastic
+// with bits rnd (fp4_codec.h).
+template <int MB, bool SR, int CB = 4>
 FP4_SIMD_FN U16 codes(F16 y, U16 rnd) {
-  if (MB == 0) {
+  if (MB == 0 && CB == 4) {
     const U16 yb = S::bits(y), mag = S::bits(S::abs(y));
     const F16 a = S::min(S::from_bits(mag), fp4::kE2M1Max);
     const U16 ab = S::bits(a);
@@ -96,23 +125,26 @@ FP4_SIMD_FN U16 codes(F16 y, U16 rnd) {
   const U16 ab = S::bits(S::min(y, fp4::ugrid_max(MB)));
   U16 x;
   if (SR)
-    x = S::shr_add<32 - kShift>(S::isub_sat(ab, S::splat_u(fp4::ugrid_bias(MB) << 23)), rnd);
+    x = S::shr_add<32 - kShift>(S::isub_sat(ab, S::splat_u(fp4::ugrid_bias(MB, CB) << 23)), rnd);
   else
-    x = S::isub_sat(with_lsb<kShift>(ab), S::splat_u((fp4::ugrid_bias(MB) << 23) - ((1u << (kShift - 1)) - 1u)));
+    x = S::isub_sat(with_lsb<kShift>(ab), S::splat_u((fp4::ugrid_bias(MB, CB) << 23) - ((1u << (kShift - 1)) - 1u)));
   return S::shr<kShift>(x);
 }
 
 // Encodes one full chunk buffer whose block maxima (patterns of |x|) are bmax[64]: encode_chunk_scalar's rules.
-template <int MB, bool SR>
+// 2-bit codes (CB 2) are encoded as nibbles into a chunk buffer, then folded to four a byte (compress2).
+template <int MB, bool SR, int CB = 4>
 static inline void encode_chunk(const float* buf, const uint32_t* bmax, uint32_t key, uint32_t index0,
-                                uint8_t* codes_out, uint8_t* scales, float* s_dec_out) {
+                                uint8_t* codes_final, uint8_t* scales, float* s_dec_out) {
   constexpr int nb = kChunk / 16;
-  const float elem_max = fp4::grid_max(MB);
+  const float elem_max = fp4::grid_max(MB, CB);
+  alignas(64) uint8_t nibbles[CB == 2 ? kChunk / 2 : 1];
+  uint8_t* codes_out = CB == 2 ? nibbles : codes_final;
   U16 all = S::load_u(bmax);
   for (int q = 1; q < nb / 16; ++q) all = S::umax(all, S::load_u(bmax + 16 * q));
   const uint32_t amax = S::hmax(all);
   if (amax >= 0x7F800000u) {  // a non-finite value: the scalar rules, which drop its block
-    encode_chunk_scalar(buf, kChunk, MB, SR, key, index0, codes_out, scales, s_dec_out);
+    encode_chunk_scalar(buf, kChunk, MB, SR, key, index0, codes_final, scales, s_dec_out, CB);
     return;
   }
   const fp4::TensorScale ts = fp4::tensor_scale(fp4::u2f(amax), elem_max);
@@ -140,23 +172,26 @@ static inline void encode_chunk(const float* buf, const uint32_t* bmax, uint32_t
   U16 h = S::iadd(S::splat_u(key + index0 * 0x9E3779B1u), S::imul(S::enc_index(), S::splat_u(0x9E3779B1u)));
   const U16 h_step = S::splat_u(16u * 0x9E3779B1u);
   for (int b = 0; b < nb; ++b, h = S::iadd(h, h_step)) {
-    if (MB == 0 && scales[b] == 0) {  // (the unsigned grids give code 0 for y = 0 * x by themselves)
+    if (MB == 0 && CB == 4 && scales[b] == 0) {  // (the unsigned grids give code 0 for y = 0 * x by themselves)
       memset(codes_out + b * 8, 0, 8);
       continue;
     }
     const F16 y = S::mul(S::load_enc(buf + b * 16), kb[b]);
-    S::store_codes(codes_out + b * 8, codes<MB, SR>(y, SR ? fmix32(h) : h));
+    S::store_codes(codes_out + b * 8, codes<MB, SR, CB>(y, SR ? fmix32(h) : h));
   }
+  if (CB == 2) compress2(nibbles, codes_final);
 }
 
 // The update of one full chunk: new weights (and their bf16 copy), the new m and u (v for NVFP4 v) in mbuf and
 // ubuf, and each block's maximum pattern of |m| and of u in mmax and umax.
-template <typename G, int VMB, bool WD, bool BF16>
+template <typename G, int VMB, int VCB, bool WD, bool BF16>
 void update(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows, const S::Lut256& vrows,
             float* mbuf, float* ubuf, uint32_t* mmax, uint32_t* umax) {
-  constexpr bool VNv = VMB == 0;
+  constexpr bool VNv = !vec::kUgrid<VMB, VCB>;
   const int64_t i0 = c * kChunk;
-  const uint8_t *mc = a.m_codes + i0 / 2, *ms = a.m_scales + i0 / 16, *vc = a.v_codes + i0 / 2,
+  alignas(64) uint8_t vnib[VCB == 2 ? kChunk / 2 : 1];
+  if (VCB == 2) expand2(a.v_codes + i0 / 4, vnib);
+  const uint8_t *mc = a.m_codes + i0 / 2, *ms = a.m_scales + i0 / 16, *vc = VCB == 2 ? vnib : a.v_codes + i0 / 2,
                 *vs = a.v_scales + i0 / 16;
   const float msd = a.m_ts[c], vsd = a.v_ts[c];
   const Scalars s = a.s;
@@ -199,61 +234,52 @@ void update(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows
   }
 }
 
-// VMB: the mantissa bits of the v state's grid (0: v itself in NVFP4).
-template <typename G, int VMB, bool SR, bool VSR>
+// VMB, VCB: the mantissa and code bits of the v state's grid (0 and 4: v itself in NVFP4).
+template <typename G, int VMB, int VCB, bool SR, bool VSR>
 void chunk(const ChunkArgs& a, const G* grad, int64_t c, const S::Lut256& mrows, const S::Lut256& vrows) {
   alignas(64) float mbuf[kChunk], ubuf[kChunk];
   alignas(64) uint32_t mmax[kChunk / 16], umax[kChunk / 16];
   switch ((a.s.weight_decay ? 2 : 0) | (a.bf16_out ? 1 : 0)) {
-    case 0: update<G, VMB, false, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
-    case 1: update<G, VMB, false, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
-    case 2: update<G, VMB, true, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
-    default: update<G, VMB, true, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 0: update<G, VMB, VCB, false, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 1: update<G, VMB, VCB, false, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    case 2: update<G, VMB, VCB, true, false>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
+    default: update<G, VMB, VCB, true, true>(a, grad, c, mrows, vrows, mbuf, ubuf, mmax, umax); break;
   }
   const int64_t i0 = c * kChunk;
   const uint32_t index0 = (uint32_t)(i0 % kSegment);
   encode_chunk<0, SR>(mbuf, mmax, m_key(a, i0), index0, a.m_codes + i0 / 2, a.m_scales + i0 / 16, &a.m_ts[c]);
-  encode_chunk<VMB, VSR>(ubuf, umax, v_key(a, i0), index0, a.v_codes + i0 / 2, a.v_scales + i0 / 16, &a.v_ts[c]);
+  encode_chunk<VMB, VSR, VCB>(ubuf, umax, v_key(a, i0), index0, a.v_codes + i0 * VCB / 8, a.v_scales + i0 / 16,
+                              &a.v_ts[c]);
 }
 
-template <typename G, int VMB, bool SR, bool VSR>
+template <typename G, int VMB, int VCB, bool SR, bool VSR>
 void range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   const Luts& t = luts();
   for (int64_t c = c0; c < c1; ++c) {
     if ((c + 1) * kChunk <= a.n)
-      chunk<G, VMB, SR, VSR>(a, grad, c, t.grid[0], t.grid[VMB]);
+      chunk<G, VMB, VCB, SR, VSR>(a, grad, c, t.grid[0], t.rows(VMB, VCB));
     else
       step_range_vec(a, grad, c, c + 1);  // the partial last chunk
   }
 }
 
-template <typename G, int VMB>
+template <typename G, int VMB, int VCB>
 void range_v(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
   switch ((a.m_stochastic ? 2 : 0) | (a.v_stochastic ? 1 : 0)) {
-    case 0: return range<G, VMB, false, false>(a, grad, c0, c1);
-    case 1: return range<G, VMB, false, true>(a, grad, c0, c1);
-    case 2: return range<G, VMB, true, false>(a, grad, c0, c1);
-    default: return range<G, VMB, true, true>(a, grad, c0, c1);
+    case 0: return range<G, VMB, VCB, false, false>(a, grad, c0, c1);
+    case 1: return range<G, VMB, VCB, false, true>(a, grad, c0, c1);
+    case 2: return range<G, VMB, VCB, true, false>(a, grad, c0, c1);
+    default: return range<G, VMB, VCB, true, true>(a, grad, c0, c1);
   }
 }
 
 }  // namespace simd_step
 
-// Chunks [c0, c1) of a grid of 4-bit codes on the SIMD-layer step; a grid of 2-bit codes takes the portable vector
-// path (its bytes are the same on every path; the SIMD layer has no 2-bit step yet).
-template <typename G, int MB, int CB>
-void range_simd_or_vec(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
-  if constexpr (CB == 4)
-    simd_step::range_v<G, MB>(a, grad, c0, c1);
-  else
-    vec::range_v<G, MB, CB>(a, grad, c0, c1);
-}
-
 // Chunks [c0, c1) on the SIMD-layer step, instantiated per grid of FP4_V_GRIDS by its mantissa and code bits.
 template <typename G>
 void step_range_simd(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1) {
 #define FP4_V_CASE(name, id, mbits, block, cbits) \
-  case id: return range_simd_or_vec<G, mbits, cbits>(a, grad, c0, c1);
+  case id: return simd_step::range_v<G, mbits, cbits>(a, grad, c0, c1);
   switch (a.v_kind) { FP4_V_GRIDS(FP4_V_CASE) }
 #undef FP4_V_CASE
 }

@@ -84,26 +84,30 @@ def test_doctor_refuses_a_bad_path_in_one_line():
 
 
 # Each path forced in a fresh process: both extensions load as that build, FP4AdamW's fused step equals the torch
-# reference step bit for bit, and the codec equals the reference codec.
+# reference step bit for bit (v on the default grid and on the 2-bit one), and the codec equals the reference codec.
 _CHECK = textwrap.dedent("""
     import sys, torch
     import fp4offload
     from fp4offload import FP4AdamW
     from fp4offload._ops import cpu
-    from fp4offload._optim import StepOptions, fused
+    from fp4offload._optim import StateFormat, StepOptions, fused
     want = sys.argv[1]
     assert fused.cpu_extension().isa() == want and cpu.extension().isa() == want
     g = torch.Generator().manual_seed(0)
     base = torch.randn(5003, generator=g)
-    ps = [torch.nn.Parameter(base.clone()) for _ in range(2)]
-    opts = [FP4AdamW([ps[0]], lr=1e-2, step_options=StepOptions(backend="fused")),
-            FP4AdamW([ps[1]], lr=1e-2, step_options=StepOptions(backend="reference"))]
-    for t in range(3):
-        grad = torch.randn(5003, generator=g) * 1e-2
-        for p, o in zip(ps, opts):
-            p.grad = grad.clone()
-            o.step()
-    assert torch.equal(ps[0].detach().view(torch.int32), ps[1].detach().view(torch.int32))
+    for vf in ("ue2m2", "ue2m0"):
+        ps = [torch.nn.Parameter(base.clone()) for _ in range(2)]
+        opts = [FP4AdamW([ps[0]], lr=1e-2, state_format=StateFormat(v_format=vf),
+                         step_options=StepOptions(backend="fused")),
+                FP4AdamW([ps[1]], lr=1e-2, state_format=StateFormat(v_format=vf),
+                         step_options=StepOptions(backend="reference"))]
+        for t in range(3):
+            grad = torch.randn(5003, generator=g) * 1e-2
+            for p, o in zip(ps, opts):
+                p.grad = grad.clone()
+                o.step()
+        assert torch.equal(ps[0].detach().view(torch.int32), ps[1].detach().view(torch.int32)), vf
+        assert torch.equal(opts[0].state[ps[0]]["v_codes"], opts[1].state[ps[1]]["v_codes"]), vf
     x = torch.randn(64, 80, generator=g)
     sr = {"rounding": "stochastic", "seed": 3}
     for fmt, kw in (("nvfp4", {}), ("nvfp4", sr), ("mxfp4", {}), ("mxfp4", sr), ("mxfp8", {})):
