@@ -30,7 +30,8 @@ Arms (``--arms``):
   tied), against ``adamw_bf16m``: torch AdamW on an fp32 master of the same bf16 parameters (the fp32-master
   recipe, whose master split holds exactly; here with fp32 states);
 - ``act_nvfp4`` / ``act_mxfp8``: torch AdamW with every saved activation offloaded through
-  ``fp4offload.offload_activations(fp4offload.ActivationPolicy(format=..., device="cpu"))``;
+  ``fp4offload.offload_activations(fp4offload.ActivationPolicy(format=..., device="cpu"))``; ``act_int2``: the
+  same with ``format="int2"``, the linear layers' inputs in 2 bits (the op rule keeps the other classes' forms);
 - ``gather_bf16`` / ``gather_nvfp4``: torch AdamW on the fp32 model whose forward computes with the weights as
   an FSDP2 / ZeRO-3 all-gather hands them over: all rounded to bf16, or the linear weights outside
   ``weights.keep_bf16``'s defaults as NVFP4 16x16 tiles (the rest bf16); scored on the fp32 weights;
@@ -94,6 +95,7 @@ _INHERIT = {"attention_format": "inherit", "attention_qk_format": "inherit", "ml
 ACT_ARMS = {"act_nvfp4": {"format": "nvfp4"}, "act_mxfp8": {"format": "mxfp8"},
             "act_nvfp4_inherit": {"format": "nvfp4", **_INHERIT}, "act_mxfp8_inherit": {"format": "mxfp8", **_INHERIT},
             "act_nvfp4_mlp4": {"format": "nvfp4", "mlp_format": "inherit"},  # the default of 2026-12-05
+            "act_int2": {"format": "int2"},  # the linear layers' inputs in 2 bits, the rest as the default
             **{f"act_only_{c}": c for c in ("linear_input", "attention", "mlp_act", "norm", "first_last")}}
 # weight all-gather arms: forward computes with the weights as an all-gather hands them over (the fp32 master is
 # what AdamW updates): every weight rounded to bf16, or the linear weights outside weights.keep_bf16's defaults

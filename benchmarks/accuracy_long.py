@@ -29,7 +29,8 @@ Arms (``--arms``), each from the same initialization and the same batches for a 
 - ``act`` / ``fp4_act``: ``adamw`` / ``fp4`` with every saved activation stored by
   ``fp4offload.ActivationPolicy()``'s defaults (host RAM; the run records the policy): what 4-bit saved
   activations cost a run that goes all the way to a zero learning rate; ``act_mlp4``: ``act`` with the MLP's
-  products in NVFP4 like the rest (``mlp_format="inherit"``, the default until that key came).
+  products in NVFP4 like the rest (``mlp_format="inherit"``, the default until that key came); ``act_int2``: ``act``
+  with ``format="int2"``, the linear layers' inputs in 2 bits.
 
 Every matrix product runs under bf16 autocast when the CPU has AVX-512 BF16 or AMX (``--autocast auto``; the run
 records which), to keep the runs affordable; the optimizer sees fp32 gradients of fp32 parameters either way
@@ -82,10 +83,11 @@ SIZES = {"tiny": dict(d=64, layers=2, heads=2, batch=8, seq=64, lr=3e-3),  # the
          "medium": dict(d=320, layers=8, heads=8, batch=4, seq=64, lr=1e-3)}
 ARMS = ("adamw", "fp4", "fp4_nearest", "fp4_vsr", "fp4_vnearest", "fp4_nearest_vnearest", "fp4_split", "fp4_bf16",
         "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m", "torchao4bit", "bnb8bit", "act", "fp4_act", "act_mlp4",
-        "fp4_ue2m0")
+        "fp4_ue2m0", "act_int2")
 # saved activations compressed by fp4offload.ActivationPolicy()'s defaults (device "cpu"), over this optimizer arm
-ACT_ARMS = {"act": "adamw", "fp4_act": "fp4", "act_mlp4": "adamw"}
-ACT_POLICY = {"act_mlp4": {"mlp_format": "inherit"}}  # ActivationPolicy keywords besides the defaults
+ACT_ARMS = {"act": "adamw", "fp4_act": "fp4", "act_mlp4": "adamw", "act_int2": "adamw"}
+# ActivationPolicy keywords besides the defaults; act_int2: the linear layers' inputs in 2 bits
+ACT_POLICY = {"act_mlp4": {"mlp_format": "inherit"}, "act_int2": {"format": "int2"}}
 BF16_ARMS = ("fp4_split", "fp4_bf16", "fp4_split_ufp4", "fp4_bf16_ufp4", "adamw_bf16m")
 WEIGHT_DECAY = 0.1
 WARMUP_FRACTION = 0.05

@@ -255,6 +255,42 @@ FP4_HD uint8_t block_scale(float amax_b, bool bad, float elem_max, TensorScale s
   return sc;
 }
 
+// ---- int2: 2-bit saved activations (docs/design.md 3.11) ------------------------------------------------
+//
+// Code c (0..3) is the odd level 2c - 3 (-3, -1, 1, 3) times its block's scale. Blocks of 16 elements carry an
+// E4M3 scale under one fp32 tensor scale, as NVFP4 with an element maximum of 3, but the block scale is rounded
+// up, not to nearest: no scaled element lies beyond the outer levels, so stochastic rounding between the two
+// levels around it is unbiased. Codes are packed four a byte (pack_codes2's layout): 4 bytes a block.
+
+constexpr float kInt2Max = 3.0f;
+
+// The E4M3 scale code of a block with finite amax_b > 0: the smallest code whose value is at least the wanted
+// scale (amax_b / 3) * s_enc. It is 0 (the block is stored as zeros) only when that product underflows fp32 to 0.
+FP4_HD uint8_t int2_scale_code(float amax_b, float s_enc) {
+  const float want = fmin_((amax_b / kInt2Max) * s_enc, kE4M3Max);
+  uint8_t c = e4m3_encode(want);
+  if (e4m3_value(c) < want && c < 0x7E) ++c;
+  return c;
+}
+
+// The code of y = x * k (|y| <= 3 up to rounding; clamped): u = (y + 3) / 2 in [0, 3] sits between codes
+// floor(u) and floor(u) + 1. Stochastic: up with probability frac(u) (the top 24 random bits against it);
+// nearest: ties to the even code.
+FP4_HD uint8_t int2_encode(float y, bool stochastic, uint32_t rnd) {
+  const float u = fmin_(fmax_((y + kInt2Max) * 0.5f, 0.0f), kInt2Max);
+  const int32_t lo = (int32_t)u;
+  const float frac = u - (float)lo;
+  const bool up = stochastic ? (float)(rnd >> 8) * 5.9604644775390625e-08f < frac
+                             : (frac > 0.5f || (frac == 0.5f && (lo & 1)));
+  return (uint8_t)(lo + (up ? 1 : 0));
+}
+
+// The level of a code: -3, -1, 1, 3.
+FP4_HD float int2_level(uint8_t code) { return (float)(2 * (int32_t)(code & 3u) - 3); }
+
+// Codes of a block with a zero or NaN scale: level 1 everywhere, so a zero block decodes to +0.
+constexpr uint8_t kInt2DeadByte = 0xAA;
+
 // ---- the packed layout: two 4-bit codes a byte ------------------------------------------------------
 //
 // E2M1 and ufp4 codes (0..15) are stored two a byte: element 2i in bits 0-3 of byte i, element 2i+1 in
@@ -276,11 +312,31 @@ FP4_HD uint8_t pack2(uint8_t c0, uint8_t c1) { return (uint8_t)(word_slot(c0, 0)
 // The code of element i of a packed array.
 FP4_HD uint8_t code_at(const uint8_t* packed, int64_t i) { return word_code(packed[i >> 1], (int)(i & 1)); }
 
-// 2-bit codes (a 2-bit grid of FP4AdamW's v state) are stored four a byte, element 4i + k in bits 2k..2k+1 of byte
-// i; a block of 16 is one little-endian 32-bit word, element j in bits 2j..2j+1 (formats/reference.py's
-// pack_codes / unpack_codes with 2 bits).
-FP4_HD uint8_t code2_at(const uint8_t* packed, int64_t i) {
-  return (uint8_t)((packed[i >> 2] >> (2 * (int)(i & 3))) & 3u);
+// 2-bit codes (the 2-bit grid of FP4AdamW's v state, int2 activations) are stored four a byte, element 4i + k in bits
+// 2k..2k+1 of byte i; a block of 16 is one little-endian 32-bit word, element j in bits 2j..2j+1 (formats/reference.py's
+// pack_codes / unpack_codes with 2 bits). Every kernel packs and unpacks 2-bit codes through the helpers below.
+
+// 2-bit code c moved to element j (0..15) of a packed word.
+FP4_HD uint32_t code2_slot(uint32_t c, int j) { return c << (2 * j); }
+
+// The 2-bit code of element j (0..15) of a packed word.
+FP4_HD uint8_t code2_of(uint32_t w, int j) { return (uint8_t)((w >> (2 * j)) & 3u); }
+
+// One byte of four 2-bit codes.
+FP4_HD uint8_t pack4x2(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3) {
+  return (uint8_t)(code2_slot(c0, 0) | code2_slot(c1, 1) | code2_slot(c2, 2) | code2_slot(c3, 3));
+}
+
+// The code of element i of a packed array of 2-bit codes.
+FP4_HD uint8_t code2_at(const uint8_t* packed, int64_t i) { return code2_of(packed[i >> 2], (int)(i & 3)); }
+
+// A byte of four 2-bit codes as the two bytes of the 4-bit layout holding the same four elements (low byte: elements
+// 0 and 1, high byte: 2 and 3), and back. The host step decodes and encodes a 2-bit chunk through its 4-bit tables so.
+FP4_HD uint16_t crumbs_to_nibbles(uint32_t b) {
+  return (uint16_t)(((b & 3u) | ((b << 2) & 0x30u)) | ((((b >> 4) & 3u) | ((b >> 2) & 0x30u)) << 8));
+}
+FP4_HD uint8_t nibbles_to_crumbs(uint32_t lo, uint32_t hi) {
+  return (uint8_t)((lo & 3u) | ((lo >> 2) & 0x0Cu) | ((hi & 3u) << 4) | ((hi << 2) & 0xC0u));
 }
 
 // n codes -> (n + 1) / 2 packed bytes.
@@ -291,8 +347,7 @@ FP4_HD void pack_codes(const uint8_t* codes, int n, uint8_t* out) {
 
 // n 2-bit codes (a multiple of 4) -> n / 4 packed bytes.
 FP4_HD void pack_codes2(const uint8_t* codes, int n, uint8_t* out) {
-  for (int j = 0; j < n; j += 4)
-    out[j >> 2] = (uint8_t)(codes[j] | (codes[j + 1] << 2) | (codes[j + 2] << 4) | (codes[j + 3] << 6));
+  for (int j = 0; j < n; j += 4) out[j >> 2] = pack4x2(codes[j], codes[j + 1], codes[j + 2], codes[j + 3]);
 }
 
 // ---- counter-based random bits (3.9) ----------------------------------------------------------------

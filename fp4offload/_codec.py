@@ -37,9 +37,9 @@ def _check(x, fmt, block, rounding, scale_scope, nonfinite, scale_mode) -> str:
     if block not in allowed:
         raise ConfigError("block", block, f"{one_of(allowed)} for fmt={fmt!r}")
     check_choice("rounding", rounding, ROUNDINGS)
-    if rounding == "stochastic" and fmt not in ("nvfp4", "ufp4", "mxfp4"):
+    if rounding == "stochastic" and fmt not in ("nvfp4", "ufp4", "mxfp4", "int2"):
         raise ConfigError("rounding", rounding, f"'nearest' for fmt={fmt!r} (stochastic rounding is for nvfp4, ufp4, "
-                          "mxfp4)")
+                          "mxfp4, int2)")
     check_choice("nonfinite", nonfinite, NONFINITE_MODES)
     check_choice("scale_mode", scale_mode, SCALE_MODES)
     if scale_scope is not None:
@@ -60,10 +60,12 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
     Args:
         x: fp32, bf16 or fp16 tensor on CPU or CUDA; any shape, contiguous or not.
         fmt: ``"nvfp4"`` (E2M1, E4M3 scale per 16, fp32 tensor scale), ``"mxfp4"`` (E2M1, E8M0 scale per 32),
-            ``"mxfp8"`` (E4M3, E8M0 per 32) or ``"ufp4"`` (unsigned, no zero; for sqrt of Adam's v).
+            ``"mxfp8"`` (E4M3, E8M0 per 32), ``"ufp4"`` (unsigned, no zero; for sqrt of Adam's v) or ``"int2"``
+            (2-bit codes on the levels -3, -1, 1, 3 of an E4M3 scale per 16 rounded up, fp32 tensor scale: 0.3125
+            B/element; for saved activations, stochastically rounded).
         block: ``"1x16"`` or ``"16x16"`` for nvfp4 (default ``"1x16"``), ``"1x32"`` for the MX formats;
             ``None`` takes the format's default.
-        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (nvfp4, ufp4 and mxfp4).
+        rounding: ``"nearest"`` (ties to even) or ``"stochastic"`` (nvfp4, ufp4, mxfp4 and int2).
         seed, stream: select the counter-based random bits of stochastic rounding (docs/design.md 3.9).
         scale_scope: elements per fp32 tensor scale for 1x16 nvfp4/ufp4 (a multiple of 16); ``None``: whole tensor.
         nonfinite: ``"raise"`` (NonFiniteError naming the tensor and the count) or ``"propagate"`` (the block
@@ -100,6 +102,8 @@ def quantize(x: torch.Tensor, fmt: str = "nvfp4", *, block: str | None = None, r
             amax = amax.to(x.device).contiguous()
         data, scales, ts, count = kern.nvfp4_encode(src, rows, cols, tile, scale_scope or 0, fmt == "ufp4",
                                                     stochastic, seed, stream, propagate, amax)
+    elif fmt == "int2":
+        data, scales, ts, count = kern.int2_encode(src, stochastic, seed, stream, propagate)
     else:
         data, scales, count = kern.mx_encode(src, fmt == "mxfp8", scale_mode == "floor", stochastic, seed, stream,
                                              propagate)
@@ -146,6 +150,8 @@ def dequantize(packed: PackedTensor, dtype: torch.dtype | None = None) -> torch.
         tile = 16 if packed.block == "16x16" else 1
         out = kern.nvfp4_decode(packed.data, packed.scales, packed.tensor_scale, rows, cols, tile,
                                 packed.scale_scope, packed.format == "ufp4", dtype)
+    elif packed.format == "int2":
+        out = kern.int2_decode(packed.data, packed.scales, packed.tensor_scale, packed.numel, dtype)
     else:
         out = kern.mx_decode(packed.data, packed.scales, packed.numel, packed.format == "mxfp8", dtype)
     return out.reshape(packed.shape)

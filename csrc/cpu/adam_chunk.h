@@ -216,7 +216,7 @@ static inline void decode_chunk(const uint8_t* __restrict codes, const uint8_t* 
       memcpy(&w, codes + b * 4, 4);
       const float s = sv[b];
       FP4_VEC_LOOP
-      for (int j = 0; j < 16; ++j) out[b * 16 + j] = (fp4::u2f(ugrid_bits<MB, CB>((w >> (2 * j)) & 3u)) * s) * s_dec;
+      for (int j = 0; j < 16; ++j) out[b * 16 + j] = (fp4::u2f(ugrid_bits<MB, CB>(fp4::code2_of(w, j))) * s) * s_dec;
     }
     return;
   }
@@ -330,7 +330,7 @@ static inline void encode_chunk(const float* __restrict buf, int nb, uint32_t ke
   if (CB == 2) {
     FP4_VEC_LOOP
     for (int j = 0; j < nb * 4; ++j)
-      codes[j] = (uint8_t)(c[4 * j] | (c[4 * j + 1] << 2) | (c[4 * j + 2] << 4) | (c[4 * j + 3] << 6));
+      codes[j] = fp4::pack4x2(c[4 * j], c[4 * j + 1], c[4 * j + 2], c[4 * j + 3]);
     return;
   }
   FP4_VEC_LOOP

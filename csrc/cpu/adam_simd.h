@@ -64,22 +64,20 @@ inline const Luts& luts() {
   return t;
 }
 
-// A chunk's 2-bit codes (256 bytes, four a byte) as nibbles (512 bytes, two a byte: the 4-bit layout), and back.
-// Byte j of 2-bit codes holds elements 4j..4j+3; nibble bytes 2j and 2j+1 hold the same four.
+// A chunk's 2-bit codes (256 bytes, four a byte) as nibbles (512 bytes, two a byte: the 4-bit layout), and back
+// (fp4_codec.h's crumbs_to_nibbles / nibbles_to_crumbs). Byte j of 2-bit codes holds elements 4j..4j+3; nibble
+// bytes 2j and 2j+1 hold the same four.
 static inline void expand2(const uint8_t* __restrict in, uint8_t* __restrict out) {
   FP4_VEC_LOOP
   for (int j = 0; j < kChunk / 4; ++j) {
-    const uint32_t b = in[j];
-    out[2 * j] = (uint8_t)((b & 3u) | ((b << 2) & 0x30u));
-    out[2 * j + 1] = (uint8_t)(((b >> 4) & 3u) | ((b >> 2) & 0x30u));
+    const uint16_t two = fp4::crumbs_to_nibbles(in[j]);
+    out[2 * j] = (uint8_t)two;
+    out[2 * j + 1] = (uint8_t)(two >> 8);
   }
 }
 static inline void compress2(const uint8_t* __restrict in, uint8_t* __restrict out) {
   FP4_VEC_LOOP
-  for (int j = 0; j < kChunk / 4; ++j) {
-    const uint32_t lo = in[2 * j], hi = in[2 * j + 1];
-    out[j] = (uint8_t)((lo & 3u) | ((lo >> 2) & 0x0Cu) | ((hi & 3u) << 4) | ((hi << 2) & 0xC0u));
-  }
+  for (int j = 0; j < kChunk / 4; ++j) out[j] = fp4::nibbles_to_crumbs(in[2 * j], in[2 * j + 1]);
 }
 
 FP4_SIMD_FN F16 load_grad16(const float* g) { return S::load(g); }

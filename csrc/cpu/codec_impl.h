@@ -304,4 +304,66 @@ void mx_decode_impl(const uint8_t* data, const uint8_t* scales, int64_t n, bool 
 }
 
 
+// int2 (fp4_codec.h): 1x16 blocks, one fp32 tensor scale, codes four a byte. Pass 1 takes every block's finite amax
+// (amax_rows, vectorized where the build has it), pass 2 scales, rounds and packs each block; the inner loops are
+// branch-free over the 16 elements, for the compiler to vectorize.
+template <typename T>
+void int2_encode_impl(const T* x, int64_t n, bool stochastic, uint32_t seed, uint32_t stream, bool propagate,
+                      bool simd, uint8_t* data, uint8_t* scales, float& s_dec_out, int64_t& nonfinite) {
+  const int64_t nb = ceil_div(n, kNvBlock);
+  std::vector<float> amax_b(nb);
+  std::vector<int32_t> bad_b(nb);
+  fp4cpu::parallel_for(0, nb, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      amax_rows(x + b * kNvBlock, 0, 1, (int)std::min<int64_t>(kNvBlock, n - b * kNvBlock), simd, amax_b[b], bad_b[b]);
+  });
+  float amax = 0.0f;
+  nonfinite = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    amax = fp4::fmax_(amax, amax_b[b]);
+    nonfinite += bad_b[b];
+  }
+  const fp4::TensorScale ts = fp4::tensor_scale(amax, fp4::kInt2Max);
+  s_dec_out = ts.dec;
+  if (nonfinite && !propagate) return;  // the caller raises
+  fp4cpu::parallel_for(0, nb, 1024, [&](int64_t b0, int64_t b1) {
+    float v[kNvBlock];
+    uint8_t c[kNvBlock];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t i0 = b * kNvBlock;
+      uint8_t* out = data + b * (kNvBlock / 4);
+      const uint8_t sc = amax_b[b] > 0.0f && !bad_b[b] ? fp4::int2_scale_code(amax_b[b], ts.enc) : 0;
+      if (sc == 0) {  // all zero, non-finite, or far below the tensor's amax: a dead block
+        scales[b] = bad_b[b] ? fp4::kE4M3NaN : 0;
+        memset(out, fp4::kInt2DeadByte, kNvBlock / 4);
+        continue;
+      }
+      scales[b] = sc;
+      const float k = fp4::block_encode_scale(sc, ts.dec);
+      const int cnt = (int)std::min<int64_t>(kNvBlock, n - i0);
+      for (int j = 0; j < kNvBlock; ++j) v[j] = j < cnt ? load(x, i0 + j) * k : 0.0f;
+      if (stochastic) {
+        const uint32_t key = fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32));
+        for (int j = 0; j < kNvBlock; ++j) c[j] = fp4::int2_encode(v[j], true, fp4::sr_bits(key, (uint64_t)(i0 + j)));
+      } else {
+        for (int j = 0; j < kNvBlock; ++j) c[j] = fp4::int2_encode(v[j], false, 0u);
+      }
+      fp4::pack_codes2(c, kNvBlock, out);
+    }
+  });
+}
+
+template <typename T>
+void int2_decode_impl(const uint8_t* data, const uint8_t* scales, float s_dec, int64_t n, T* out) {
+  const int64_t nb = ceil_div(n, kNvBlock);
+  fp4cpu::parallel_for(0, nb, 2048, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float d = fp4::e4m3_value(scales[b]) * s_dec;
+      const int64_t i0 = b * kNvBlock;
+      const int cnt = (int)std::min<int64_t>(kNvBlock, n - i0);
+      for (int j = 0; j < cnt; ++j) out[i0 + j] = static_cast<T>(fp4::int2_level(fp4::code2_at(data, i0 + j)) * d);
+    }
+  });
+}
+
 }  // namespace fp4codec

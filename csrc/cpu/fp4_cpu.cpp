@@ -100,6 +100,38 @@ torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel,
   return out;
 }
 
+std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t seed, int64_t stream, bool propagate) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "int2_encode: x must be a contiguous CPU tensor");
+  const int64_t n = x.numel();
+  const int64_t nb = ceil_div(n, kNvBlock);
+  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
+  auto data = torch::empty({nb * (kNvBlock / 4)}, u8);
+  auto scales = torch::empty({nb}, u8);
+  float s_dec = 0.0f;
+  int64_t nonfinite = 0;
+  const bool simd = fp4cpu::have_simd();
+  FP4_DISPATCH(x.scalar_type(), "int2_encode", [&] {
+    fp4codec::int2_encode_impl<scalar_t>(x.data_ptr<scalar_t>(), n, stochastic, (uint32_t)seed, (uint32_t)stream,
+                                         propagate, simd, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec,
+                                         nonfinite);
+  });
+  return {data, scales, torch::full({1}, s_dec, torch::kFloat32), torch::scalar_tensor(nonfinite, torch::kInt64)};
+}
+
+torch::Tensor int2_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t numel,
+                          at::ScalarType out_dtype) {
+  auto out = torch::empty({numel}, torch::TensorOptions().dtype(out_dtype));
+  if (numel == 0) return out;
+  TORCH_CHECK(data.numel() >= ceil_div(numel, kNvBlock) * (kNvBlock / 4) && scales.numel() >= ceil_div(numel, kNvBlock)
+                  && tensor_scale.numel() >= 1, "int2_decode: data/scales/tensor_scale are smaller than the shape needs");
+  const float s_dec = tensor_scale.to(torch::kFloat32).reshape({-1})[0].item<float>();
+  FP4_DISPATCH(out_dtype, "int2_decode", [&] {
+    fp4codec::int2_decode_impl<scalar_t>(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec, numel,
+                                         out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -107,6 +139,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nvfp4_decode", &nvfp4_decode, "NVFP4/ufp4 decode (CPU)");
   m.def("mx_encode", &mx_encode, "MXFP4/MXFP8 encode (CPU)");
   m.def("mx_decode", &mx_decode, "MXFP4/MXFP8 decode (CPU)");
+  m.def("int2_encode", &int2_encode, "int2 encode (CPU): 2-bit codes, E4M3 scales per 16 rounded up, fp32 tensor scale");
+  m.def("int2_decode", &int2_decode, "int2 decode (CPU)");
   m.def("have_simd", &fp4cpu::have_simd, "whether the build's vector paths are compiled in and enabled");
   m.def("set_simd", &fp4cpu::set_simd, "enable/disable the vector paths (tests compare them with the scalar ones)");
   m.def("isa", [] { return std::string(fp4cpu::kIsa); }, "the instruction set this build targets");

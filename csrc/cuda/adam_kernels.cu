@@ -98,7 +98,7 @@ __device__ __forceinline__ void encode_block(const float* x, float amax_b, bool 
         c = fp4::e2m1_encode(y, stochastic, rnd);
       }
       if (cbits == 2)
-        w[0] |= (uint32_t)c << (2 * j);
+        w[0] |= fp4::code2_slot(c, j);
       else
         w[j >> 3] |= fp4::word_slot(c, j & 7);
     }
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kBlocksPerChunk) fused_step_kernel(Args a) {
     for (int j = 0; j < 16; ++j) {
       const uint32_t mw = j < 8 ? mc.x : mc.y, vw = j < 8 ? vc.x : vc.y;
       const uint8_t mcode = fp4::word_code(mw, j & 7);
-      const uint8_t vcode = vcb == 2 ? (uint8_t)((vc.x >> (2 * j)) & 3u) : fp4::word_code(vw, j & 7);
+      const uint8_t vcode = vcb == 2 ? fp4::code2_of(vc.x, j) : fp4::word_code(vw, j & 7);
       const float mo = (fp4::e2m1_value(mcode) * msv) * msd;
       const float vdec = ((v_nv ? fp4::e2m1_value(vcode) : fp4::ugrid_value(vcode, vmb, vcb)) * vsv) * vsd;
       if (j < cnt) {

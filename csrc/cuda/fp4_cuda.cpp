@@ -43,6 +43,15 @@ void check_u8(const torch::Tensor& t, int64_t need, const char* fn, const char* 
               " (was it encoded with other rows/cols/tile/scope?)");
 }
 
+// A decoder's inputs: codes and block scales on one CUDA device, an output dtype the kernels write.
+fp4cuda::DType check_decode(const torch::Tensor& data, const torch::Tensor& scales, at::ScalarType out_dtype,
+                            const char* fn) {
+  check_cuda(data, fn, "data");
+  check_cuda(scales, fn, "scales");
+  check_same_device(data, scales, fn, "scales");
+  return dtype_of(out_dtype, fn, "out_dtype");
+}
+
 void cuda_ok(cudaError_t e, const char* fn) {
   TORCH_CHECK(e == cudaSuccess, fn, ": CUDA launch failed: ", cudaGetErrorString(e));
 }
@@ -88,13 +97,10 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
 torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t rows,
                            int64_t cols, int64_t tile, int64_t scope, bool ufp4, at::ScalarType out_dtype) {
   const char* fn = "nvfp4_decode";
-  check_cuda(data, fn, "data");
-  check_cuda(scales, fn, "scales");
-  check_same_device(data, scales, fn, "scales");
+  const fp4cuda::DType dt = check_decode(data, scales, out_dtype, fn);
   TORCH_CHECK(tile == 1 || tile == 16, fn, ": tile = ", tile, "; allowed: 1 or 16");
   TORCH_CHECK(tile == 16 || (scope >= 0 && scope % 16 == 0), fn, ": scope = ", scope,
               "; allowed: 0 or a positive multiple of 16 (16x16 tiles ignore it)");
-  const fp4cuda::DType dt = dtype_of(out_dtype, fn, "out_dtype");
   c10::cuda::CUDAGuard guard(data.device());
   const fp4cuda::NvLayout L = fp4cuda::nv_layout(rows, cols, tile, scope);
   auto out = torch::empty({L.n}, data.options().dtype(out_dtype));
@@ -130,10 +136,7 @@ std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode,
 
 torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel, bool fp8, at::ScalarType out_dtype) {
   const char* fn = "mx_decode";
-  check_cuda(data, fn, "data");
-  check_cuda(scales, fn, "scales");
-  check_same_device(data, scales, fn, "scales");
-  const fp4cuda::DType dt = dtype_of(out_dtype, fn, "out_dtype");
+  const fp4cuda::DType dt = check_decode(data, scales, out_dtype, fn);
   c10::cuda::CUDAGuard guard(data.device());
   auto out = torch::empty({numel}, data.options().dtype(out_dtype));
   if (numel == 0) return out;
@@ -142,6 +145,46 @@ torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel,
   check_u8(scales, nb, fn, "scales");
   cuda_ok(fp4cuda::mx_decode(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), numel, fp8, out.data_ptr(), dt,
                              c10::cuda::getCurrentCUDAStream().stream()),
+          fn);
+  return out;
+}
+
+std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t seed, int64_t sr_stream,
+                                       bool propagate) {
+  const char* fn = "int2_encode";
+  check_cuda(x, fn, "x");
+  const fp4cuda::DType dt = dtype_of(x.scalar_type(), fn, "x");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t n = x.numel(), nb = fp4cuda::ceil_div(n, 16);
+  auto u8 = x.options().dtype(at::kByte);
+  auto f32 = x.options().dtype(at::kFloat);
+  auto data = torch::empty({nb * 4}, u8);
+  auto scales = torch::empty({nb}, u8);
+  auto ts = torch::empty({1}, f32);
+  auto ws = torch::empty({1 + nb}, f32);
+  auto count = torch::empty({}, x.options().dtype(at::kLong));
+  cuda_ok(fp4cuda::int2_encode(x.data_ptr(), dt, n, stochastic, (uint32_t)seed, (uint32_t)sr_stream, propagate,
+                               data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), ts.data_ptr<float>(),
+                               ws.data_ptr<float>(), reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
+                               c10::cuda::getCurrentCUDAStream().stream()),
+          fn);
+  return {data, scales, ts, count};
+}
+
+torch::Tensor int2_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t numel,
+                          at::ScalarType out_dtype) {
+  const char* fn = "int2_decode";
+  const fp4cuda::DType dt = check_decode(data, scales, out_dtype, fn);
+  c10::cuda::CUDAGuard guard(data.device());
+  auto out = torch::empty({numel}, data.options().dtype(out_dtype));
+  if (numel == 0) return out;
+  const int64_t nb = fp4cuda::ceil_div(numel, 16);
+  check_u8(data, nb * 4, fn, "data");
+  check_u8(scales, nb, fn, "scales");
+  auto ts = tensor_scale.to(data.device(), at::kFloat).contiguous();
+  TORCH_CHECK(ts.numel() >= 1, fn, ": tensor_scale is empty; the layout needs 1 value");
+  cuda_ok(fp4cuda::int2_decode(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), ts.data_ptr<float>(), numel,
+                               out.data_ptr(), dt, c10::cuda::getCurrentCUDAStream().stream()),
           fn);
   return out;
 }
@@ -175,6 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nvfp4_decode", &nvfp4_decode, "NVFP4/ufp4 decode (CUDA)");
   m.def("mx_encode", &mx_encode, "MXFP4/MXFP8 encode (CUDA)");
   m.def("mx_decode", &mx_decode, "MXFP4/MXFP8 decode (CUDA)");
+  m.def("int2_encode", &int2_encode, "int2 encode (CUDA): 2-bit codes, E4M3 scales per 16 rounded up, fp32 tensor scale");
+  m.def("int2_decode", &int2_decode, "int2 decode (CUDA)");
   m.def("e2m1_pack_check", &e2m1_pack_check, "pack fp32 pairs with the kernels' nearest E2M1 pair encoder and the software rule");
   m.def("hw_e2m1", &hw_e2m1, "whether the code running on `device` uses cvt.rn.satfinite.e2m1x2.f32");
 }

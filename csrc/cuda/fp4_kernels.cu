@@ -535,6 +535,75 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// ---- int2 (2-bit saved activations; fp4_codec.h) -------------------------------------------------------
+// A thread owns one 16-element block: pass 1 writes its finite amax to ws[1 + b], raises the tensor amax in ws[0]
+// and counts non-finite values; pass 2 turns ws[0] into the tensor scale (every thread alike; block 0's first thread
+// stores s_dec), then scales, rounds and packs the block into one 32-bit word.
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    int2_amax_k(const void* xv, int64_t n, int64_t nb, float* ws, unsigned long long* bad_total) {
+  const auto* x = static_cast<const typename Elem<DT>::raw*>(xv);
+  for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < nb; b += (int64_t)gridDim.x * blockDim.x) {
+    float m = 0.0f;
+    uint32_t bad = 0;
+    for (int j = 0; j < fp4::kNvBlock; ++j) {
+      const int64_t i = b * fp4::kNvBlock + j;
+      const float v = i < n ? Elem<DT>::get(x[i]) : 0.0f;
+      const bool fin = fp4::is_finite(v);
+      bad += fin ? 0u : 1u;
+      m = fp4::fmax_(m, fin ? fp4::fabs_(v) : 0.0f);
+    }
+    ws[1 + b] = bad ? -1.0f : m;  // -1 marks a block with non-finite values
+    if (m > 0.0f) atomic_max_nonneg(ws, m);
+    if (bad) atomicAdd(bad_total, (unsigned long long)bad);
+  }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    int2_encode_k(const void* xv, int64_t n, int64_t nb, const float* ws, bool stochastic, bool propagate,
+                  uint32_t seed, uint32_t sid, uint8_t* data, uint8_t* scales, float* s_dec_out) {
+  const auto* x = static_cast<const typename Elem<DT>::raw*>(xv);
+  const fp4::TensorScale ts = fp4::tensor_scale(ws[0], fp4::kInt2Max);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *s_dec_out = ts.dec;
+  for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < nb; b += (int64_t)gridDim.x * blockDim.x) {
+    const float m = ws[1 + b];
+    const int64_t i0 = b * fp4::kNvBlock;
+    uint32_t* out = reinterpret_cast<uint32_t*>(data + b * (fp4::kNvBlock / 4));
+    const uint8_t sc = m > 0.0f ? fp4::int2_scale_code(m, ts.enc) : 0;
+    if (sc == 0) {  // all zero, non-finite (m is -1), or far below the tensor's amax: a dead block
+      scales[b] = m < 0.0f && propagate ? fp4::kE4M3NaN : 0;
+      *out = 0x01010101u * fp4::kInt2DeadByte;
+      continue;
+    }
+    scales[b] = sc;
+    const float k = fp4::block_encode_scale(sc, ts.dec);
+    const uint32_t key = stochastic ? fp4::sr_key(seed, sid, (uint32_t)((uint64_t)i0 >> 32)) : 0u;
+    uint32_t w = 0;
+    for (int j = 0; j < fp4::kNvBlock; ++j) {
+      const int64_t i = i0 + j;
+      const float y = i < n ? __fmul_rn(Elem<DT>::get(x[i]), k) : 0.0f;
+      w |= fp4::code2_slot(fp4::int2_encode(y, stochastic, stochastic ? fp4::sr_bits(key, (uint64_t)i) : 0u), j);
+    }
+    *out = w;
+  }
+}
+
+template <int DT>
+__global__ void __launch_bounds__(kThreads)
+    int2_decode_k(const uint8_t* data, const uint8_t* scales, const float* tensor_scale, int64_t n, int64_t nb,
+                  void* outv) {
+  auto* out = static_cast<typename Elem<DT>::raw*>(outv);
+  const float s_dec = tensor_scale[0];
+  for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < nb; b += (int64_t)gridDim.x * blockDim.x) {
+    const float d = __fmul_rn(fp4::e4m3_value(scales[b]), s_dec);
+    const int64_t i0 = b * fp4::kNvBlock;
+    for (int j = 0; j < fp4::kNvBlock && i0 + j < n; ++j)
+      out[i0 + j] = Elem<DT>::put(__fmul_rn(fp4::int2_level(fp4::code2_at(data, i0 + j)), d));
+  }
+}
+
 // ---- diagnostics ------------------------------------------------------------------------------------
 
 __global__ void e2m1_check_k(const float* y, int64_t npairs, uint8_t* hw, uint8_t* sw) {
@@ -699,6 +768,32 @@ cudaError_t mx_decode(const uint8_t* data, const uint8_t* scales, int64_t n, boo
   const bool vec = aligned(out, 16), words = aligned(data, 4);
   FP4_DISPATCH(out_dt, DTC, (mx_decode_k<DTC><<<grid_for((n + 7) / 8), kThreads, 0, stream>>>(
                                 data, scales, n, fp8, words, vec, out)));
+  FP4_LAUNCHED();
+  return cudaSuccess;
+}
+
+cudaError_t int2_encode(const void* x, DType dt, int64_t n, bool stochastic, uint32_t seed, uint32_t stream_id,
+                        bool propagate, uint8_t* data, uint8_t* scales, float* tensor_scale, float* workspace,
+                        unsigned long long* nonfinite, cudaStream_t stream) {
+  const int64_t nb = ceil_div(n, fp4::kNvBlock);
+  FP4_CHECK(cudaMemsetAsync(workspace, 0, sizeof(float), stream));
+  FP4_CHECK(cudaMemsetAsync(nonfinite, 0, sizeof(unsigned long long), stream));
+  if (nb > 0) {
+    FP4_DISPATCH(dt, DTC, (int2_amax_k<DTC><<<grid_for(nb), kThreads, 0, stream>>>(x, n, nb, workspace, nonfinite)));
+    FP4_LAUNCHED();
+  }
+  FP4_DISPATCH(dt, DTC, (int2_encode_k<DTC><<<grid_for(nb > 0 ? nb : 1), kThreads, 0, stream>>>(
+                            x, n, nb, workspace, stochastic, propagate, seed, stream_id, data, scales, tensor_scale)));
+  FP4_LAUNCHED();
+  return cudaSuccess;
+}
+
+cudaError_t int2_decode(const uint8_t* data, const uint8_t* scales, const float* tensor_scale, int64_t n, void* out,
+                        DType out_dt, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  const int64_t nb = ceil_div(n, fp4::kNvBlock);
+  FP4_DISPATCH(out_dt, DTC, (int2_decode_k<DTC><<<grid_for(nb), kThreads, 0, stream>>>(data, scales, tensor_scale, n,
+                                                                                       nb, out)));
   FP4_LAUNCHED();
   return cudaSuccess;
 }

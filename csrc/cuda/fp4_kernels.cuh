@@ -80,6 +80,17 @@ cudaError_t mx_encode(const void* x, DType dt, int64_t n, bool fp8, bool floor_m
 cudaError_t mx_decode(const uint8_t* data, const uint8_t* scales, int64_t n, bool fp8, void* out, DType out_dt,
                       cudaStream_t stream);
 
+/// int2 encode (csrc/fp4_codec.h): 2-bit codes of n elements, four a byte (data holds ceil(n/16)*4 bytes), an E4M3
+/// scale per 16 rounded up (scales[ceil(n/16)]), one fp32 tensor scale (tensor_scale[1], s_dec). `workspace` holds
+/// 1 + ceil(n/16) floats. Blocks with non-finite values get the E4M3 NaN scale when `propagate`.
+cudaError_t int2_encode(const void* x, DType dt, int64_t n, bool stochastic, uint32_t seed, uint32_t stream_id,
+                        bool propagate, uint8_t* data, uint8_t* scales, float* tensor_scale, float* workspace,
+                        unsigned long long* nonfinite, cudaStream_t stream);
+
+/// Inverse of int2_encode: out[n] = (2c - 3) * (fp32(scale_b) * s_dec).
+cudaError_t int2_decode(const uint8_t* data, const uint8_t* scales, const float* tensor_scale, int64_t n, void* out,
+                        DType out_dt, cudaStream_t stream);
+
 /// Diagnostics for the sm_100a hardware path. For i < npairs, hw[i] packs (y[2i], y[2i+1]) with the
 /// nearest-rounding pair encoder the kernels use on this device (cvt.rn.satfinite.e2m1x2.f32 where it
 /// was compiled in) and sw[i] with the software rule of fp4_codec.h; the two must always agree.

@@ -119,8 +119,9 @@ class ActivationsConfig:
     """Tensors autograd saves for backward, packed and moved (``activations``).
 
     Attributes:
-        format: ``"nvfp4"`` (default), ``"mxfp4"``, ``"mxfp8"`` (gentler, 8-bit) or ``"none"``
-            (moved unpacked, in their own dtype).
+        format: ``"nvfp4"`` (default), ``"mxfp4"``, ``"mxfp8"`` (gentler, 8-bit), ``"int2"`` (experimental:
+            the linear layers' inputs in 2 bits, 0.3125 B/element; docs/design.md 3.11) or ``"none"`` (moved
+            unpacked, in their own dtype).
         device: ``"cpu"`` (pinned host RAM, default), ``"nvme"`` (files under ``nvme_path``) or
             ``"same"`` (stay on the GPU, compressed only).
         nvme_path: directory for activation files; required when device is ``"nvme"``. Default None.

@@ -38,7 +38,7 @@ MASTER_DEVICES = ("same", "nvme")
 #: I/O engine of the optimizer's NVMe tier (``nvme_io``)
 NVME_IO_ENGINES = ("auto", "aio", "threads")
 #: formats a saved activation is stored in; "none" moves it without compressing
-ACTIVATION_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "none")
+ACTIVATION_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "int2", "none")
 #: also allowed per module (``module_formats``, ``norm_format``): fp32 rounded to bf16, bf16/fp16 as they are
 ACTIVATION_MODULE_FORMATS = ACTIVATION_FORMATS + ("bf16",)
 #: ``norm_format`` choices besides ACTIVATION_MODULE_FORMATS

@@ -231,14 +231,15 @@ def convert_optimizer(opt: torch.optim.Optimizer, where: StatePlacement) -> torc
 
 def describe_states(where: StatePlacement) -> str:
     """What the block keeps of Adam's states, where, and at what cost, in one phrase."""
-    from fp4offload._memory.sizes import STATE_BYTES as _STATE_BYTES  # the byte sizes' one home
+    from fp4offload._memory.sizes import STATE_BYTES as _STATE_BYTES, state_bytes  # the byte sizes' one home
 
     if where.format != "nvfp4":
         return f"fp32 m and v ({_STATE_BYTES['fp32']:.0f} B/param)"
     place = {"same": "beside ZeRO's partition", "cpu": "in host RAM",
              "nvme": f"in NVMe files under {where.nvme_path}"}.get(where.device, where.device)
     master = "" if where.master == "fp32" else f", master {where.master}"
-    return (f"m in NVFP4, sqrt(v) on {where.v_format}, {place} ({_STATE_BYTES['nvfp4']:.2f} B/param instead of "
+    cost = state_bytes("nvfp4", where.v_format)
+    return (f"m in NVFP4, sqrt(v) on {where.v_format}, {place} ({cost:.2f} B/param instead of "
             f"{_STATE_BYTES['fp32']:.0f}){master}")
 
 

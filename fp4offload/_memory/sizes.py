@@ -49,7 +49,7 @@ MASTER_BYTES: dict[str, float] = {"fp32": float(FP32_BYTES), "split": 2.0 * BF16
 #: fixed), 2.125. Exact for whole segments; a tensor's last one rounds its bitmap up to a byte.
 RESIDUAL_NVME_BYTES: float = sum(residual_sizes(SEGMENT)) / SEGMENT
 #: Bytes per element of a saved activation in each packed format (default block, one tensor scale).
-ACT_BYTES: dict[str, float] = {fmt: bytes_per_element(fmt) for fmt in ("nvfp4", "mxfp4", "mxfp8")}
+ACT_BYTES: dict[str, float] = {fmt: bytes_per_element(fmt) for fmt in ("nvfp4", "mxfp4", "mxfp8", "int2")}
 #: Bytes per element of a weight packed as NVFP4 in 16x16 tiles (docs/design.md 3.3, 3.8).
 WEIGHT_PACKED_BYTES: float = bytes_per_element("nvfp4", "16x16")
 

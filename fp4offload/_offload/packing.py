@@ -72,7 +72,7 @@ def quantize_counted(src: torch.Tensor, fmt: str, stochastic: bool = False,
     ``quantize`` turns the kernels' count into a Python int, which on CUDA waits for the device: once
     per saved tensor, that would stall the host behind the GPU. With ``propagate`` the count is not
     needed (non-finite blocks decode to NaN), so this calls the backend's extension directly with the
-    arguments ``quantize`` passes (fmt nvfp4 1x16 whole-tensor scale, or MX 1x32 rceil), and falls back
+    arguments ``quantize`` passes (fmt nvfp4 1x16 whole-tensor scale, int2, or MX 1x32 rceil), and falls back
     to ``quantize`` where that is not possible. The count is the kernel's int64 tensor, on the source's device
     (an int on the fallback path): reading it on CUDA waits for the device, so the caller decides when.
     """
@@ -86,6 +86,9 @@ def quantize_counted(src: torch.Tensor, fmt: str, stochastic: bool = False,
         if getattr(kern, "NAME", None) in ("cpu", "cuda") and ext is not None:
             x = src.contiguous()
             try:
+                if fmt == "int2":
+                    data, scales, ts, count = ext().int2_encode(x, stochastic, seed & 0xFFFFFFFF, 0, True)
+                    return PackedTensor(data, scales, ts, x.shape, x.dtype, "int2", "1x16", 0), count
                 if fmt == "nvfp4":
                     rows, cols = rows_cols(x.shape)
                     data, scales, ts, count = ext().nvfp4_encode(x, rows, cols, 1, 0, False, stochastic,

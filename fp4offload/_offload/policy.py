@@ -9,7 +9,7 @@ from .._config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NU
 from ..errors import ConfigError
 
 # how much of a tensor a form keeps: an op rule may only move a tensor to a gentler form than its module's
-_GENTLE = {"nvfp4": 0, "mxfp4": 0, "mxfp8": 1, "bf16": 2, "none": 3, "keep": 4}
+_GENTLE = {"int2": -1, "nvfp4": 0, "mxfp4": 0, "mxfp8": 1, "bf16": 2, "none": 3, "keep": 4}
 
 
 def _patterns(key: str, value) -> tuple[str, ...]:
@@ -35,7 +35,10 @@ class ActivationPolicy:
     Attributes:
         format: ``"nvfp4"`` (default; E2M1 with an E4M3 scale per 16 elements and an fp32 tensor
             scale, 0.5625 B/element), ``"mxfp4"`` (E8M0 scale per 32, 0.53 B/element), ``"mxfp8"``
-            (E4M3 with an E8M0 scale per 32, 1.03 B/element, the gentle one) or ``"none"`` (moved as is).
+            (E4M3 with an E8M0 scale per 32, 1.03 B/element, the gentle one), ``"int2"`` (experimental: 2-bit
+            codes on -3, -1, 1, 3 times an E4M3 scale per 16 rounded up, 0.3125 B/element, stochastically
+            rounded; under the op rules below only the linear layers' inputs take it, docs/design.md 3.11) or
+            ``"none"`` (moved as is).
         device: ``"cpu"`` (default; host RAM, pinned when CUDA is present, out of a bounded pool of
             reused slabs), ``"nvme"`` (checksummed files in a private temporary folder under
             `nvme_path`, removed when backward is done or the context fails) or ``"same"``
@@ -66,8 +69,8 @@ class ActivationPolicy:
             left alone. Default ``("LogSoftmaxBackward0",)``: backward exponentiates log-probabilities,
             so an absolute error of a quantized log-probability becomes a relative error of the
             probability (an NVFP4 copy tripled the gradient error of the final norm in a test model).
-        rounding: ``"auto"`` (default: stochastic for nvfp4 and mxfp4, nearest for mxfp8),
-            ``"nearest"`` or ``"stochastic"`` (nvfp4 and mxfp4 only). Stochastic rounding is unbiased,
+        rounding: ``"auto"`` (default: stochastic for nvfp4, mxfp4 and int2, nearest for mxfp8),
+            ``"nearest"`` or ``"stochastic"`` (nvfp4, mxfp4 and int2 only). Stochastic rounding is unbiased,
             so the error of what backward multiplies with averages out over steps. With norm layers in
             bf16 both train as well as uncompressed; with the norms compressed too, stochastic held up
             where nearest fell behind, so stochastic is the default for robustness (the training runs
@@ -160,7 +163,7 @@ class ActivationPolicy:
             raise ConfigError(k + "seed", self.seed, "None or an integer >= 0")
         if self.rounding == "stochastic" and self.format in ("mxfp8", "none"):
             raise ConfigError(k + "rounding", self.rounding, f"'nearest' for format={self.format!r}",
-                              "stochastic rounding exists for nvfp4 and mxfp4")
+                              "stochastic rounding exists for nvfp4, mxfp4 and int2")
         if not isinstance(self.dedup, bool):
             raise ConfigError(k + "dedup", self.dedup, "True or False")
         object.__setattr__(self, "modules", _patterns(k + "modules", self.modules))
@@ -198,7 +201,7 @@ class ActivationPolicy:
 
     def stochastic(self, fmt: str) -> bool:
         """Whether tensors stored in `fmt` are rounded stochastically under this policy."""
-        if fmt not in ("nvfp4", "mxfp4"):
+        if fmt not in ("nvfp4", "mxfp4", "int2"):
             return False
         return self.rounding in ("auto", "stochastic")
 

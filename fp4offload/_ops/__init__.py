@@ -1,9 +1,9 @@
 """Kernel dispatch: CUDA extension -> CPU extension -> torch reference.
 
-Every backend module exposes ``nvfp4_encode``, ``nvfp4_decode``, ``mx_encode`` and ``mx_decode`` with
-the signatures of :mod:`fp4offload.formats.reference`. ``FP4OFFLOAD_BACKEND=reference|cpu|cuda``
-forces one (read by :mod:`fp4offload._switches`); otherwise (unset, or ``auto``) the first that builds for the
-tensor's device is used, and a fallback to the reference warns once.
+Every backend module exposes ``nvfp4_encode``, ``nvfp4_decode``, ``mx_encode``, ``mx_decode``, ``int2_encode``
+and ``int2_decode`` with the signatures of :mod:`fp4offload.formats.reference`.
+``FP4OFFLOAD_BACKEND=reference|cpu|cuda`` forces one (read by :mod:`fp4offload._switches`); otherwise (unset, or
+``auto``) the first that builds for the tensor's device is used, and a fallback to the reference warns once.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ _U32 = 0xFFFFFFFF
 
 
 def make_kernel_api(extension: Callable[[], Any]):
-    """The four kernel-API functions calling `extension()`'s bindings (CPU or CUDA: same signatures)."""
+    """The six kernel-API functions calling `extension()`'s bindings (CPU or CUDA: same signatures)."""
 
     def nvfp4_encode(x, rows, cols, tile, scope, ufp4, stochastic, seed, stream, propagate, amax=None):
         if amax is not None:
@@ -31,4 +31,13 @@ def make_kernel_api(extension: Callable[[], Any]):
     def mx_decode(data, scales, numel, fp8, out_dtype):
         return extension().mx_decode(data.contiguous(), scales.contiguous(), numel, fp8, out_dtype)
 
-    return nvfp4_encode, nvfp4_decode, mx_encode, mx_decode
+    def int2_encode(x, stochastic, seed, stream, propagate):
+        data, scales, ts, count = extension().int2_encode(x.contiguous(), stochastic, seed & _U32, stream & _U32,
+                                                          propagate)
+        return data, scales, ts, int(count)
+
+    def int2_decode(data, scales, tensor_scale, numel, out_dtype):
+        return extension().int2_decode(data.contiguous(), scales.contiguous(), tensor_scale.contiguous(), numel,
+                                       out_dtype)
+
+    return nvfp4_encode, nvfp4_decode, mx_encode, mx_decode, int2_encode, int2_decode

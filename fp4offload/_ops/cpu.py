@@ -20,7 +20,7 @@ def extension(isa: str | None = None):
                 extra_cflags=[*cpu_isa.flags(isa), "-fopenmp"])
 
 
-nvfp4_encode, nvfp4_decode, mx_encode, mx_decode = make_kernel_api(extension)
+nvfp4_encode, nvfp4_decode, mx_encode, mx_decode, int2_encode, int2_decode = make_kernel_api(extension)
 
 
 def threads() -> int:

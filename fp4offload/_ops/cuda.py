@@ -116,7 +116,7 @@ def extension():
     return load("fp4offload_cuda", SOURCES, cuda=True, extra_cuda_cflags=device_flags())
 
 
-nvfp4_encode, nvfp4_decode, mx_encode, mx_decode = make_kernel_api(extension)
+nvfp4_encode, nvfp4_decode, mx_encode, mx_decode, int2_encode, int2_decode = make_kernel_api(extension)
 
 
 def hardware_e2m1(device: int | None = None) -> bool:

@@ -228,7 +228,7 @@ class NvmeStore:
         tensors = segment_tensors(m, v, res)
         meta = header(key, seg, n, v_format, step, txn.gen, self.run_id)
         path = self.gen_path(key, seg, txn.gen)
-        need = segment_disk_bytes(n, self.residuals)
+        need = segment_disk_bytes(n, self.residuals, v_bits(v_format))
         try:
             txn.claim(path, need)
             written = self._engine.write(path, meta, tensors, self.fsync)

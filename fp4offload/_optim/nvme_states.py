@@ -59,14 +59,16 @@ def segment_file_bytes(n: int, residual: bool = False, v_bits: int = 4) -> int:
     return 2 * (c + s + t) - (c - packed_sizes(n, v_bits)[0]) + (sum(residual_sizes(n)) if residual else 0)
 
 
-def segment_disk_bytes(n: int, residual: bool = False) -> int:
-    """Disk space one segment file of n elements may take, on either engine (what a transaction reserves)."""
-    return file_disk_bytes(segment_file_bytes(n, residual), len(PACKED_KEYS) + (len(RESIDUAL_KEYS) if residual else 0))
+def segment_disk_bytes(n: int, residual: bool = False, v_bits: int = 4) -> int:
+    """Disk space one segment file of n elements may take, on either engine (what a transaction reserves), with v's
+    codes of `v_bits` bits."""
+    return file_disk_bytes(segment_file_bytes(n, residual, v_bits),
+                           len(PACKED_KEYS) + (len(RESIDUAL_KEYS) if residual else 0))
 
 
-def tensor_disk_bytes(n: int, residual: bool = False) -> int:
+def tensor_disk_bytes(n: int, residual: bool = False, v_bits: int = 4) -> int:
     """Disk space of the files of a tensor of n elements."""
-    return sum(segment_disk_bytes(min(n, s0 + SEGMENT) - s0, residual) for s0 in range(0, n, SEGMENT))
+    return sum(segment_disk_bytes(min(n, s0 + SEGMENT) - s0, residual, v_bits) for s0 in range(0, n, SEGMENT))
 
 
 def segments_of(n: int) -> int:

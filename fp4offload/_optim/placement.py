@@ -128,13 +128,15 @@ class Placement:
         split's residuals when the files keep them: their size is fixed, so this is exact), and what its undo
         log saves (a residual in the files needs none: it goes to the step's generation)."""
         from .nvme import tensor_disk_bytes
+        from .reference_step import v_bits
 
         write = undo = 0
         for group, p, _ in todo:
             st = state.get(p, {})
             if is_packed(group, p):
                 converts = "v_format" in st and st["v_format"] != group["v_format"]
-                write += tensor_disk_bytes(p.numel(), self.residuals_in_files) * (2 if converts else 1)
+                bits = max(v_bits(group["v_format"]), v_bits(st["v_format"]) if converts else 0)
+                write += tensor_disk_bytes(p.numel(), self.residuals_in_files, bits) * (2 if converts else 1)
             # the parameter, and the states it holds that change in place (new states are dropped, not saved)
             undo += undo_bytes(p, *(st[k] for k in ("master", "master_lo", "exp_avg", "exp_avg_sq") if k in st))
         return write, undo

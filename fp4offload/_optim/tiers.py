@@ -393,7 +393,7 @@ class NvmeTier(HostTier):
             m, v = R.empty_packed(n, "cpu"), R.empty_packed(n, "cpu", R.v_bits(v_format))
         own = not store.in_transaction
         if own:
-            store.begin(tensor_disk_bytes(n, store.residuals), f"tensor {key}")
+            store.begin(tensor_disk_bytes(n, store.residuals, R.v_bits(v_format)), f"tensor {key}")
         try:
             for s, (s0, s1) in enumerate(R.segment_ranges(n)):
                 r = None

@@ -16,6 +16,7 @@ F32_MAX = torch.finfo(torch.float32).max
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+INT2_MAX = 3.0  # the outer level of int2 (2-bit saved activations): codes are -3, -1, 1, 3
 E4M3_NAN = 0x7F
 E8M0_NAN = 0xFF
 UFP4_MIN = 2.0 ** -7

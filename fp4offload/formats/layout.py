@@ -28,13 +28,16 @@ FORMATS: dict[str, tuple[tuple[str, ...], str]] = {
     "ufp4": (("1x16",), "1x16"),
     "mxfp4": (("1x32",), "1x32"),
     "mxfp8": (("1x32",), "1x32"),
+    "int2": (("1x16",), "1x16"),
 }
 #: elements that share one block scale byte
 BLOCK_ELEMENTS = {"1x16": 16, "16x16": 256, "1x32": 32}
 #: bits of one element's code
-_CODE_BITS = {"nvfp4": 4, "ufp4": 4, "mxfp4": 4, "mxfp8": 8}
+_CODE_BITS = {"nvfp4": 4, "ufp4": 4, "mxfp4": 4, "mxfp8": 8, "int2": 2}
 #: the formats with fp32 tensor scales (one per scope); the MX formats have none
-_TENSOR_SCALED = ("nvfp4", "ufp4")
+_TENSOR_SCALED = ("nvfp4", "ufp4", "int2")
+#: the formats whose 1x16 blocks may have a tensor scale per scope (int2 has one for the whole tensor)
+_SCOPED = ("nvfp4", "ufp4")
 _FP32_BYTES = 4
 
 
@@ -84,7 +87,7 @@ def bytes_per_element(fmt: str, block: str | None = None, scope: int = 0) -> flo
     tensor) the tensor scale is left out, as it is for a large tensor.
 
     It is :func:`packed_sizes` of one scope (or of one block when ``scope`` is 0) over its elements, so the
-    two cannot disagree: nvfp4 1x16 is 0.5625, nvfp4 16x16 0.50390625, mxfp4 0.53125, mxfp8 1.03125, nvfp4
+    two cannot disagree: nvfp4 1x16 is 0.5625, nvfp4 16x16 0.50390625, mxfp4 0.53125, mxfp8 1.03125, int2 0.3125, nvfp4
     (or ufp4) 1x16 with one scale per 1024 elements 0.56640625.
     """
     block = FORMATS[fmt][1] if (block is None and fmt in FORMATS) else block
@@ -99,5 +102,5 @@ def _check(fmt: str, block: str | None, scope: int) -> None:
         raise ValueError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     if block not in FORMATS[fmt][0]:
         raise ValueError(f"block {block!r} is not one of {', '.join(FORMATS[fmt][0])} for format {fmt!r}")
-    if scope and (fmt not in _TENSOR_SCALED or block != "1x16" or scope < 0 or scope % BLOCK_ELEMENTS[block]):
+    if scope and (fmt not in _SCOPED or block != "1x16" or scope < 0 or scope % BLOCK_ELEMENTS[block]):
         raise ValueError(f"scope {scope!r}: per-scope tensor scales exist for 1x16 nvfp4/ufp4, in multiples of 16")

@@ -17,13 +17,12 @@ from typing import Callable
 
 import torch
 
-from .layout import FORMATS, packed_sizes, rows_cols
+from .layout import _TENSOR_SCALED, FORMATS, packed_sizes, rows_cols
 
 #: the keys of a saved header (``binding``: see PackedTensor.save)
 _HEADER_KEYS = ("format", "block", "shape", "dtype", "scale_scope", "binding")
 #: dtypes a quantized tensor can come from (and decode to by default)
 _SOURCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TENSOR_SCALED = ("nvfp4", "ufp4")
 
 #: fp4offload._codec.dequantize, installed by fp4offload._codec (see set_decoder)
 _decoder: Callable[["PackedTensor", "torch.dtype | None"], torch.Tensor] | None = None
@@ -41,12 +40,13 @@ class PackedTensor:
 
     Attributes:
         data: uint8 codes. 4-bit formats hold two elements a byte, element 2i in the low nibble;
-            MXFP8 one E4M3 byte an element. Padded to whole blocks (and to whole 16x16 tiles).
-        scales: uint8 block scales: E4M3 bits (nvfp4, ufp4) or E8M0 bits (mxfp4, mxfp8).
-        tensor_scale: fp32 decode scale per scope (nvfp4, ufp4), ``None`` for the MX formats.
+            MXFP8 one E4M3 byte an element, int2 four 2-bit codes a byte. Padded to whole blocks (and to whole
+            16x16 tiles).
+        scales: uint8 block scales: E4M3 bits (nvfp4, ufp4, int2) or E8M0 bits (mxfp4, mxfp8).
+        tensor_scale: fp32 decode scale per scope (nvfp4, ufp4; int2 has one), ``None`` for the MX formats.
         shape: shape of the source tensor.
         dtype: dtype of the source tensor (what ``dequantize()`` returns by default).
-        format: ``"nvfp4" | "ufp4" | "mxfp4" | "mxfp8"``.
+        format: ``"nvfp4" | "ufp4" | "mxfp4" | "mxfp8" | "int2"``.
         block: ``"1x16" | "16x16" | "1x32"``.
         scale_scope: elements that share one tensor scale (0: the whole tensor).
     """
@@ -146,7 +146,7 @@ class PackedTensor:
 
     def check(self) -> None:
         """Raise ValueError unless the tensors have the dtypes and sizes the header implies (``layout.packed_sizes``):
-        1-D uint8 codes and block scales, and for nvfp4/ufp4 1-D fp32 tensor scales (none for the MX formats)."""
+        1-D uint8 codes and block scales, and for nvfp4/ufp4/int2 1-D fp32 tensor scales (none for the MX formats)."""
         nbytes, nblocks, nscopes = packed_sizes(self.format, self.block, self.shape, self.scale_scope)
         if self.data.dtype != torch.uint8 or self.data.dim() != 1 or self.data.numel() != nbytes:
             raise ValueError(f"data holds {self.data.numel()} bytes ({self.data.dtype}, {self.data.dim()}-D), "

@@ -1,7 +1,7 @@
 """The torch reference backend: docs/design.md section 3 with tensor ops, on any device.
 
 It is the oracle the CPU and CUDA kernels are tested against, and the fallback when neither builds.
-Every backend exposes the same four functions with the same signatures (see fp4offload/ops).
+Every backend exposes the same six functions with the same signatures (see fp4offload/_ops).
 
 Layouts (shared by all backends):
 - ``tile == 1``: blocks of ``block`` consecutive elements of the flattened tensor, zero-padded at the
@@ -233,4 +233,53 @@ def mx_decode(data: torch.Tensor, scales: torch.Tensor, numel: int, fp8: bool, o
     nb = scales.numel()
     scale_val = B.e8m0_table(data.device)[scales.long()]
     v = vals.view(nb, MX_BLOCK) * scale_val[:, None]
+    return v.reshape(-1)[:numel].to(out_dtype)
+
+
+def int2_scale_code(amax_b: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """The int2 block scale: the smallest E4M3 code whose value is at least (amax_b / 3) * s_enc (0 only where that
+    product underflows fp32 to 0)."""
+    want = torch.clamp(_div(amax_b, torch.full_like(amax_b, B.INT2_MAX)) * s_enc, max=B.E4M3_MAX)
+    code = B.e4m3_encode(want)
+    below = (B.e4m3_table(amax_b.device)[code.long()] < want) & (code < 0x7E)
+    return code + below.to(code.dtype)
+
+
+def int2_encode(x: torch.Tensor, stochastic: bool, seed: int, stream: int, propagate: bool):
+    """int2 (csrc/fp4_codec.h): code c of element x is the odd level 2c - 3 times its 16-element block's scale, an
+    E4M3 value rounded up from amax_b / 3 under the fp32 tensor scale s_dec = amax / (3 * 448). Returns (data u8,
+    scales u8, tensor_scale f32[1], nonfinite)."""
+    blocks, index = _flat_layout(x, NVFP4_BLOCK)
+    a, bad, count = _finite_magnitudes(blocks)
+    amax_b = a.amax(dim=1) if blocks.shape[0] else a.new_zeros(0)
+    amax = amax_b.amax() if amax_b.numel() else torch.zeros((), device=x.device)
+    amax = amax.reshape(1)
+    nz = amax > 0
+    s_enc = torch.where(nz, _div(B.INT2_MAX * B.E4M3_MAX, torch.where(nz, amax, 1.0)), 0.0).clamp(max=B.F32_MAX)
+    s_dec = torch.where(nz, _div(1.0, s_enc), 0.0)
+    scale_code = torch.where((amax_b > 0) & nz & ~bad, int2_scale_code(amax_b, s_enc.expand_as(amax_b)), 0)
+    live = scale_code != 0  # 0 also where (amax_b / 3) * s_enc underflows: the block is stored as zeros
+    scale_val = B.e4m3_table(x.device)[scale_code.long()]
+    k = torch.where(live, _div(1.0, torch.where(live, scale_val * s_dec, 1.0)), 0.0).clamp(max=B.F32_MAX)
+    y = blocks * k[:, None]
+    u = ((y + B.INT2_MAX) * 0.5).clamp(0.0, B.INT2_MAX)
+    lo = u.to(torch.int32)
+    frac = u - lo.to(torch.float32)
+    if stochastic:
+        r = (B.random_bits(seed, stream, index) >> 8).to(torch.float32) * 2.0 ** -24
+        up = r < frac
+    else:
+        up = (frac > 0.5) | ((frac == 0.5) & (lo & 1).bool())
+    codes = torch.where(live[:, None], lo + up.to(torch.int32), 2)  # a dead block: level 1 (its scale is 0 or NaN)
+    if propagate:
+        scale_code = torch.where(bad, torch.full_like(scale_code, B.E4M3_NAN), scale_code)
+    return pack_codes(codes.reshape(-1), 2), scale_code.to(torch.uint8), s_dec.to(torch.float32), count
+
+
+def int2_decode(data: torch.Tensor, scales: torch.Tensor, tensor_scale: torch.Tensor, numel: int,
+                out_dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of int2_encode: (2c - 3) * (fp32(scale_b) * s_dec), flat, `numel` elements."""
+    levels = (2 * unpack_codes(data, 2).to(torch.int32) - 3).to(torch.float32)
+    d = B.e4m3_table(data.device)[scales.long()] * tensor_scale.reshape(-1)[0]
+    v = levels.view(scales.numel(), NVFP4_BLOCK) * d[:, None]
     return v.reshape(-1)[:numel].to(out_dtype)

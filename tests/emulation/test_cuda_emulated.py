@@ -57,6 +57,13 @@ int e_mx_enc(const void* x, int dt, long n, int fp8, int fl, int sr, unsigned se
 int e_mx_dec(const uint8_t* d, const uint8_t* s, long n, int fp8, void* out, int dt) {
   return fp4cuda::mx_decode(d, s, n, fp8, out, (fp4cuda::DType)dt, nullptr);
 }
+int e_i2_enc(const void* x, int dt, long n, int sr, unsigned seed, unsigned sid, int prop, uint8_t* d, uint8_t* s,
+             float* ts, float* ws, unsigned long long* cnt) {
+  return fp4cuda::int2_encode(x, (fp4cuda::DType)dt, n, sr, seed, sid, prop, d, s, ts, ws, cnt, nullptr);
+}
+int e_i2_dec(const uint8_t* d, const uint8_t* s, const float* ts, long n, void* out, int dt) {
+  return fp4cuda::int2_decode(d, s, ts, n, out, (fp4cuda::DType)dt, nullptr);
+}
 long e_divergent() { return emu::S().divergent; }
 int e_lanes() { return fp4gpu::kWarp == emu::kLanes ? fp4gpu::kWarp : -1; }
 }
@@ -106,6 +113,8 @@ def _codec_library(d: Path, warp: int, source: str | None = None) -> ctypes.CDLL
     so.e_nv_dec.argtypes = [P, P, P, L, L, L, L, Int, P, Int]
     so.e_mx_enc.argtypes = [P, Int, L, Int, Int, Int, U, U, Int, P, P, P]
     so.e_mx_dec.argtypes = [P, P, L, Int, P, Int]
+    so.e_i2_enc.argtypes = [P, Int, L, Int, U, U, Int, P, P, P, P, P]
+    so.e_i2_dec.argtypes = [P, P, P, L, P, Int]
     so.e_divergent.restype = ctypes.c_long
     assert so.e_lanes() == warp, "the kernels' kWarp is not the emulated warp's width"
     return so
@@ -160,6 +169,21 @@ def mx_encode(so, x, fp8, floor, sr, seed, sid, prop):
 def mx_decode(so, data, scales, n, fp8, dtype):
     out = torch.empty(n, dtype=dtype)
     assert so.e_mx_dec(_p(data), _p(scales), n, fp8, _p(out), DT[dtype]) == 0
+    return out
+
+
+def int2_encode(so, x, sr, seed, sid, prop):
+    nb = _cdiv(x.numel(), 16)
+    data, scales = torch.full((nb * 4,), 0xAB, dtype=torch.uint8), torch.full((nb,), 0xCD, dtype=torch.uint8)
+    ts, ws, cnt = torch.full((1,), 7.0), torch.empty(1 + nb), torch.full((), 99, dtype=torch.int64)
+    assert so.e_i2_enc(_p(x), DT[x.dtype], x.numel(), sr, seed, sid, prop, _p(data), _p(scales), _p(ts), _p(ws),
+                       _p(cnt)) == 0
+    return data, scales, ts, int(cnt)
+
+
+def int2_decode(so, data, scales, ts, n, dtype):
+    out = torch.empty(n, dtype=dtype)
+    assert so.e_i2_dec(_p(data), _p(scales), _p(ts), n, _p(out), DT[dtype]) == 0
     return out
 
 
@@ -245,6 +269,26 @@ def test_mx_kernels_match_reference(shape, variant, dtype, emu):
     assert emu.e_divergent() == 0
 
 
+INT2_CASES = [((0,), "int2"), ((17,), "int2"), ((130, 257), "int2"), ((4097,), "int2-sr"), ((2, 3, 50), "int2-sr"),
+              ((600,), "int2-nonfinite"), ((600,), "int2-sr-nonfinite")]
+
+
+@pytest.mark.parametrize("dtype", list(DT), ids=str)
+@pytest.mark.parametrize("shape,variant", INT2_CASES, ids=[f"{v}-{s}" for s, v in INT2_CASES])
+def test_int2_kernels_match_reference(shape, variant, dtype, emu):
+    x = _data(shape, dtype, (shape, variant))
+    if x.numel() > 40:
+        x.view(-1)[16:32] = 0.0  # a dead block
+    prop = _nonfinite(x, variant, 7, 300, float("inf"))
+    args = (x, "-sr" in variant, 4321, 5, prop)
+    ref = reference.int2_encode(*args)
+    _eq_each(ref, int2_encode(emu, *args), "encode")
+    for out_dtype in DT:
+        _eq(reference.int2_decode(ref[0], ref[1], ref[2], x.numel(), out_dtype),
+            int2_decode(emu, ref[0], ref[1], ref[2], x.numel(), out_dtype), ("decode", out_dtype))
+    assert emu.e_divergent() == 0
+
+
 @pytest.mark.parametrize("dtype", list(DT), ids=str)
 def test_misaligned_buffers_match_reference(dtype, emu):
     big = _data((2100,), dtype, 3)
@@ -305,6 +349,17 @@ unsigned e_word(const uint8_t* codes8) {  // 8 codes into a word through word_sl
     if (fp4::word_code(w, j) != codes8[j]) return 0xFFFFFFFFu;
   return w;
 }
+void e_pack_codes2(const uint8_t* codes, int n, uint8_t* out) { fp4::pack_codes2(codes, n, out); }
+int e_code2_at(const uint8_t* packed, long i) { return fp4::code2_at(packed, i); }
+unsigned e_word2(const uint8_t* codes16) {  // 16 codes into a word through code2_slot, then back through code2_of
+  uint32_t w = 0;
+  for (int j = 0; j < 16; ++j) w |= fp4::code2_slot(codes16[j], j);
+  for (int j = 0; j < 16; ++j)
+    if (fp4::code2_of(w, j) != codes16[j]) return 0xFFFFFFFFu;
+  return w;
+}
+unsigned e_nibbles(unsigned b) { return fp4::crumbs_to_nibbles(b); }
+unsigned e_crumbs(unsigned lo, unsigned hi) { return fp4::nibbles_to_crumbs(lo, hi); }
 }
 """
 
@@ -334,6 +389,27 @@ def test_codec_header_pack_helpers_match_reference(tmp_path):
         assert [so.e_code_at(_p(out), i) for i in range(n)] == codes.tolist()
     codes = torch.randint(0, 16, (8,), dtype=torch.uint8, generator=g)
     assert so.e_word(_p(codes)) == int.from_bytes(bytes(reference.pack_nibbles(codes).tolist()), "little")
+    # 2-bit codes: four a byte (pack_codes2, code2_slot/code2_of, code2_at), and a byte of them as the two bytes of the
+    # 4-bit layout holding the same four codes (crumbs_to_nibbles) and back (nibbles_to_crumbs)
+    so.e_pack_codes2.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    so.e_code2_at.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    so.e_word2.argtypes = [ctypes.c_void_p]
+    so.e_word2.restype = ctypes.c_uint
+    so.e_nibbles.argtypes = [ctypes.c_uint]
+    so.e_crumbs.argtypes = [ctypes.c_uint, ctypes.c_uint]
+    for n in (4, 16, 64):
+        codes = torch.randint(0, 4, (n,), dtype=torch.uint8, generator=g)
+        out = torch.full((n // 4,), 0xAB, dtype=torch.uint8)
+        so.e_pack_codes2(_p(codes), n, _p(out))
+        _eq(reference.pack_codes(codes, 2), out, ("pack2", n))
+        assert [so.e_code2_at(_p(out), i) for i in range(n)] == codes.tolist()
+    codes = torch.randint(0, 4, (16,), dtype=torch.uint8, generator=g)
+    assert so.e_word2(_p(codes)) == int.from_bytes(bytes(reference.pack_codes(codes, 2).tolist()), "little")
+    for b in range(256):
+        four = reference.unpack_codes(torch.tensor([b], dtype=torch.uint8), 2)
+        two = so.e_nibbles(b)
+        assert [two & 0xFF, two >> 8] == reference.pack_nibbles(four).tolist(), b
+        assert so.e_crumbs(two & 0xFF, two >> 8) == b
 
 
 def mask_positions(mask: torch.Tensor) -> torch.Tensor:

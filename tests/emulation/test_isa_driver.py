@@ -75,8 +75,9 @@ def _fnv(h: int, data: bytes) -> int:
     return h
 
 
-@pytest.mark.parametrize("variant", [0, 1, 2, 3, 12, 13, 15, 16],
-                         ids=["nv", "nv-sr", "nv16x16", "nv16x16-sr", "mxfp4", "mxfp4-sr", "mxfp4-floor-sr", "mxfp8"])
+@pytest.mark.parametrize("variant", [0, 1, 2, 3, 12, 13, 15, 16, 18, 19],
+                         ids=["nv", "nv-sr", "nv16x16", "nv16x16-sr", "mxfp4", "mxfp4-sr", "mxfp4-floor-sr", "mxfp8",
+                              "int2", "int2-sr"])
 def test_the_driver_codec_is_the_reference_codec(reference, variant):
     """The driver's codec digests (x86 build) equal the torch reference codec's bytes on the same inputs, so the
     aarch64 builds that match the driver match the reference."""
@@ -103,6 +104,12 @@ def test_the_driver_codec_is_the_reference_codec(reference, variant):
             d = _fnv(d, t.contiguous().numpy().tobytes())
         d = _fnv(d, int(bad).to_bytes(8, "little"))
         back = ref.nvfp4_decode(data, scales, ts, rows, cols, tile, 0, False, torch.float32)
+    elif kind == 9:
+        data, scales, ts, bad = ref.int2_encode(x, stochastic, 0xC0DE, 5, True)
+        for t in (data, scales, ts.to(torch.float32)):
+            d = _fnv(d, t.contiguous().numpy().tobytes())
+        d = _fnv(d, int(bad).to_bytes(8, "little"))
+        back = ref.int2_decode(data, scales, ts, n, torch.float32)
     else:
         fp8 = kind == 8
         data, scales, bad = ref.mx_encode(x, fp8, kind == 7, stochastic and not fp8, 0xC0DE, 5, False)

@@ -110,13 +110,15 @@ _CHECK = textwrap.dedent("""
         assert torch.equal(opts[0].state[ps[0]]["v_codes"], opts[1].state[ps[1]]["v_codes"]), vf
     x = torch.randn(64, 80, generator=g)
     sr = {"rounding": "stochastic", "seed": 3}
-    for fmt, kw in (("nvfp4", {}), ("nvfp4", sr), ("mxfp4", {}), ("mxfp4", sr), ("mxfp8", {})):
+    for fmt, kw in (("nvfp4", {}), ("nvfp4", sr), ("mxfp4", {}), ("mxfp4", sr), ("mxfp8", {}), ("int2", {}),
+                    ("int2", sr)):
         a = fp4offload.quantize(x, fmt, **kw)
         import os
         os.environ["FP4OFFLOAD_BACKEND"] = "reference"
         b = fp4offload.quantize(x, fmt, **kw)
         del os.environ["FP4OFFLOAD_BACKEND"]
         assert torch.equal(a.data, b.data) and torch.equal(a.scales, b.scales), fmt
+        assert (a.tensor_scale is None and b.tensor_scale is None) or torch.equal(a.tensor_scale, b.tensor_scale), fmt
     print("ok", want)
 """)
 

@@ -322,10 +322,11 @@ def test_byte_sizes_are_those_of_the_packed_formats():
     assert memory.STATE_BYTES["nvfp4"] == 2 * sum(R.packed_sizes(n)) / n  # what FP4AdamW allocates for m and v
     assert memory.STATE_BYTES["fp32"] == 8.0
     assert memory.WEIGHT_PACKED_BYTES == 0.5 + 1 / 256
-    assert memory.ACT_BYTES == {"nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32}
+    assert memory.ACT_BYTES == {"nvfp4": 0.5 + 1 / 16, "mxfp4": 0.5 + 1 / 32, "mxfp8": 1 + 1 / 32,
+                                "int2": 0.25 + 1 / 16}
     x = torch.randn(256, 1024)
     for fmt, per in memory.ACT_BYTES.items():  # a large tensor: its one fp32 tensor scale is 4 bytes more
-        assert quantize(x, fmt).nbytes == per * x.numel() + (4 if fmt == "nvfp4" else 0)
+        assert quantize(x, fmt).nbytes == per * x.numel() + (4 if fmt in ("nvfp4", "int2") else 0)
     # one Adam step's memory traffic: fp32 gradient, master and states read and written, bf16 copy on the GPU
     assert hardware.CPU_ADAM_BYTES_PER_PARAM == {"fp32": 28.0, "nvfp4": 12 + 2 * 2 * m_or_v}
     assert timing.GPU_STEP_BYTES_PER_PARAM == {"fp32": 30.0, "nvfp4": 14 + 2 * 2 * m_or_v}

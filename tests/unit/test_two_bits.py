@@ -119,6 +119,18 @@ def test_nvme_files_carry_the_smaller_v_and_train_as_ram(tmp_path):
     two_bytes, four_bytes = size(tmp_path) - size(tmp_path / "four"), size(tmp_path / "four")
     saved = 2 * (R.packed_sizes(n)[0] - R.packed_sizes(n, 2)[0])  # two tensors, v's codes halved
     assert four_bytes - two_bytes >= saved * 0.9, (four_bytes, two_bytes, saved)
+    # what a transaction reserves follows v's format, and still bounds what was written
+    from fp4offload._optim.nvme import tensor_disk_bytes
+
+    assert tensor_disk_bytes(n, False, 4) - tensor_disk_bytes(n, False, 2) >= saved / 2 * 0.9
+    def segment_files(d, skip=None):  # the state files (the store's small records left out)
+        return [f.stat().st_size for f in Path(d).rglob("*")
+                if f.is_file() and f.stat().st_size > 4096 and (skip is None or skip not in f.parents)]
+
+    two_files, four_files = segment_files(tmp_path, skip=tmp_path / "four"), segment_files(tmp_path / "four")
+    assert len(two_files) == len(four_files) == 2
+    assert max(two_files) <= tensor_disk_bytes(n, False, 2) < min(four_files)
+    assert max(four_files) <= tensor_disk_bytes(n, False, 4)
 
 
 def test_the_block_and_the_policy_take_it():
@@ -126,6 +138,10 @@ def test_the_block_and_the_policy_take_it():
     pol = parse_fsdp_policy({"optimizer_states": {"v_format": "ue2m0"}})
     cls, kw, _ = fsdp_optim.inner_optimizer_class(pol)
     assert kw["state_format"].v_format == "ue2m0"
+    from fp4offload._deepspeed.optim import describe_states  # what the block's startup line says it keeps
+
+    assert "(0.88 B/param" in describe_states(parse_block({"optimizer_states": {"v_format": "ue2m0"}}).optimizer_states)
+    assert "(1.13 B/param" in describe_states(parse_block({"optimizer_states": {}}).optimizer_states)
 
 
 def test_the_block_preflight_counts_its_bytes():

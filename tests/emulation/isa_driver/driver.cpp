@@ -1,6 +1,6 @@
 // A standalone driver (no torch) of the host kernels' shared code: the fused FP4AdamW chunk step on the scalar
 // path and on the build's vector step (csrc/cpu/adam_chunk.h; on NEON csrc/cpu/adam_simd.h), the compact masters, the codec's loops
-// (csrc/cpu/codec_impl.h: NVFP4 1x16 and 16x16, per-scope scales, ufp4, MXFP4 rceil and floor, MXFP8; nearest and
+// (csrc/cpu/codec_impl.h: NVFP4 1x16 and 16x16, per-scope scales, ufp4, MXFP4 rceil and floor, MXFP8, int2; nearest and
 // stochastic; encode and decode) and the codec rules of csrc/fp4_codec.h. It prints one line per case, "<case> <path> <FNV-1a 64 of every output byte>", from inputs
 // it makes itself from integer hashes (no libm, so every architecture sees the same inputs).
 //
@@ -241,6 +241,15 @@ uint64_t run_rules() {
   return h;
 }
 
+// The digest of decoded values; NaN blocks decode to NaN: one value, whatever the payload.
+uint64_t fnv_decoded(uint64_t h, const std::vector<float>& back) {
+  for (float v : back) {
+    const uint32_t b = (fp4::f2u(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : fp4::f2u(v);
+    h = fnv(h, &b, 4);
+  }
+  return h;
+}
+
 // The codec on a (rows, cols) fp32 tensor: every NVFP4/ufp4 and MX variant, encode then decode, one digest.
 uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials, bool vec) {
   const int64_t n = rows * cols;
@@ -249,7 +258,23 @@ uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials, bool 
   uint64_t h = kFnv0;
   const bool stochastic = variant & 1;
   const int kind = variant >> 1;  // 0 nv 1x16, 1 nv 16x16, 2 nv scope 1024, 3 ufp4, 4 ufp4 16x16, 5 nv amax given,
-                                  // 6 mxfp4 rceil, 7 mxfp4 floor, 8 mxfp8
+                                  // 6 mxfp4 rceil, 7 mxfp4 floor, 8 mxfp8, 9 int2
+  if (kind == 9) {
+    const int64_t nb = (n + fp4::kNvBlock - 1) / fp4::kNvBlock;
+    std::vector<uint8_t> data(nb * (fp4::kNvBlock / 4)), scales(nb);
+    float s_dec = 0.0f;
+    int64_t bad = 0;
+    fp4codec::int2_encode_impl<float>(x.data(), n, stochastic, 0xC0DEu, 5u, true, vec, data.data(), scales.data(),
+                                      s_dec, bad);
+    h = fnv(h, data.data(), data.size());
+    h = fnv(h, scales.data(), scales.size());
+    h = fnv(h, &s_dec, 4);
+    h = fnv(h, &bad, 8);
+    std::vector<float> back(n);
+    fp4codec::int2_decode_impl<float>(data.data(), scales.data(), s_dec, n, back.data());
+    h = fnv_decoded(h, back);
+    return h;
+  }
   if (kind <= 5) {
     const bool ufp4 = kind == 3 || kind == 4;
     const int64_t tile = (kind == 1 || kind == 4) ? 16 : 1;
@@ -274,10 +299,7 @@ uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials, bool 
     if (!bad || specials) {
       std::vector<float> back(n);
       fp4codec::nvfp4_decode_impl<float>(data.data(), scales.data(), s_dec.data(), g, ufp4, vec, back.data());
-      for (float v : back) {  // NaN blocks decode to NaN: one value, whatever the payload
-        const uint32_t b = (fp4::f2u(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : fp4::f2u(v);
-        h = fnv(h, &b, 4);
-      }
+      h = fnv_decoded(h, back);
     }
     return h;
   }
@@ -292,10 +314,7 @@ uint64_t run_codec(int64_t rows, int64_t cols, int variant, bool specials, bool 
   h = fnv(h, &bad, 8);
   std::vector<float> back(n);
   fp4codec::mx_decode_impl<float>(data.data(), scales.data(), n, fp8, back.data());
-  for (float v : back) {
-    const uint32_t b = (fp4::f2u(v) & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : fp4::f2u(v);
-    h = fnv(h, &b, 4);
-  }
+  h = fnv_decoded(h, back);
   return h;
 }
 
@@ -348,7 +367,7 @@ int main(int argc, char** argv) {
     const int64_t shapes[][2] = {{1, 1}, {1, 7}, {1, 16}, {1, 33}, {3, 5}, {16, 16}, {17, 31}, {64, 48}, {130, 257},
                                  {1, 4097}};
     for (const auto& sh : shapes)
-      for (int variant = 0; variant < 18; ++variant)
+      for (int variant = 0; variant < 20; ++variant)
         for (int sp = 0; sp < 2; ++sp) {
           char name[96];
           snprintf(name, sizeof name, "codec-%lldx%lld-v%d-s%d", (long long)sh[0], (long long)sh[1], variant, sp);
