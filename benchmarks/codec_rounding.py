@@ -6,7 +6,7 @@
 
 The codec extension of each path (FP4OFFLOAD_CPU_ISA's builds, fp4offload/_ops/cpu_isa.py) is loaded side by side,
 and its kernel bindings are called as the activation offloader calls them (NVFP4 1x16 with one tensor scale, MXFP4
-1x32 rceil; and NVFP4 16x16 tiles), so every ratio compares builds on the same source in the same process. With
+1x32 rceil, int2; and NVFP4 16x16 tiles), so every ratio compares builds on the same source in the same process. With
 --baseline, the csrc/ of that git revision is built too (under its own module names) and its bytes are checked equal
 to this tree's. Every variant runs once per round, round-robin (a shared machine drifts); the median of the rounds is
 reported. GB/s counts the bytes of the source tensor.
@@ -31,7 +31,7 @@ from fp4offload._ops import cpu_isa
 from fp4offload._ops.build import build
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMATS = ("nvfp4 1x16", "nvfp4 16x16", "mxfp4")
+FORMATS = ("nvfp4 1x16", "nvfp4 16x16", "mxfp4", "int2")
 ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -51,6 +51,10 @@ def _checkout_csrc(rev: str, into: Path) -> Path:
 
 def _encoder(ext, x: torch.Tensor, fmt: str, stochastic: bool):
     rows, cols = x.shape
+    if fmt == "int2":
+        if not hasattr(ext, "int2_encode"):
+            raise SystemExit("the baseline has no int2 encoder: pass --formats without int2")
+        return lambda: ext.int2_encode(x, stochastic, 1234, 5, False)
     if fmt.startswith("nvfp4"):
         tile = 16 if fmt.endswith("16x16") else 1
         return lambda: ext.nvfp4_encode(x, rows, cols, tile, 0, False, stochastic, 1234, 5, False, None)
@@ -65,7 +69,12 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", default="1,2", help="comma list of thread counts (default 1,2)")
     ap.add_argument("--repeats", type=int, default=7, help="rounds (default 7)")
     ap.add_argument("--baseline", default=None, help="git revision whose csrc/ to build and time as 'before'")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma list of {', '.join(FORMATS)} (default all)")
     args = ap.parse_args(argv)
+    formats = args.formats.split(",")
+    for f in formats:
+        if f not in FORMATS:
+            ap.error(f"--formats: {f!r} is not one of {', '.join(FORMATS)}")
     have = cpu_isa.available()
     isas = [i for i in have if i != "scalar"] if args.isas is None else args.isas.split(",")
     for isa in isas:
@@ -82,7 +91,7 @@ def main(argv=None) -> int:
     for which, exts in builds.items():
         for isa, ext in exts.items():
             ext.set_simd(True)
-            for fmt in FORMATS:
+            for fmt in formats:
                 for rounding in ROUNDINGS:
                     variants[(which, isa, fmt, rounding)] = _encoder(ext, x, fmt, rounding == "stochastic")
     notes = []
@@ -118,7 +127,7 @@ def main(argv=None) -> int:
     print("|" + "|".join("---" for _ in head) + "|")
     for th in threads:
         for isa in isas:
-            for fmt in FORMATS:
+            for fmt in formats:
                 gbs = {(w, r): nbytes / med[(th, w, isa, fmt, r)] / 1e9 for w in builds for r in ROUNDINGS}
                 row = [str(th), isa, fmt, f"{gbs['after', 'nearest']:.2f}", f"{gbs['after', 'stochastic']:.2f}",
                        f"{gbs['after', 'stochastic'] / gbs['after', 'nearest']:.2f}"]

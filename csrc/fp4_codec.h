@@ -275,14 +275,14 @@ FP4_HD uint8_t int2_scale_code(float amax_b, float s_enc) {
 
 // The code of y = x * k (|y| <= 3 up to rounding; clamped): u = (y + 3) / 2 in [0, 3] sits between codes
 // floor(u) and floor(u) + 1. Stochastic: up with probability frac(u) (the top 24 random bits against it);
-// nearest: ties to the even code.
+// nearest: ties to the even code. Branch-free, for the host loops to vectorize.
 FP4_HD uint8_t int2_encode(float y, bool stochastic, uint32_t rnd) {
   const float u = fmin_(fmax_((y + kInt2Max) * 0.5f, 0.0f), kInt2Max);
   const int32_t lo = (int32_t)u;
   const float frac = u - (float)lo;
-  const bool up = stochastic ? (float)(rnd >> 8) * 5.9604644775390625e-08f < frac
-                             : (frac > 0.5f || (frac == 0.5f && (lo & 1)));
-  return (uint8_t)(lo + (up ? 1 : 0));
+  const int32_t up = stochastic ? (int32_t)((float)(int32_t)(rnd >> 8) * 5.9604644775390625e-08f < frac)
+                                : ((int32_t)(frac > 0.5f) | ((int32_t)(frac == 0.5f) & lo));
+  return (uint8_t)(lo + (up & 1));
 }
 
 // The level of a code: -3, -1, 1, 3.

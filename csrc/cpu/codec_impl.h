@@ -18,6 +18,12 @@
 #include "cpu/nvfp4_rows.h"
 #include "cpu/parallel.h"
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define FP4_CODEC_VEC_LOOP _Pragma("GCC ivdep")
+#else
+#define FP4_CODEC_VEC_LOOP
+#endif
+
 namespace fp4codec {
 
 using fp4::kMxBlock;
@@ -341,11 +347,18 @@ void int2_encode_impl(const T* x, int64_t n, bool stochastic, uint32_t seed, uin
       scales[b] = sc;
       const float k = fp4::block_encode_scale(sc, ts.dec);
       const int cnt = (int)std::min<int64_t>(kNvBlock, n - i0);
-      for (int j = 0; j < kNvBlock; ++j) v[j] = j < cnt ? load(x, i0 + j) * k : 0.0f;
-      if (stochastic) {
-        const uint32_t key = fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32));
-        for (int j = 0; j < kNvBlock; ++j) c[j] = fp4::int2_encode(v[j], true, fp4::sr_bits(key, (uint64_t)(i0 + j)));
+      if (cnt == kNvBlock) {
+        FP4_CODEC_VEC_LOOP
+        for (int j = 0; j < kNvBlock; ++j) v[j] = load(x, i0 + j) * k;
       } else {
+        for (int j = 0; j < kNvBlock; ++j) v[j] = j < cnt ? load(x, i0 + j) * k : 0.0f;
+      }
+      if (stochastic) {
+        const uint32_t key = fp4::sr_key(seed, stream, (uint32_t)((uint64_t)i0 >> 32)), base = (uint32_t)i0;
+        FP4_CODEC_VEC_LOOP
+        for (int j = 0; j < kNvBlock; ++j) c[j] = fp4::int2_encode(v[j], true, fp4::sr_bits(key, base + (uint32_t)j));
+      } else {
+        FP4_CODEC_VEC_LOOP
         for (int j = 0; j < kNvBlock; ++j) c[j] = fp4::int2_encode(v[j], false, 0u);
       }
       fp4::pack_codes2(c, kNvBlock, out);

@@ -18,11 +18,13 @@ from typing import Any, Sequence
 from fp4offload._config.checks import check_choice
 from fp4offload._config.grids import BY_NAME as V_GRIDS_BY_NAME
 from fp4offload._config.vocab import V_FORMAT_DEFAULT, V_FORMATS
+from fp4offload._planner.strategies import TENSOR_CLASSES
 from fp4offload.errors import ConfigError
 
 #: the flags that take one of a few words, checked by the validator kit (so a slip reads as it does in a config)
 CHOICES = {"--checkpointing": ("auto", "on", "off"), "--engine": ("deepspeed", "fsdp2"), "--format": ("table", "json"),
-           "--accelerator": ("cuda", "cpu"), "--v-format": V_FORMATS}
+           "--accelerator": ("cuda", "cpu"), "--v-format": V_FORMATS,
+           "--act-format": tuple(f for f in TENSOR_CLASSES["activations"] if f != "bf16")}
 
 
 def _shown(flag: str) -> str:
@@ -108,6 +110,10 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     s.add_argument("--v-format", metavar=_shown("--v-format"), default=None,
                    help=f"FP4AdamW's grid of v in every strategy with 4-bit states (default {V_FORMAT_DEFAULT}); "
                         "the plan counts its bytes and prints what it has cost in training, as measured")
+    s.add_argument("--act-format", metavar=_shown("--act-format"), default=None,
+                   help="the format of the saved activations in every strategy that compresses them (default: each "
+                        "strategy's own, nvfp4); the plan counts their bytes and prints what the format has cost in "
+                        "training, as measured")
     s.add_argument("--accelerator", metavar=_shown("--accelerator"),
                    help="with --check: the accelerator DeepSpeed runs on (default: cuda on a named GPU node; "
                         "on this machine, DeepSpeed's own choice)")
@@ -260,6 +266,10 @@ def build_plan(args: argparse.Namespace):
         strategies = [dataclasses.replace(s, optimizer_states=dataclasses.replace(s.optimizer_states,
                                                                                   v_format=v_format))
                       if s.optimizer_states.format != "fp32" else s for s in strategies]
+    act_format = getattr(args, "act_format", None)
+    if act_format is not None:  # every strategy that compresses saved activations stores them so
+        strategies = [dataclasses.replace(s, activations=dataclasses.replace(s.activations, format=act_format))
+                      if s.activations.format != "bf16" else s for s in strategies]
     ckpt = {"auto": None, "on": True, "off": False}[args.checkpointing]
     plan = make_plan(strategies, model, cluster, setup, ckpt)
     if not args.model:
@@ -268,6 +278,11 @@ def build_plan(args: argparse.Namespace):
     if v_format not in (None, V_FORMAT_DEFAULT):
         cost = V_GRIDS_BY_NAME[v_format].cost
         plan = dataclasses.replace(plan, notes=(f"--v-format {v_format}: {cost}", *plan.notes))
+    if act_format is not None:
+        from fp4offload._planner.rank import RISKS
+
+        level, cost = RISKS[("activations", act_format)]
+        plan = dataclasses.replace(plan, notes=(f"--act-format {act_format} ({level} risk): {cost}", *plan.notes))
     return plan, readings
 
 

@@ -43,7 +43,7 @@ TENSOR_CLASSES: dict[str, tuple[str, ...]] = {
     "grads": ("bf16", "fp32"),
     "master": ("fp32", "split", "bf16"),
     "optimizer_states": ("fp32", "nvfp4"),
-    "activations": ("bf16", "nvfp4", "mxfp8", "mxfp4"),
+    "activations": ("bf16", "nvfp4", "mxfp8", "mxfp4", "int2"),
 }
 #: keys of a tensor class besides device and format
 _CLASS_KEYS = {"master": ("residual",), "activations": ("checkpointing",)}
@@ -103,9 +103,9 @@ class Strategy:
         return {c: getattr(self, c) for c in TENSOR_CLASSES}
 
     def compressions(self) -> list[tuple[str, str]]:
-        """(tensor class, format) for every 4- or 8-bit class."""
+        """(tensor class, format) for every 2-, 4- or 8-bit class."""
         return [(c, p.format) for c, p in self.placements().items()
-                if p.format in ("nvfp4", "mxfp4", "mxfp8") or (c == "master" and p.format != "fp32")]
+                if p.format in ("nvfp4", "mxfp4", "mxfp8", "int2") or (c == "master" and p.format != "fp32")]
 
 
 def _err(src: str, key: str, value: Any, allowed: str, hint: str | None = None) -> ConfigError:

@@ -171,3 +171,23 @@ def test_the_policy_puts_only_linear_inputs_in_two_bits():
     assert ActivationPolicy(format="int2").stochastic("int2")
     assert not ActivationPolicy(format="int2", rounding="nearest").stochastic("int2")
     assert "INT2 (stochastic)" in ActivationPolicy(format="int2").describe()
+
+
+def test_plan_counts_two_bit_activations_names_their_cost_and_emits_them(tmp_path, capsys):
+    import json
+
+    from fp4offload import cli
+
+    base = ["plan", "--gpu", "h100-80gb", "--gpus", "8", "--model", "llama-2-7b", "--host-ram-gb", "512",
+            "--strategy", "zero3-params-cpu-act-fp4", "--format", "json"]
+    cli.main(base)
+    four = json.loads(capsys.readouterr().out)
+    cli.main([*base, "--act-format", "int2", "--emit", "deepspeed", str(tmp_path / "ds.json")])
+    out = capsys.readouterr().out
+    two = json.loads(out[out.index("{"):])
+    acts = lambda plan: plan["ranked"][0]["memory"]["host_bytes_per_node"]  # noqa: E731  (they live in host RAM)
+    assert acts(two) < acts(four)
+    assert any("--act-format int2 (high risk)" in n and "0.52" in n for n in two["notes"]), two["notes"]
+    assert json.loads((tmp_path / "ds.json").read_text())["fp4offload"]["activations"]["format"] == "int2"
+    assert cli.main([*base, "--act-format", "int3"]) != 0
+    assert "--act-format='int3' is not allowed" in capsys.readouterr().err
