@@ -233,6 +233,8 @@ class ActivationPolicy:
             scope += f" except {', '.join(self.exclude)}"
         rnd = "stochastic" if self.stochastic(self.format) else "nearest"
         parts = [f"saved activations in {self.format.upper()} ({rnd}) to {where}, {scope}"]
+        if self.format == "int2":
+            parts[0] += " (experimental: 2-bit linear-layer inputs cost accuracy, benchmarks/RESULTS.md)"
         for label, form in (("attention q/k", self.attention_qk_format), ("attention v/output", self.attention_format),
                             ("MLP products", self.mlp_format), ("norms", self.norm_format)):
             if form != "inherit":

@@ -171,6 +171,8 @@ def test_the_policy_puts_only_linear_inputs_in_two_bits():
     assert ActivationPolicy(format="int2").stochastic("int2")
     assert not ActivationPolicy(format="int2", rounding="nearest").stochastic("int2")
     assert "INT2 (stochastic)" in ActivationPolicy(format="int2").describe()
+    assert "experimental" in ActivationPolicy(format="int2").describe()
+    assert "experimental" not in ActivationPolicy().describe()
 
 
 def test_plan_counts_two_bit_activations_names_their_cost_and_emits_them(tmp_path, capsys):
