@@ -189,7 +189,7 @@ def test_plan_counts_two_bit_activations_names_their_cost_and_emits_them(tmp_pat
     two = json.loads(out[out.index("{"):])
     acts = lambda plan: plan["ranked"][0]["memory"]["host_bytes_per_node"]  # noqa: E731  (they live in host RAM)
     assert acts(two) < acts(four)
-    assert any("--act-format int2 (high risk)" in n and "0.52" in n for n in two["notes"]), two["notes"]
+    assert any("--act-format int2 (high risk)" in n and "-1.5 +/- 1.0 points" in n for n in two["notes"]), two["notes"]
     assert json.loads((tmp_path / "ds.json").read_text())["fp4offload"]["activations"]["format"] == "int2"
     assert cli.main([*base, "--act-format", "int3"]) != 0
     assert "--act-format='int3' is not allowed" in capsys.readouterr().err
