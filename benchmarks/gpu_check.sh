@@ -154,7 +154,7 @@ from fp4offload._ops import cpu
 t = time.time(); cpu.extension(); print(json.dumps({\"kind\": \"build\", \"cpu_s\": round(time.time() - t, 1)}))"'
 
 if ! cuda_only gpu; then
-  step gpu 150 '$PY -m pytest -m gpu -q -rfE -p no:cacheprovider -o addopts="" --continue-on-collection-errors --maxfail=25 2>&1 | tee "$OUTDIR/pytest_gpu.txt"'
+  step gpu 150 'set -o pipefail; $PY -m pytest -m gpu -q -rfE -p no:cacheprovider -o addopts="" --continue-on-collection-errors --maxfail=25 2>&1 | tee "$OUTDIR/pytest_gpu.txt"'
 fi
 
 # The cheap measurements first, so that slow end-to-end arms cannot squeeze them out of the budget.

@@ -123,6 +123,25 @@ def test_nonfinite_bytes_and_count(fmt, propagate, cu):
         assert 0 < int(torch.isnan(dec).sum()) < x.numel()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_int2_bytes_equal_reference(dtype, stochastic, cu):
+    """int2 (2-bit saved activations): the CUDA kernels' bytes, count and decode are the reference's, with a dead
+    block and a non-finite one."""
+    x = codec_data((37, 130), torch.float32, 9)
+    x.view(-1)[16:32] = 0.0
+    x.view(-1)[100] = float("nan")
+    x = x.to(dtype)
+    args = (stochastic, 11, 3, True)
+    ref, got = reference.int2_encode(x, *args), cu.int2_encode(x.cuda(), *args)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        _eq(a, b, ("encode", i))
+    assert got[-1] == 1
+    for out_dtype in DTYPES:
+        _eq(reference.int2_decode(ref[0], ref[1], ref[2], x.numel(), out_dtype),
+            cu.int2_decode(ref[0].cuda(), ref[1].cuda(), ref[2].cuda(), x.numel(), out_dtype), ("decode", out_dtype))
+
+
 @pytest.mark.parametrize("shape", [(0,), (0, 16), (3, 0)], ids=str)
 def test_empty_tensors(shape, cu):
     x = torch.zeros(shape, device="cuda")

@@ -162,8 +162,9 @@ def test_gpu_params_match_cpu_params(tier, v_rounding, tmp_path):
 
     def run(device, state_device):
         torch.manual_seed(0)
-        ps = [torch.nn.Parameter(torch.randn(R.SEGMENT + 5000, device=device) * 0.1),
-              torch.nn.Parameter(torch.randn(300, device=device))]
+        # drawn on the CPU and moved: torch.randn on "cuda" draws from the GPU's generator, other numbers
+        ps = [torch.nn.Parameter((torch.randn(R.SEGMENT + 5000) * 0.1).to(device)),
+              torch.nn.Parameter(torch.randn(300).to(device))]
         opt = FP4AdamW(ps, lr=1e-2, state_device=state_device,
                        state_format=StateFormat(m_rounding="stochastic", v_rounding=v_rounding))
         for s in range(3):

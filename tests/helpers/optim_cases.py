@@ -190,5 +190,6 @@ def run_master(exts, n, mode, stochastic, v_format, gdt, wd, *, special=None, st
                 assert torch.equal(a, b), f"{name}: {what} differ at step {t} (n={n}, {mode})"
     h = runs["ref"][0]
     assert not torch.equal(h.view(torch.int16), h0.view(torch.int16)) and runs["ref"][3].codes.any()
-    assert moved > 0 or not v_stochastic
+    # stochastic rounding of v moved some code off the nearest one; a size of 1 or 17 may draw none in a few steps
+    assert moved > 0 or not v_stochastic or n < 64
     return odd_before, runs["ref"][2].numel()
