@@ -47,3 +47,4 @@ for step, batch in zip(range(3), loader):
     opt.zero_grad()
     accelerator.print(f"step {step}: loss {loss.item():.4f}")
 accelerator.print("optimizer:", type(opt).__name__, "over", type(getattr(opt, "optimizer", opt)).__name__)
+accelerator.end_training()   # destroys the process group before the interpreter exits

@@ -26,3 +26,4 @@ for step in range(3):
         print(f"step {step}: loss {loss.item():.4f}")
 if engine.global_rank == 0:
     print(engine.fp4offload)
+torch.distributed.destroy_process_group()

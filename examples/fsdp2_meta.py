@@ -34,7 +34,9 @@ def init_weights(model):
             p.fill_(1.0)
         else:
             p.normal_(0.0, 0.02)
-    model.model.rotary_emb.inv_freq = model.model.rotary_emb.original_inv_freq.to(device_type)
+    # buffers too: to_empty left them unset, and the rotary tables are not in the state dict
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(rotary.config).to(device_type)
 
 
 with torch.device("meta"):

@@ -33,3 +33,4 @@ ff.save("ckpt/trainer", trainer.model, trainer.optimizer)   # packed states; the
 if trainer.is_world_process_zero():
     print("train loss:", trainer.state.log_history[-1].get("train_loss"))
     print("wrote", sorted(os.listdir("final")))
+torch.distributed.destroy_process_group()   # the Trainer leaves the group open; gloo can abort at exit without this

@@ -7,11 +7,12 @@ module's ``DTensor._local_tensor`` among them).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, NamedTuple
 
 from .errors import ConfigError
 
-__all__ = ["is_dtensor", "local_tensor", "ShardLayout", "shard_layout", "mesh_all_reduce", "like_param"]
+__all__ = ["is_dtensor", "local_tensor", "ShardLayout", "shard_layout", "mesh_all_reduce", "all_reduce", "like_param"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -61,13 +62,28 @@ def shard_layout(p: Any, name: str = "parameter") -> ShardLayout | None:
     return ShardLayout(mesh, d, mesh.size(d), coord[d] if coord is not None else 0)
 
 
-def mesh_all_reduce(t: Any, mesh: Any, op: Any) -> Any:
-    """All-reduce ``t`` in place over every rank of ``mesh`` (each dimension in turn; MIN/MAX/SUM compose)."""
+# The tensors of the last few all-reduces, kept alive from Python. Gloo's worker thread drops its reference to a
+# finished all-reduce just after the caller's wait() returns. If Python no longer holds the tensor by then, that
+# drop frees its Python object and needs the GIL; at interpreter exit (a program that ends right after an optimizer
+# step) the thread cannot take it and the process aborts with "terminate called without an active exception".
+_RECENT: deque = deque(maxlen=4)
+
+
+def all_reduce(t: Any, op: Any, group: Any = None) -> Any:
+    """``torch.distributed.all_reduce(t, op, group)``, in place, with ``t`` kept alive past the collective (see
+    ``_RECENT``): a program may exit right after it without racing gloo's worker thread."""
     import torch.distributed as dist
 
+    dist.all_reduce(t, op=op, group=group)
+    _RECENT.append(t)
+    return t
+
+
+def mesh_all_reduce(t: Any, mesh: Any, op: Any) -> Any:
+    """All-reduce ``t`` in place over every rank of ``mesh`` (each dimension in turn; MIN/MAX/SUM compose)."""
     for d in range(mesh.ndim):
         if mesh.size(d) > 1:
-            dist.all_reduce(t, op=op, group=mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group())
+            all_reduce(t, op, mesh.get_group(d) if mesh.ndim > 1 else mesh.get_group())
     return t
 
 

@@ -47,6 +47,7 @@ from fp4offload.errors import ConfigError
 from fp4offload._optim.adamw import FP4AdamW
 
 from fp4offload import _keep_bf16 as keep_bf16
+from fp4offload._dtensor import all_reduce
 
 from . import internals as dsi
 
@@ -254,7 +255,7 @@ def _encode_from(pw: PackedWeights, params: list, sources: list[torch.Tensor],
         amax = torch.stack([s.abs().max() if s.numel() else torch.zeros(()) for s in sources]).float()
         group, world = _group_world(params[0])
         if world > 1:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+            all_reduce(amax, torch.distributed.ReduceOp.MAX, group)
         known = amax.tolist()
     amax = torch.tensor([FP4AdamW.copy_amax(a) for a in known], dtype=torch.float32)  # as the fused step encodes
     for i, (p, src) in enumerate(zip(params, sources)):
@@ -283,7 +284,7 @@ def _after_step(pw: PackedWeights, params: list, sources: list[torch.Tensor]) ->
                         else math.inf for r in regions], dtype=torch.float64)
     group, world = _group_world(params[0])
     if world > 1:
-        torch.distributed.all_reduce(new, op=torch.distributed.ReduceOp.MAX, group=group)
+        all_reduce(new, torch.distributed.ReduceOp.MAX, group)
     rest, measured = ([], [], []), ([], [])  # rest: amax known (max-reduced above) / measured: not written
     for p, src, r, g in zip(params, sources, regions, new.tolist()):
         sh = pw.shards.get(id(p))

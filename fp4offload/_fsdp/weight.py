@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .. import _metrics as metrics
 from ..errors import NonFiniteError
+from .._dtensor import all_reduce
 from .internals import local_tensor
 
 aten = torch.ops.aten
@@ -332,7 +333,7 @@ class GatherGroup:
         if self.pg is not None and dist.get_world_size(self.pg) > 1:
             t = amax if amax.device.type == self.device_type else amax.to(self.device_type)
             try:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.pg)
+                all_reduce(t, dist.ReduceOp.MAX, self.pg)
             except Exception as e:
                 raise CollectiveError("the amax all-reduce of " + first.spec.name, e) from e
             amax = t

@@ -73,3 +73,5 @@ def test_the_example_runs(name, tmp_path):
         shm.unlink(missing_ok=True)
     out = log.read_text()
     assert rc == 0 and expect in out, f"{name} exited {rc}:\n{out[-5000:]}"
+    # the losses it prints are finite, and no step was skipped for non-finite gradients
+    assert not re.search(r"loss:? nan|non-finite", out), f"{name} trained on non-finite values:\n{out[-5000:]}"

@@ -81,3 +81,23 @@ def test_a_sharded_step_reads_the_gradients_once_for_the_vote(one_rank, monkeypa
         with o.packed_form():
             assert "exp_avg" not in o.state_dict()["state"][0] or o is fp32
         o.load_state_dict(sd)
+
+
+def test_all_reduce_keeps_its_tensor_alive_past_the_collective(one_rank):
+    """gloo's worker thread drops a finished all-reduce after the caller's wait(); a tensor Python still holds
+    then needs no GIL there, so a program that exits right after a step cannot abort (fp4offload._dtensor)."""
+    import weakref
+
+    import torch
+
+    from fp4offload import _dtensor
+
+    t = torch.ones(3)
+    alive = weakref.ref(t)
+    out = _dtensor.all_reduce(t, dist.ReduceOp.SUM)
+    assert out is t and torch.equal(out, torch.ones(3))
+    del t, out
+    assert alive() is not None, "the caller's last reference is gone; the helper must still hold the tensor"
+    for _ in range(_dtensor._RECENT.maxlen):
+        _dtensor.all_reduce(torch.zeros(1), dist.ReduceOp.MAX)
+    assert alive() is None, "only the last few collectives' tensors are kept"
