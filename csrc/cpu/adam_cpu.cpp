@@ -7,7 +7,7 @@
 // same bits: the AVX-512 kernels (adam_avx512.h; FP4_AVX512_LAYER_STEP=1 swaps in the SIMD-layer step) in the
 // AVX-512 build, the step written on the SIMD layer (adam_simd.h) in the NEON, SVE and AVX2 builds (a partial last
 // chunk on the portable path, adam_chunk.h), and the scalar path, which set_simd(False) selects for tests (isa.h).
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -57,8 +57,8 @@ void step_range(const ChunkArgs& a, const G* grad, int64_t c0, int64_t c1, bool 
   fp4adam::step_range_scalar(a, grad, c0, c1);
 }
 
-uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == torch::kUInt8,
+uint8_t* u8ptr(at::Tensor& t, const char* name, int64_t need) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == at::kByte,
               "fused_step: ", name, " must be a contiguous uint8 CPU tensor");
   TORCH_CHECK(t.numel() == need, "fused_step: ", name, " has ", t.numel(), " bytes, expected ", need);
   return t.data_ptr<uint8_t>();
@@ -66,8 +66,8 @@ uint8_t* u8ptr(torch::Tensor& t, const char* name, int64_t need) {
 
 // The packed states and the step's scalars of an n-element step, checked; no parameter, bf16 copy or gradient
 // scale yet (the caller sets those).
-ChunkArgs state_args(int64_t n, torch::Tensor& m_codes, torch::Tensor& m_scales, torch::Tensor& m_ts,
-                     torch::Tensor& v_codes, torch::Tensor& v_scales, torch::Tensor& v_ts, double b1, double omb1,
+ChunkArgs state_args(int64_t n, at::Tensor& m_codes, at::Tensor& m_scales, at::Tensor& m_ts,
+                     at::Tensor& v_codes, at::Tensor& v_scales, at::Tensor& v_ts, double b1, double omb1,
                      double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
                      bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, bool v_stochastic,
                      int64_t seed, int64_t stream0) {
@@ -106,17 +106,17 @@ ChunkArgs state_args(int64_t n, torch::Tensor& m_codes, torch::Tensor& m_scales,
 // after the update of its last chunk, while it is in cache; bands that straddle two threads' chunk ranges
 // are encoded after the parallel loop. Returns {finite amax of the region's new values (NaN if one is not
 // finite), s_dec} per region; a caller whose amax grew past w_amax re-encodes (those tiles saturated).
-std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes, torch::Tensor m_scales,
-                torch::Tensor m_ts, torch::Tensor v_codes, torch::Tensor v_scales, torch::Tensor v_ts, double b1,
+std::vector<double> fused_step(at::Tensor param, at::Tensor grad, at::Tensor m_codes, at::Tensor m_scales,
+                at::Tensor m_ts, at::Tensor v_codes, at::Tensor v_scales, at::Tensor v_ts, double b1,
                 double omb1, double b2, double omb2, double eps, double decay, double step_size, double rsbc2,
                 bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, int64_t seed, int64_t stream0,
-                c10::optional<torch::Tensor> bf16_out, std::vector<torch::Tensor> w_data,
-                std::vector<torch::Tensor> w_scales, std::vector<int64_t> w_offsets, std::vector<int64_t> w_rows,
+                c10::optional<at::Tensor> bf16_out, std::vector<at::Tensor> w_data,
+                std::vector<at::Tensor> w_scales, std::vector<int64_t> w_offsets, std::vector<int64_t> w_rows,
                 std::vector<int64_t> w_cols, std::vector<double> w_amax, bool v_stochastic, double grad_scale) {
-  TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.scalar_type() == torch::kFloat32,
+  TORCH_CHECK(param.device().is_cpu() && param.is_contiguous() && param.scalar_type() == at::kFloat,
               "fused_step: param must be a contiguous fp32 CPU tensor");
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() &&
-                  (grad.scalar_type() == torch::kFloat32 || grad.scalar_type() == torch::kBFloat16),
+                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
               "fused_step: grad must be a contiguous fp32 or bf16 CPU tensor");
   const int64_t n = param.numel();
   TORCH_CHECK(grad.numel() == n, "fused_step: grad has ", grad.numel(), " elements, param ", n);
@@ -130,13 +130,13 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
   a.gscaled = grad_scale != 1.0;
   a.bf16_out = nullptr;
   if (bf16_out.has_value() && bf16_out->defined()) {
-    TORCH_CHECK(bf16_out->is_contiguous() && bf16_out->scalar_type() == torch::kBFloat16 && bf16_out->numel() == n,
+    TORCH_CHECK(bf16_out->is_contiguous() && bf16_out->scalar_type() == at::kBFloat16 && bf16_out->numel() == n,
                 "fused_step: bf16_out must be a contiguous bf16 tensor of the param's size");
     a.bf16_out = reinterpret_cast<uint16_t*>(bf16_out->data_ptr<at::BFloat16>());
   }
   const bool vec = fp4cpu::have_simd();
   const bool simd = fp4cpu::have_simd();  // the weight copy's encode: AVX-512, the portable rows, or scalar (nvfp4_rows.h)
-  const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
+  const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
   auto step_chunks = [&](int64_t c0, int64_t c1) {
@@ -245,41 +245,41 @@ std::vector<double> fused_step(torch::Tensor param, torch::Tensor grad, torch::T
 // Each thread rebuilds the fp32 master of a group of kGroup chunks into its own buffer, runs the same chunk
 // step on it as fused_step does (so the bits equal the fp32-master step's), and writes the halves back while
 // the group is in cache: one pass over memory, no fp32 copy of the parameter.
-torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> lo, torch::Tensor odd, torch::Tensor grad,
-                                torch::Tensor m_codes, torch::Tensor m_scales, torch::Tensor m_ts, torch::Tensor v_codes,
-                                torch::Tensor v_scales, torch::Tensor v_ts, double b1, double omb1, double b2,
+at::Tensor fused_step_master(at::Tensor hi, c10::optional<at::Tensor> lo, at::Tensor odd, at::Tensor grad,
+                                at::Tensor m_codes, at::Tensor m_scales, at::Tensor m_ts, at::Tensor v_codes,
+                                at::Tensor v_scales, at::Tensor v_ts, double b1, double omb1, double b2,
                                 double omb2, double eps, double decay, double step_size, double rsbc2,
                                 bool weight_decay, bool maximize, int64_t v_kind, bool m_stochastic, int64_t seed,
                                 int64_t stream0, int64_t mode, bool v_stochastic) {
   TORCH_CHECK(mode == 1 || mode == 2, "fused_step_master: mode must be 1 (split) or 2 (bf16)");
-  TORCH_CHECK(hi.device().is_cpu() && hi.is_contiguous() && hi.scalar_type() == torch::kBFloat16,
+  TORCH_CHECK(hi.device().is_cpu() && hi.is_contiguous() && hi.scalar_type() == at::kBFloat16,
               "fused_step_master: the parameter must be a contiguous bf16 CPU tensor");
   const int64_t n = hi.numel();
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == n &&
-                  (grad.scalar_type() == torch::kFloat32 || grad.scalar_type() == torch::kBFloat16),
+                  (grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16),
               "fused_step_master: grad must be a contiguous fp32 or bf16 CPU tensor of the parameter's size");
   int16_t* lp = nullptr;
   if (mode == 1) {
     TORCH_CHECK(lo.has_value() && lo->defined() && lo->device().is_cpu() && lo->is_contiguous() &&
-                    lo->scalar_type() == torch::kInt16 && lo->numel() == n,
+                    lo->scalar_type() == at::kShort && lo->numel() == n,
                 "fused_step_master: split needs a contiguous int16 residual of the parameter's size");
     lp = lo->data_ptr<int16_t>();
   }
-  TORCH_CHECK(odd.device().is_cpu() && odd.is_contiguous() && odd.scalar_type() == torch::kInt64 && odd.dim() == 1,
+  TORCH_CHECK(odd.device().is_cpu() && odd.is_contiguous() && odd.scalar_type() == at::kLong && odd.dim() == 1,
               "fused_step_master: odd must be a contiguous 1-d int64 CPU tensor");
   const int64_t* op = odd.data_ptr<int64_t>();
   const int64_t nodd = odd.numel();
   for (int64_t k = 0; k < nodd; ++k)
     TORCH_CHECK(op[k] >= 0 && op[k] < n && (k == 0 || op[k] > op[k - 1]),
                 "fused_step_master: odd must hold increasing positions inside the parameter");
-  if (n == 0) return torch::empty({0}, torch::kInt64);
+  if (n == 0) return at::empty({0}, at::kLong);
   ChunkArgs a = state_args(n, m_codes, m_scales, m_ts, v_codes, v_scales, v_ts, b1, omb1, b2, omb2, eps, decay,
                            step_size, rsbc2, weight_decay, maximize, v_kind, m_stochastic, v_stochastic, seed, stream0);
   const int64_t nchunks = (n + kChunk - 1) / kChunk;
   uint16_t* hp = reinterpret_cast<uint16_t*>(hi.data_ptr<at::BFloat16>());
   a.bf16_out = mode == 1 ? hp : nullptr;  // split: the step writes rne(new master) into the parameter itself
   const bool simd = fp4cpu::have_simd();
-  const bool bf16_grad = grad.scalar_type() == torch::kBFloat16;
+  const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   const float* gf = bf16_grad ? nullptr : grad.data_ptr<float>();
   const uint16_t* gb = bf16_grad ? reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()) : nullptr;
   constexpr int64_t kGroup = 32;  // chunks per rebuilt buffer: 128 KiB of fp32, in L2
@@ -308,7 +308,7 @@ torch::Tensor fused_step_master(torch::Tensor hi, c10::optional<torch::Tensor> l
   std::sort(found.begin(), found.end(), [](const auto& x, const auto& y) { return x.first < y.first; });
   int64_t total = 0;
   for (const auto& f : found) total += (int64_t)f.second.size();
-  torch::Tensor out = torch::empty({total}, torch::kInt64);
+  at::Tensor out = at::empty({total}, at::kLong);
   int64_t* w = out.data_ptr<int64_t>();
   for (const auto& f : found) w = std::copy(f.second.begin(), f.second.end(), w);
   return out;
@@ -337,7 +337,7 @@ int64_t split_selfcheck(int64_t start, int64_t stop) {
 // True when the magnitude pattern of every element of a fp32/bf16/fp16 CPU tensor is below the dtype's limit:
 // the patterns of |x| order as the values, and every non-finite pattern lies at or above the infinity's. One
 // integer compare per element, read once at memory speed. Other dtypes: None (the caller decides).
-c10::optional<bool> magnitudes_below(const torch::Tensor& t, uint32_t f32_limit, uint16_t bf16_limit,
+c10::optional<bool> magnitudes_below(const at::Tensor& t, uint32_t f32_limit, uint16_t bf16_limit,
                                      uint16_t f16_limit) {
   TORCH_CHECK(t.device().is_cpu(), "expects a CPU tensor");
   auto x = t.contiguous();
@@ -352,13 +352,13 @@ c10::optional<bool> magnitudes_below(const torch::Tensor& t, uint32_t f32_limit,
     });
   };
   switch (x.scalar_type()) {
-    case torch::kFloat32:
+    case at::kFloat:
       scan(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), 0x7FFFFFFFu, f32_limit);
       break;
-    case torch::kBFloat16:
+    case at::kBFloat16:
       scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, bf16_limit);
       break;
-    case torch::kHalf:
+    case at::kHalf:
       scan(reinterpret_cast<const uint16_t*>(x.data_ptr()), (uint16_t)0x7FFF, f16_limit);
       break;
     default:
@@ -368,16 +368,16 @@ c10::optional<bool> magnitudes_below(const torch::Tensor& t, uint32_t f32_limit,
 }
 
 // True when every element of a CPU tensor is finite (below the infinity's pattern).
-bool all_finite(torch::Tensor t) {
+bool all_finite(at::Tensor t) {
   TORCH_CHECK(t.device().is_cpu(), "all_finite: expects a CPU tensor");
   const auto r = magnitudes_below(t, 0x7F800000u, 0x7F80, 0x7C00);
-  return r.has_value() ? *r : torch::isfinite(t).all().item<bool>();
+  return r.has_value() ? *r : at::isfinite(t).all().item<bool>();
 }
 
 // True when every element of a fp32/bf16/fp16 CPU tensor is finite and of magnitude below 2^64 (FP4AdamW's
 // GRAD_LIMIT: a larger gradient overflows g*g in fp32); fp16 holds nothing as large, so there only the
 // non-finite patterns fail.
-bool grads_ok(torch::Tensor t) {
+bool grads_ok(at::Tensor t) {
   TORCH_CHECK(t.device().is_cpu(), "grads_ok: expects a CPU tensor");
   const auto r = magnitudes_below(t, 0x5F800000u, 0x5F80, 0x7C00);  // 2^64 in fp32 and bf16
   TORCH_CHECK(r.has_value(), "grads_ok: expects a fp32, bf16 or fp16 tensor, got ", t.scalar_type());
@@ -396,8 +396,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_tscale"), py::arg("b1"), py::arg("omb1"), py::arg("b2"), py::arg("omb2"), py::arg("eps"),
         py::arg("decay"), py::arg("step_size"), py::arg("rsbc2"), py::arg("weight_decay"), py::arg("maximize"),
         py::arg("v_kind"), py::arg("m_stochastic"), py::arg("seed"), py::arg("stream0"),
-        py::arg("bf16_out") = py::none(), py::arg("w_data") = std::vector<torch::Tensor>{},
-        py::arg("w_scales") = std::vector<torch::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
+        py::arg("bf16_out") = py::none(), py::arg("w_data") = std::vector<at::Tensor>{},
+        py::arg("w_scales") = std::vector<at::Tensor>{}, py::arg("w_offsets") = std::vector<int64_t>{},
         py::arg("w_rows") = std::vector<int64_t>{}, py::arg("w_cols") = std::vector<int64_t>{},
         py::arg("w_amax") = std::vector<double>{}, py::arg("v_stochastic") = false, py::arg("grad_scale") = 1.0);
   m.def("fused_step_master", &fused_step_master, "fused FP4AdamW step of a bf16 parameter with a compact master",

@@ -2,7 +2,7 @@
 // blocks with at::parallel_for (OpenMP in torch's CPU builds). NVFP4/ufp4 rows and MX blocks (amax, encode nearest
 // and stochastic, decode) have AVX-512 versions in nvfp4_avx512.h in the AVX-512 build; the AVX2, NEON and SVE
 // builds run the portable rows and MXFP4 blocks of nvfp4_rows.h.
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -30,18 +30,18 @@ using fp4codec::mx_encode_impl;
 using fp4codec::nvfp4_decode_impl;
 using fp4codec::nvfp4_encode_impl;
 
-std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t cols, int64_t tile, int64_t scope,
+std::vector<at::Tensor> nvfp4_encode(at::Tensor x, int64_t rows, int64_t cols, int64_t tile, int64_t scope,
                                         bool ufp4, bool stochastic, int64_t seed, int64_t stream, bool propagate,
-                                        c10::optional<torch::Tensor> amax) {
+                                        c10::optional<at::Tensor> amax) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "nvfp4_encode: x must be a contiguous CPU tensor");
   TORCH_CHECK(x.numel() == rows * cols, "nvfp4_encode: rows * cols != numel");
   const NvGeom g(rows, cols, tile, scope);
-  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
-  auto data = torch::empty({g.data_bytes()}, u8);
-  auto scales = torch::empty({g.nb}, u8);
+  auto u8 = at::TensorOptions().dtype(at::kByte);
+  auto data = at::empty({g.data_bytes()}, u8);
+  auto scales = at::empty({g.nb}, u8);
   const float* amax_in = nullptr;
   if (amax.has_value()) {
-    TORCH_CHECK(amax->scalar_type() == torch::kFloat32 && amax->is_contiguous() && amax->numel() == g.nscopes,
+    TORCH_CHECK(amax->scalar_type() == at::kFloat && amax->is_contiguous() && amax->numel() == g.nscopes,
                 "nvfp4_encode: amax must be a contiguous fp32 tensor with one value per scope (", g.nscopes, ")");
     amax_in = amax->data_ptr<float>();
   }
@@ -53,18 +53,18 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
                                 propagate, amax_in, simd, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec,
                                 nonfinite);
   });
-  auto ts = torch::from_blob(s_dec.data(), {(int64_t)s_dec.size()}, torch::kFloat32).clone();
-  return {data, scales, ts, torch::scalar_tensor(nonfinite, torch::kInt64)};
+  auto ts = at::from_blob(s_dec.data(), {(int64_t)s_dec.size()}, at::kFloat).clone();
+  return {data, scales, ts, at::scalar_tensor(nonfinite, at::kLong)};
 }
 
-torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t rows,
+at::Tensor nvfp4_decode(at::Tensor data, at::Tensor scales, at::Tensor tensor_scale, int64_t rows,
                            int64_t cols, int64_t tile, int64_t scope, bool ufp4, at::ScalarType out_dtype) {
   const NvGeom g(rows, cols, tile, scope);
-  auto out = torch::empty({g.n}, torch::TensorOptions().dtype(out_dtype));
+  auto out = at::empty({g.n}, at::TensorOptions().dtype(out_dtype));
   if (g.n == 0) return out;
   TORCH_CHECK(data.numel() >= g.data_bytes() && scales.numel() >= g.nb && tensor_scale.numel() >= g.nscopes,
               "nvfp4_decode: data/scales/tensor_scale are smaller than the shape needs");
-  auto ts = tensor_scale.to(torch::kFloat32).contiguous();
+  auto ts = tensor_scale.to(at::kFloat).contiguous();
   const bool simd = fp4cpu::have_simd();  // AVX-512 kernels, or the portable vector rows (nvfp4_rows.h)
   FP4_DISPATCH(out_dtype, "nvfp4_decode", [&] {
     nvfp4_decode_impl<scalar_t>(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), ts.data_ptr<float>(), g, ufp4,
@@ -73,25 +73,25 @@ torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tens
   return out;
 }
 
-std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode, bool stochastic, int64_t seed,
+std::vector<at::Tensor> mx_encode(at::Tensor x, bool fp8, bool floor_mode, bool stochastic, int64_t seed,
                                      int64_t stream, bool propagate) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "mx_encode: x must be a contiguous CPU tensor");
   const int64_t n = x.numel();
   const int64_t nb = ceil_div(n, kMxBlock);
-  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
-  auto data = torch::empty({fp8 ? nb * kMxBlock : nb * kMxBlock / 2}, u8);
-  auto scales = torch::empty({nb}, u8);
+  auto u8 = at::TensorOptions().dtype(at::kByte);
+  auto data = at::empty({fp8 ? nb * kMxBlock : nb * kMxBlock / 2}, u8);
+  auto scales = at::empty({nb}, u8);
   int64_t nonfinite = 0;
   const bool simd = fp4cpu::have_simd();  // AVX-512 blocks, or the portable MXFP4 blocks (nvfp4_rows.h)
   FP4_DISPATCH(x.scalar_type(), "mx_encode", [&] {
     mx_encode_impl<scalar_t>(x.data_ptr<scalar_t>(), n, fp8, floor_mode, stochastic, (uint32_t)seed, (uint32_t)stream,
                              propagate, simd, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), nonfinite);
   });
-  return {data, scales, torch::scalar_tensor(nonfinite, torch::kInt64)};
+  return {data, scales, at::scalar_tensor(nonfinite, at::kLong)};
 }
 
-torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel, bool fp8, at::ScalarType out_dtype) {
-  auto out = torch::empty({numel}, torch::TensorOptions().dtype(out_dtype));
+at::Tensor mx_decode(at::Tensor data, at::Tensor scales, int64_t numel, bool fp8, at::ScalarType out_dtype) {
+  auto out = at::empty({numel}, at::TensorOptions().dtype(out_dtype));
   if (numel == 0) return out;
   FP4_DISPATCH(out_dtype, "mx_decode", [&] {
     mx_decode_impl<scalar_t>(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), numel, fp8,
@@ -100,13 +100,13 @@ torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel,
   return out;
 }
 
-std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t seed, int64_t stream, bool propagate) {
+std::vector<at::Tensor> int2_encode(at::Tensor x, bool stochastic, int64_t seed, int64_t stream, bool propagate) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "int2_encode: x must be a contiguous CPU tensor");
   const int64_t n = x.numel();
   const int64_t nb = ceil_div(n, kNvBlock);
-  auto u8 = torch::TensorOptions().dtype(torch::kUInt8);
-  auto data = torch::empty({nb * (kNvBlock / 4)}, u8);
-  auto scales = torch::empty({nb}, u8);
+  auto u8 = at::TensorOptions().dtype(at::kByte);
+  auto data = at::empty({nb * (kNvBlock / 4)}, u8);
+  auto scales = at::empty({nb}, u8);
   float s_dec = 0.0f;
   int64_t nonfinite = 0;
   const bool simd = fp4cpu::have_simd();
@@ -115,16 +115,16 @@ std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t
                                          propagate, simd, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec,
                                          nonfinite);
   });
-  return {data, scales, torch::full({1}, s_dec, torch::kFloat32), torch::scalar_tensor(nonfinite, torch::kInt64)};
+  return {data, scales, at::full({1}, s_dec, at::kFloat), at::scalar_tensor(nonfinite, at::kLong)};
 }
 
-torch::Tensor int2_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t numel,
+at::Tensor int2_decode(at::Tensor data, at::Tensor scales, at::Tensor tensor_scale, int64_t numel,
                           at::ScalarType out_dtype) {
-  auto out = torch::empty({numel}, torch::TensorOptions().dtype(out_dtype));
+  auto out = at::empty({numel}, at::TensorOptions().dtype(out_dtype));
   if (numel == 0) return out;
   TORCH_CHECK(data.numel() >= ceil_div(numel, kNvBlock) * (kNvBlock / 4) && scales.numel() >= ceil_div(numel, kNvBlock)
                   && tensor_scale.numel() >= 1, "int2_decode: data/scales/tensor_scale are smaller than the shape needs");
-  const float s_dec = tensor_scale.to(torch::kFloat32).reshape({-1})[0].item<float>();
+  const float s_dec = tensor_scale.to(at::kFloat).reshape({-1})[0].item<float>();
   FP4_DISPATCH(out_dtype, "int2_decode", [&] {
     fp4codec::int2_decode_impl<scalar_t>(data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), s_dec, numel,
                                          out.data_ptr<scalar_t>());

@@ -2,7 +2,7 @@
 // csrc/cpu/fp4_cpu.cpp and fp4offload/formats/reference.py), on CUDA tensors, enqueued on the current
 // stream. Outputs stay on the device; nothing here synchronizes (the non-finite count is returned as a
 // 0-dim int64 CUDA tensor, which the Python wrapper turns into an int).
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -26,25 +26,25 @@ fp4cuda::DType dtype_of(at::ScalarType t, const char* fn, const char* name) {
   return fp4cuda::kF32;
 }
 
-void check_cuda(const torch::Tensor& t, const char* fn, const char* name) {
+void check_cuda(const at::Tensor& t, const char* fn, const char* name) {
   TORCH_CHECK(t.is_cuda(), fn, ": ", name, " is on ", t.device(), "; it must be a CUDA tensor (move it with .cuda(), "
               "or use the cpu backend for CPU tensors)");
   TORCH_CHECK(t.is_contiguous(), fn, ": ", name, " must be contiguous; call .contiguous() first");
 }
 
-void check_same_device(const torch::Tensor& a, const torch::Tensor& b, const char* fn, const char* name) {
+void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* fn, const char* name) {
   TORCH_CHECK(a.device() == b.device(), fn, ": ", name, " is on ", b.device(), " but the data is on ", a.device(),
               "; move both to one device");
 }
 
-void check_u8(const torch::Tensor& t, int64_t need, const char* fn, const char* name) {
+void check_u8(const at::Tensor& t, int64_t need, const char* fn, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kByte, fn, ": ", name, " has dtype ", t.scalar_type(), "; allowed: uint8");
   TORCH_CHECK(t.numel() >= need, fn, ": ", name, " holds ", t.numel(), " bytes; the layout needs ", need,
               " (was it encoded with other rows/cols/tile/scope?)");
 }
 
 // A decoder's inputs: codes and block scales on one CUDA device, an output dtype the kernels write.
-fp4cuda::DType check_decode(const torch::Tensor& data, const torch::Tensor& scales, at::ScalarType out_dtype,
+fp4cuda::DType check_decode(const at::Tensor& data, const at::Tensor& scales, at::ScalarType out_dtype,
                             const char* fn) {
   check_cuda(data, fn, "data");
   check_cuda(scales, fn, "scales");
@@ -56,9 +56,9 @@ void cuda_ok(cudaError_t e, const char* fn) {
   TORCH_CHECK(e == cudaSuccess, fn, ": CUDA launch failed: ", cudaGetErrorString(e));
 }
 
-std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t cols, int64_t tile, int64_t scope,
+std::vector<at::Tensor> nvfp4_encode(at::Tensor x, int64_t rows, int64_t cols, int64_t tile, int64_t scope,
                                         bool ufp4, bool stochastic, int64_t seed, int64_t sr_stream, bool propagate,
-                                        c10::optional<torch::Tensor> amax) {
+                                        c10::optional<at::Tensor> amax) {
   const char* fn = "nvfp4_encode";
   check_cuda(x, fn, "x");
   const fp4cuda::DType dt = dtype_of(x.scalar_type(), fn, "x");
@@ -80,11 +80,11 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
   }
   auto u8 = x.options().dtype(at::kByte);
   auto f32 = x.options().dtype(at::kFloat);
-  auto data = torch::empty({L.data_bytes}, u8);
-  auto scales = torch::empty({L.nb}, u8);
-  auto ts = torch::empty({L.nscopes}, f32);
-  auto ws = torch::empty({L.nscopes}, f32);
-  auto count = torch::empty({}, x.options().dtype(at::kLong));
+  auto data = at::empty({L.data_bytes}, u8);
+  auto scales = at::empty({L.nb}, u8);
+  auto ts = at::empty({L.nscopes}, f32);
+  auto ws = at::empty({L.nscopes}, f32);
+  auto count = at::empty({}, x.options().dtype(at::kLong));
   cuda_ok(fp4cuda::nvfp4_encode(x.data_ptr(), dt, rows, cols, tile, scope, ufp4, stochastic, (uint32_t)seed,
                                 (uint32_t)sr_stream, propagate, amax_ptr, data.data_ptr<uint8_t>(),
                                 scales.data_ptr<uint8_t>(), ts.data_ptr<float>(), ws.data_ptr<float>(),
@@ -94,7 +94,7 @@ std::vector<torch::Tensor> nvfp4_encode(torch::Tensor x, int64_t rows, int64_t c
   return {data, scales, ts, count};
 }
 
-torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t rows,
+at::Tensor nvfp4_decode(at::Tensor data, at::Tensor scales, at::Tensor tensor_scale, int64_t rows,
                            int64_t cols, int64_t tile, int64_t scope, bool ufp4, at::ScalarType out_dtype) {
   const char* fn = "nvfp4_decode";
   const fp4cuda::DType dt = check_decode(data, scales, out_dtype, fn);
@@ -103,7 +103,7 @@ torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tens
               "; allowed: 0 or a positive multiple of 16 (16x16 tiles ignore it)");
   c10::cuda::CUDAGuard guard(data.device());
   const fp4cuda::NvLayout L = fp4cuda::nv_layout(rows, cols, tile, scope);
-  auto out = torch::empty({L.n}, data.options().dtype(out_dtype));
+  auto out = at::empty({L.n}, data.options().dtype(out_dtype));
   if (L.n == 0) return out;
   check_u8(data, L.data_bytes, fn, "data");
   check_u8(scales, L.nb, fn, "scales");
@@ -115,7 +115,7 @@ torch::Tensor nvfp4_decode(torch::Tensor data, torch::Tensor scales, torch::Tens
   return out;
 }
 
-std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode, bool stochastic, int64_t seed,
+std::vector<at::Tensor> mx_encode(at::Tensor x, bool fp8, bool floor_mode, bool stochastic, int64_t seed,
                                      int64_t sr_stream, bool propagate) {
   const char* fn = "mx_encode";
   check_cuda(x, fn, "x");
@@ -123,9 +123,9 @@ std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode,
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t n = x.numel(), nb = fp4cuda::ceil_div(n, 32);
   auto u8 = x.options().dtype(at::kByte);
-  auto data = torch::empty({fp8 ? nb * 32 : nb * 16}, u8);
-  auto scales = torch::empty({nb}, u8);
-  auto count = torch::empty({}, x.options().dtype(at::kLong));
+  auto data = at::empty({fp8 ? nb * 32 : nb * 16}, u8);
+  auto scales = at::empty({nb}, u8);
+  auto count = at::empty({}, x.options().dtype(at::kLong));
   cuda_ok(fp4cuda::mx_encode(x.data_ptr(), dt, n, fp8, floor_mode, stochastic, (uint32_t)seed, (uint32_t)sr_stream,
                              propagate, data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
                              reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
@@ -134,11 +134,11 @@ std::vector<torch::Tensor> mx_encode(torch::Tensor x, bool fp8, bool floor_mode,
   return {data, scales, count};
 }
 
-torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel, bool fp8, at::ScalarType out_dtype) {
+at::Tensor mx_decode(at::Tensor data, at::Tensor scales, int64_t numel, bool fp8, at::ScalarType out_dtype) {
   const char* fn = "mx_decode";
   const fp4cuda::DType dt = check_decode(data, scales, out_dtype, fn);
   c10::cuda::CUDAGuard guard(data.device());
-  auto out = torch::empty({numel}, data.options().dtype(out_dtype));
+  auto out = at::empty({numel}, data.options().dtype(out_dtype));
   if (numel == 0) return out;
   const int64_t nb = fp4cuda::ceil_div(numel, 32);
   check_u8(data, fp8 ? nb * 32 : nb * 16, fn, "data");
@@ -149,7 +149,7 @@ torch::Tensor mx_decode(torch::Tensor data, torch::Tensor scales, int64_t numel,
   return out;
 }
 
-std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t seed, int64_t sr_stream,
+std::vector<at::Tensor> int2_encode(at::Tensor x, bool stochastic, int64_t seed, int64_t sr_stream,
                                        bool propagate) {
   const char* fn = "int2_encode";
   check_cuda(x, fn, "x");
@@ -158,11 +158,11 @@ std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t
   const int64_t n = x.numel(), nb = fp4cuda::ceil_div(n, 16);
   auto u8 = x.options().dtype(at::kByte);
   auto f32 = x.options().dtype(at::kFloat);
-  auto data = torch::empty({nb * 4}, u8);
-  auto scales = torch::empty({nb}, u8);
-  auto ts = torch::empty({1}, f32);
-  auto ws = torch::empty({1 + nb}, f32);
-  auto count = torch::empty({}, x.options().dtype(at::kLong));
+  auto data = at::empty({nb * 4}, u8);
+  auto scales = at::empty({nb}, u8);
+  auto ts = at::empty({1}, f32);
+  auto ws = at::empty({1 + nb}, f32);
+  auto count = at::empty({}, x.options().dtype(at::kLong));
   cuda_ok(fp4cuda::int2_encode(x.data_ptr(), dt, n, stochastic, (uint32_t)seed, (uint32_t)sr_stream, propagate,
                                data.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(), ts.data_ptr<float>(),
                                ws.data_ptr<float>(), reinterpret_cast<unsigned long long*>(count.data_ptr<int64_t>()),
@@ -171,12 +171,12 @@ std::vector<torch::Tensor> int2_encode(torch::Tensor x, bool stochastic, int64_t
   return {data, scales, ts, count};
 }
 
-torch::Tensor int2_decode(torch::Tensor data, torch::Tensor scales, torch::Tensor tensor_scale, int64_t numel,
+at::Tensor int2_decode(at::Tensor data, at::Tensor scales, at::Tensor tensor_scale, int64_t numel,
                           at::ScalarType out_dtype) {
   const char* fn = "int2_decode";
   const fp4cuda::DType dt = check_decode(data, scales, out_dtype, fn);
   c10::cuda::CUDAGuard guard(data.device());
-  auto out = torch::empty({numel}, data.options().dtype(out_dtype));
+  auto out = at::empty({numel}, data.options().dtype(out_dtype));
   if (numel == 0) return out;
   const int64_t nb = fp4cuda::ceil_div(numel, 16);
   check_u8(data, nb * 4, fn, "data");
@@ -190,14 +190,14 @@ torch::Tensor int2_decode(torch::Tensor data, torch::Tensor scales, torch::Tenso
 }
 
 // Diagnostics of the sm_100a path (not part of the kernel API).
-std::vector<torch::Tensor> e2m1_pack_check(torch::Tensor y) {
+std::vector<at::Tensor> e2m1_pack_check(at::Tensor y) {
   const char* fn = "e2m1_pack_check";
   check_cuda(y, fn, "y");
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.numel() % 2 == 0, fn, ": y must be fp32 with an even element count");
   c10::cuda::CUDAGuard guard(y.device());
   const int64_t npairs = y.numel() / 2;
-  auto hw = torch::empty({npairs}, y.options().dtype(at::kByte));
-  auto sw = torch::empty({npairs}, y.options().dtype(at::kByte));
+  auto hw = at::empty({npairs}, y.options().dtype(at::kByte));
+  auto sw = at::empty({npairs}, y.options().dtype(at::kByte));
   cuda_ok(fp4cuda::e2m1_pack_check(y.data_ptr<float>(), npairs, hw.data_ptr<uint8_t>(), sw.data_ptr<uint8_t>(),
                                    c10::cuda::getCurrentCUDAStream().stream()),
           fn);
@@ -206,7 +206,7 @@ std::vector<torch::Tensor> e2m1_pack_check(torch::Tensor y) {
 
 bool hw_e2m1(int64_t device) {
   c10::cuda::CUDAGuard guard((c10::DeviceIndex)device);
-  auto flag = torch::zeros({}, torch::TensorOptions().dtype(at::kInt).device(torch::kCUDA, device));
+  auto flag = at::zeros({}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device));
   cuda_ok(fp4cuda::hw_e2m1_flag(flag.data_ptr<int>(), c10::cuda::getCurrentCUDAStream().stream()), "hw_e2m1");
   return flag.item<int>() != 0;
 }

@@ -4,8 +4,10 @@ Every build of an extension holds an advisory lock (``fcntl.flock``) on ``<build
 long as torch's own lock file (``<build dir>/lock``) may exist. The kernel drops a flock when its process dies,
 so a ``lock`` found while the flock is free was left by a build that was killed: it is removed, with a line
 saying so, instead of making this process wait for it forever (torch waits on that file without a timeout).
-A build whose sources are newer than its library (or that has none) prints one line first: what it builds and
-about how long it takes.
+A build is keyed by what it is made of (:func:`build_key`: every file under csrc/, the flags, torch's and Python's
+versions, the compiler named by CXX), written beside the library. A library whose key matches is imported as it is,
+whichever checkout or installation built it, so two copies of one version share their kernels; any other key is
+built again, after one line saying what it builds and about how long it takes.
 
 Every extension is loaded through :func:`load`: built (or loaded from the cache) once per process, and a build that
 fails is not tried again in that process; its callers fall back (codec dispatch to the torch reference, FP4AdamW to
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
+import sys
 import time
 from importlib import resources
 from pathlib import Path
@@ -118,18 +122,42 @@ def owning(build_dir: Path, name: str):
         os.close(fd)
 
 
-def needs_build(build_dir: Path, name: str, sources: list[Path]) -> bool:
-    """True when no library of `name` is cached, it was built from other files (another checkout), or a source (or
-    a header beside it) is newer than it."""
-    libs = [p for p in build_dir.glob(f"{name}*.so")]
-    ninja = build_dir / "build.ninja"
-    if not libs or not ninja.exists():
-        return True
-    if any(str(s) not in ninja.read_text(errors="replace") for s in sources):
-        return True
-    built = max(p.stat().st_mtime for p in libs)
-    deps = {*sources, *(f for s in sources for f in s.parent.glob("*.h")), *sources[0].parent.parent.glob("*.h")}
-    return any(f.stat().st_mtime > built for f in deps if f.exists())
+KEY_FILE = "fp4offload.key"
+#: the files under csrc/ a build can read: its sources and every header they may include
+SOURCE_SUFFIXES = (".h", ".cuh", ".cpp", ".cu")
+
+
+def build_key(name: str, root: Path, flags: list[str], device_flags: list[str]) -> str:
+    """What a build of `name` is made of, as one digest: every source and header under `root` (by its path relative
+    to `root` and its bytes), the host and device flags, torch's and Python's versions and the CXX compiler."""
+    import torch
+
+    h = hashlib.sha256()
+    for part in (name, torch.__version__, sys.version, os.environ.get("CXX", ""), *flags, "|", *device_flags):
+        h.update(part.encode() + b"\0")
+    for f in sorted(f for f in root.rglob("*") if f.suffix in SOURCE_SUFFIXES and f.is_file()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def cached(build_dir: Path, name: str, key: str) -> Path | None:
+    """The library of `name` in `build_dir` when it was built from what `key` digests, else None."""
+    so = build_dir / f"{name}.so"
+    with contextlib.suppress(OSError):
+        if so.is_file() and (build_dir / KEY_FILE).read_text().strip() == key:
+            return so
+    return None
+
+
+def _import_library(name: str, so: Path):
+    import importlib.util
+
+    import torch  # noqa: F401  (the library links against libtorch, which must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(), extra_cuda_cflags=(),
@@ -155,13 +183,22 @@ def build(name: str, sources: list[str], *, cuda: bool = False, extra_cflags=(),
     if cuda:
         kwargs["extra_cuda_cflags"] = device_cflags(extra_cuda_cflags)
     build_dir = extensions_root() / name
+    key = build_key(name, root, flags, kwargs.get("extra_cuda_cflags", []))
     with owning(build_dir, name):
-        if needs_build(build_dir, name, paths):
-            base = next((v for k, v in sorted(BUILD_SECONDS.items(), key=lambda kv: -len(kv[0]))
-                         if name.startswith(k)), 60)
-            announce(f"building the {name} kernel for this machine (first use, about {base} s on one core; "
-                     f"cached in {build_dir})")
-        return cpp_extension.load(**kwargs)
+        so = cached(build_dir, name, key)
+        if so is not None:
+            return _import_library(name, so)
+        base = next((v for k, v in sorted(BUILD_SECONDS.items(), key=lambda kv: -len(kv[0]))
+                     if name.startswith(k)), 60)
+        announce(f"building the {name} kernel for this machine (first use, about {base} s on one core; "
+                 f"cached in {build_dir})")
+        with contextlib.suppress(FileNotFoundError):
+            (build_dir / KEY_FILE).unlink()
+        module = cpp_extension.load(**kwargs)
+        so = build_dir / f"{name}.so"
+        if module is not None and Path(getattr(module, "__file__", "") or "").resolve() == so.resolve():
+            (build_dir / KEY_FILE).write_text(key + "\n")  # only for the library this call really loaded
+        return module
 
 
 def device_cflags(extra=()) -> list[str]:

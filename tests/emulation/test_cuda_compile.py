@@ -37,6 +37,7 @@ def jit_nvcc_flags(arch: str) -> list[str]:
     seen = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpp_extension, "load", lambda **kw: seen.update(kw))
+        mp.setattr(build, "cached", lambda *a: None)  # never a cached library imported instead of calling load
         build.build("fp4offload_cuda", cuda.SOURCES, cuda=True, extra_cuda_cflags=cuda.nvcc_flags([arch]))
     flags = list(seen["extra_cuda_cflags"])
     # torch adds these for every CUDA source (torch.utils.cpp_extension.COMMON_NVCC_FLAGS)

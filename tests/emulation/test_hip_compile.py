@@ -49,6 +49,7 @@ def rocm_jit_flags(monkeypatch, extra=None) -> list[str]:
     monkeypatch.setattr(torch.version, "hip", "5.2.21153", raising=False)
     monkeypatch.setenv("PYTORCH_ROCM_ARCH", ARCH)
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(build, "cached", lambda *a: None)  # never a cached library imported instead of calling load
     build.build("fp4offload_cuda", cuda.SOURCES, cuda=True,
                 extra_cuda_cflags=cuda.device_flags() if extra is None else extra)
     return list(seen["extra_cuda_cflags"])

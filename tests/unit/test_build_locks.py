@@ -101,18 +101,39 @@ def test_another_packages_lock_is_stale_only_when_old_and_nobody_builds_there(tm
         worker.wait()
 
 
-def test_needs_build_follows_the_sources(tmp_path):
-    d = tmp_path / "x"
-    d.mkdir()
-    src = tmp_path / "a.cpp"
-    src.write_text("int x;")
-    assert b.needs_build(d, "m", [src])  # nothing cached
-    (d / "build.ninja").write_text(f"build a.o: compile {src}\n")
-    (d / "m.so").write_text("")
-    os.utime(src, (time.time() - 100, time.time() - 100))
-    assert not b.needs_build(d, "m", [src])
-    os.utime(src, None)  # edited after the build
-    assert b.needs_build(d, "m", [src])
-    os.utime(src, (time.time() - 100, time.time() - 100))
-    (d / "build.ninja").write_text("build a.o: compile /elsewhere/a.cpp\n")  # built from another checkout
-    assert b.needs_build(d, "m", [src])
+KEYED = "fp4offload_keytest"
+KEYED_SOURCE = """#include <Python.h>
+#include "answer.h"
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "%s", nullptr, -1, nullptr};
+PyMODINIT_FUNC PyInit_%s(void) { PyObject* m = PyModule_Create(&mod); PyModule_AddIntConstant(m, "answer", ANSWER);
+                                 return m; }
+""" % (KEYED, KEYED)
+
+
+def test_a_build_is_reused_from_any_checkout_with_the_same_files_and_flags(tmp_path, monkeypatch):
+    """The key is the files and flags, not where they are: a second checkout imports the first one's library
+    without compiling; another header or other flags build again."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "m.cpp").write_text(KEYED_SOURCE)
+    (one / "answer.h").write_text("#define ANSWER 42\n")
+    assert b.build(KEYED, ["m.cpp"], root=one).answer == 42
+    two = tmp_path / "two"
+    shutil.copytree(one, two)
+    assert b.build_key(KEYED, one, ["-O3"], []) == b.build_key(KEYED, two, ["-O3"], [])
+    built = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw))
+    assert b.build(KEYED, ["m.cpp"], root=two).answer == 42 and not built  # imported, nothing compiled
+
+    assert b.build_key(KEYED, two, ["-O3"], []) != b.build_key(KEYED, two, ["-O2"], [])
+    assert b.build_key(KEYED, two, [], ["--fmad=false"]) != b.build_key(KEYED, two, [], [])
+    (two / "answer.h").write_text("#define ANSWER 43\n")  # a header no source list names
+    assert b.build_key(KEYED, two, ["-O3"], []) != b.build_key(KEYED, one, ["-O3"], [])
+    b.build(KEYED, ["m.cpp"], root=two)
+    assert len(built) == 1 and built[0]["sources"] == [str(two / "m.cpp")]  # built again
+    assert not (tmp_path / "ext" / KEYED / b.KEY_FILE).exists()  # the old library's key is gone: no stale import
