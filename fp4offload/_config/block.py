@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 from fp4offload.errors import ConfigError
 
-from .checks import (_as_tuple, check_bool, check_choice, check_int, _check_names, _check_path, _error,
-                     _plain_float, _prefix, _under)
+from .checks import (_as_tuple, check_bool, check_choice, check_class_formats, check_int, _check_names, _check_path,
+                     _error, _plain_float, _prefix, _under)
 from .vocab import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NUMEL, ACTIVATION_MODULES,
                     ACTIVATION_NORM_CHOICES, ALLOCATOR_CACHE, KEEP_BF16, MASTER_DEVICES, MASTER_FORMS, MMAP_THRESHOLD,
                     MMAP_THRESHOLD_MAX, OFF_VALUES, OPTIMIZER_DEVICES, OPTIMIZER_FORMATS, PREFLIGHT_MODES, ROUNDINGS,
@@ -159,6 +159,8 @@ class ActivationsConfig:
         check_choice("activations.attention_qk_format", self.attention_qk_format, ACTIVATION_NORM_CHOICES)
         check_choice("activations.attention_format", self.attention_format, ACTIVATION_NORM_CHOICES)
         check_choice("activations.mlp_format", self.mlp_format, ACTIVATION_NORM_CHOICES)
+        check_class_formats("activations.", self.format, (), {n: getattr(self, n) for n in (
+            "attention_qk_format", "attention_format", "mlp_format")})
         _check_path("activations.nvme_path", self.nvme_path)
         check_int("activations.min_numel", self.min_numel)
         _check_names("activations.modules", self.modules)

@@ -32,10 +32,10 @@ from typing import Any, Iterator, Mapping
 
 from fp4offload.errors import ConfigError
 
-from .vocab import F32_MAX, F32_TINY, INT64_MAX, MASTER_FORMS, NAME_MAX, PATH_MAX, V_FORMATS
+from .vocab import ACTIVATION_GENTLENESS, F32_MAX, F32_TINY, INT64_MAX, MASTER_FORMS, NAME_MAX, PATH_MAX, V_FORMATS
 
 __all__ = ["check_choice", "check_int", "check_bool", "one_of", "check_number", "check_adam_hyperparameters",
-           "check_path_syntax", "prepare_path", "with_checked_paths"]
+           "check_path_syntax", "prepare_path", "with_checked_paths", "check_class_formats"]
 
 #: the kernel file systems no state file belongs in
 _KERNEL_FS = ("/proc", "/sys", "/dev")
@@ -364,3 +364,22 @@ def with_checked_paths(cfg: Any, prefix: str = "", *, create: bool = True) -> An
             if resolved != path:
                 changes[name] = dataclasses.replace(sub, nvme_path=resolved)
     return dataclasses.replace(cfg, **changes) if changes else cfg
+
+
+def check_class_formats(prefix: str, fmt: str, module_formats: tuple[str, ...], classes: Mapping[str, str]) -> None:
+    """Refuse an op class's format (``classes``: key -> value, e.g. ``{"attention_format": "nvfp4"}``) that
+    would be ignored wherever it could apply: an op rule only makes storage gentler, so a form harsher than ``fmt``
+    and every module format, or as harsh but another format (nvfp4 against mxfp4), is never used."""
+    if fmt == "none":
+        return
+    applies = (fmt, *module_formats)
+    g = ACTIVATION_GENTLENESS
+    for key, want in classes.items():
+        if want in ("inherit", "keep"):
+            continue
+        if all(g[want] < g[f] or (g[want] == g[f] and want != f) for f in applies):
+            gentler = [f for f in ACTIVATION_GENTLENESS if g[f] > g[fmt] and f != "none"]
+            raise _error(f"{prefix}{key}", want, f"'inherit' or a form gentler than format {fmt!r} "
+                         f"({', '.join(repr(f) for f in gentler)})",
+                         "an op rule only makes storage gentler than the module around it, so this one would never "
+                         "be used: 'inherit' stores these tensors like their module")

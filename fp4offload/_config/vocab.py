@@ -43,6 +43,9 @@ ACTIVATION_FORMATS = ("nvfp4", "mxfp4", "mxfp8", "int2", "none")
 ACTIVATION_MODULE_FORMATS = ACTIVATION_FORMATS + ("bf16",)
 #: ``norm_format`` choices besides ACTIVATION_MODULE_FORMATS
 ACTIVATION_NORM_CHOICES = ACTIVATION_MODULE_FORMATS + ("keep", "inherit")
+#: how much of a saved tensor each form keeps, harshest first: an op class's format (``attention_format``...) only
+#: ever makes storage gentler than its module's, so one that is not gentler than anything it could apply to is ignored
+ACTIVATION_GENTLENESS = {"int2": -1, "nvfp4": 0, "mxfp4": 0, "mxfp8": 1, "bf16": 2, "none": 3, "keep": 4}
 #: where a saved activation goes: pinned host RAM, files under ``nvme_path``, or where it was
 ACTIVATION_DEVICES = ("cpu", "nvme", "same")
 #: weight working copy format (``weights.format``)

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .._config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_MIN_NUMEL, ACTIVATION_MODULE_FORMATS,
-                      ACTIVATION_MODULES, ACTIVATION_NORM_CHOICES, ROUNDINGS)
+from .._config import (ACTIVATION_DEVICES, ACTIVATION_FORMATS, ACTIVATION_GENTLENESS, ACTIVATION_MIN_NUMEL,
+                      ACTIVATION_MODULE_FORMATS, ACTIVATION_MODULES, ACTIVATION_NORM_CHOICES, ROUNDINGS)
+from .._config.checks import check_class_formats
 from ..errors import ConfigError
-
-# how much of a tensor a form keeps: an op rule may only move a tensor to a gentler form than its module's
-_GENTLE = {"int2": -1, "nvfp4": 0, "mxfp4": 0, "mxfp8": 1, "bf16": 2, "none": 3, "keep": 4}
 
 
 def _patterns(key: str, value) -> tuple[str, ...]:
@@ -188,6 +186,9 @@ class ActivationPolicy:
                 raise ConfigError(k + "module_formats", item, f"a format in {ACTIVATION_MODULE_FORMATS}")
             mf.append((item[0], item[1]))
         object.__setattr__(self, "module_formats", tuple(mf))
+        check_class_formats(k, self.format, tuple(f for _, f in mf),
+                            {n: getattr(self, n) for n in ("attention_qk_format", "attention_format", "mlp_format",
+                                                           "norm_format")})
 
     @classmethod
     def from_config(cls, cfg) -> ActivationPolicy:
@@ -221,7 +222,7 @@ class ActivationPolicy:
                 "norm": self.norm_format, "mlp": self.mlp_format}.get(cls, "inherit")
         if want == "inherit" or self.format == "none":
             return fmt
-        return want if _GENTLE[want] > _GENTLE[fmt] else fmt
+        return want if ACTIVATION_GENTLENESS[want] > ACTIVATION_GENTLENESS[fmt] else fmt
 
     def describe(self) -> str:
         """One line: what is stored in which form, and where."""

@@ -73,11 +73,26 @@ def per_format(reference):
     ({"format": "none", "norm_format": "nvfp4"}, "ActivationPolicy.norm_format"),
     ({"rounding": "up"}, "ActivationPolicy.rounding"),
     ({"seed": -1}, "ActivationPolicy.seed"),
+    ({"attention_format": "int2"}, "ActivationPolicy.attention_format"),  # harsher than nvfp4: never used
+    ({"format": "mxfp8", "norm_format": "mxfp4"}, "ActivationPolicy.norm_format"),
+    ({"format": "mxfp4", "mlp_format": "nvfp4"}, "ActivationPolicy.mlp_format"),  # as harsh, another format
 ])
 def test_policy_rejects_bad_values_naming_the_key(kw, key):
     with pytest.raises(ConfigError) as e:
         ActivationPolicy(**kw)
     assert e.value.key == key and key in str(e.value)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "mxfp8", "int2", "none"])
+def test_class_formats_that_can_apply_are_accepted_and_used(fmt):
+    """The defaults hold under every format; a class format harsher than the policy's is accepted when a module
+    format it is gentler than exists, and class_format then uses it there only."""
+    p = ActivationPolicy(format=fmt)
+    assert p.class_format("mlp", fmt) in ("mxfp8", fmt)
+    p = ActivationPolicy(format=fmt, module_formats=(("*.mlp", "int2"),), mlp_format="nvfp4")
+    assert p.class_format("mlp", "int2") == ("int2" if fmt == "none" else "nvfp4")
+    if fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        assert p.class_format("mlp", fmt) == fmt  # not gentler than the policy's own format: not used there
 
 
 def test_policy_is_frozen_and_normalizes_patterns():

@@ -96,6 +96,11 @@ def test_lists_given_to_the_dataclasses_become_tuples():
     ({"activations": {"modules": [""]}}, "activations.modules", "non-empty"),
     ({"activations": {"exclude": [1]}}, "activations.exclude", "list"),
     ({"activations": {"format": "none", "device": "same"}}, "activations.device", "does nothing"),
+    # an op class's format harsher than the module's would never be used (an op rule only makes storage gentler)
+    ({"activations": {"attention_format": "int2"}}, "activations.attention_format", "gentler than format 'nvfp4'"),
+    ({"activations": {"format": "mxfp8", "mlp_format": "nvfp4"}}, "activations.mlp_format", "'inherit'"),
+    ({"activations": {"format": "mxfp4", "attention_qk_format": "nvfp4"}}, "activations.attention_qk_format",
+     "gentler"),
     ({"weights": {"format": "mxfp4"}}, "weights.format", "'nvfp4', 'bf16'"),
     ({"weights": {"device": "same"}}, "weights.device", "'cpu'"),
     ({"weights": {"device": "nvme"}}, "weights.device", "'cpu'"),  # no engine keeps packed shards on NVMe

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.codec_data import codec_data
+from helpers.plan import SEVEN_B_ON_8_H100, host_bytes_per_node, plan_with_option
 from fp4offload import ActivationPolicy, ConfigError, PackedTensor, dequantize, offload_activations, quantize
 from fp4offload.formats import bits as B
 from fp4offload.formats import reference as R
@@ -176,20 +177,12 @@ def test_the_policy_puts_only_linear_inputs_in_two_bits():
 
 
 def test_plan_counts_two_bit_activations_names_their_cost_and_emits_them(tmp_path, capsys):
-    import json
-
     from fp4offload import cli
 
-    base = ["plan", "--gpu", "h100-80gb", "--gpus", "8", "--model", "llama-2-7b", "--host-ram-gb", "512",
-            "--strategy", "zero3-params-cpu-act-fp4", "--format", "json"]
-    cli.main(base)
-    four = json.loads(capsys.readouterr().out)
-    cli.main([*base, "--act-format", "int2", "--emit", "deepspeed", str(tmp_path / "ds.json")])
-    out = capsys.readouterr().out
-    two = json.loads(out[out.index("{"):])
-    acts = lambda plan: plan["ranked"][0]["memory"]["host_bytes_per_node"]  # noqa: E731  (they live in host RAM)
-    assert acts(two) < acts(four)
+    four, two, emitted = plan_with_option(capsys, "zero3-params-cpu-act-fp4", ["--act-format", "int2"],
+                                          tmp_path / "ds.json")
+    assert host_bytes_per_node(two) < host_bytes_per_node(four)  # the activations live in host RAM
     assert any("--act-format int2 (high risk)" in n and "-1.5 +/- 1.0 points" in n for n in two["notes"]), two["notes"]
-    assert json.loads((tmp_path / "ds.json").read_text())["fp4offload"]["activations"]["format"] == "int2"
-    assert cli.main([*base, "--act-format", "int3"]) != 0
+    assert emitted["fp4offload"]["activations"]["format"] == "int2"
+    assert cli.main([*SEVEN_B_ON_8_H100, "--act-format", "int3"]) != 0
     assert "--act-format='int3' is not allowed" in capsys.readouterr().err

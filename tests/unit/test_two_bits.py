@@ -3,12 +3,12 @@ files, conversions to and from the 4-bit grids, the DeepSpeed block and FSDP2 po
 (Bit-exactness across the reference, the CPU paths and the emulated CUDA step: test_optim_fused.py,
 tests/emulation.)"""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from helpers.plan import host_bytes_per_node, plan_with_option
 from fp4offload import FP4AdamW
 from fp4offload._config import grids, parse_block, parse_fsdp_policy
 from fp4offload._fsdp import optim as fsdp_optim
@@ -155,18 +155,8 @@ def test_the_block_preflight_counts_its_bytes():
 
 
 def test_plan_counts_prints_and_emits_it(tmp_path, capsys):
-    from fp4offload import cli
-
-    base = ["plan", "--gpu", "h100-80gb", "--gpus", "8", "--model", "llama-2-7b", "--host-ram-gb", "512",
-            "--strategy", "zero2-opt-cpu-fp4", "--format", "json"]
-    cli.main(base)
-    four = json.loads(capsys.readouterr().out)
-    cli.main([*base, "--v-format", "ue2m0", "--emit", "deepspeed", str(tmp_path / "ds.json")])
-    out = capsys.readouterr().out
-    two = json.loads(out[out.index("{"):])
-    host = lambda plan: plan["ranked"][0]["memory"]["host_bytes_per_node"]  # noqa: E731
+    four, two, emitted = plan_with_option(capsys, "zero2-opt-cpu-fp4", ["--v-format", "ue2m0"], tmp_path / "ds.json")
     saved = 0.25 * 6_738_415_616  # B/param of v less, over the node's ranks; the allocator cache adds up to 1/8
-    assert saved <= host(four) - host(two) <= saved * 1.125 * 1.001
+    assert saved <= host_bytes_per_node(four) - host_bytes_per_node(two) <= saved * 1.125 * 1.001
     assert any("ue2m0" in n and "0.883 B/param" in n for n in two["notes"])
-    emitted = json.loads((tmp_path / "ds.json").read_text())
     assert emitted["fp4offload"]["optimizer_states"]["v_format"] == "ue2m0"
