@@ -5,6 +5,11 @@ import os
 import sys
 from pathlib import Path
 
+# Before torch loads its OpenMP runtime: threads that wait sleep instead of spinning. Two test processes, each with
+# ranks and intra-op threads, share this machine's cores; spinning threads then take the CPU from the ones with work
+# (a one-rank DeepSpeed run beside two busy processes: more than 120 s spinning, 16.5 s passive, 12 s alone).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
