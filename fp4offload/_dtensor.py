@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 
 from .errors import ConfigError
 
-__all__ = ["is_dtensor", "local_tensor", "ShardLayout", "shard_layout", "mesh_all_reduce", "all_reduce", "like_param"]
+__all__ = ["is_dtensor", "local_tensor", "ShardLayout", "shard_layout", "mesh_all_reduce", "all_reduce",
+           "settle_gloo_at_exit", "like_param"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -74,9 +75,31 @@ def all_reduce(t: Any, op: Any, group: Any = None) -> Any:
     ``_RECENT``): a program may exit right after it without racing gloo's worker thread."""
     import torch.distributed as dist
 
+    settle_gloo_at_exit()
     dist.all_reduce(t, op=op, group=group)
     _RECENT.append(t)
     return t
+
+
+#: how long the interpreter's exit waits for gloo's worker threads, seconds
+GLOO_EXIT_GRACE_S = 0.2
+_settling: list[bool] = []
+
+
+def settle_gloo_at_exit() -> None:
+    """Once per process, when a gloo process group exists: at interpreter exit (atexit, while threads can still
+    take the GIL) wait :data:`GLOO_EXIT_GRACE_S`, so that gloo's worker threads drop the collectives they finished.
+    torch's own collectives (a checkpoint's gathers, the Trainer's) race the same way as ``_RECENT`` describes, and
+    a program that ends right after one aborts with "terminate called without an active exception"."""
+    import torch.distributed as dist
+
+    if _settling or not (dist.is_available() and dist.is_initialized()) or "gloo" not in str(dist.get_backend()):
+        return
+    import atexit
+    import time
+
+    atexit.register(time.sleep, GLOO_EXIT_GRACE_S)
+    _settling.append(True)
 
 
 def mesh_all_reduce(t: Any, mesh: Any, op: Any) -> Any:

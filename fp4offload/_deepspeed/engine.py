@@ -38,6 +38,7 @@ from typing import Any, Mapping
 
 from fp4offload import _switches as switches
 from fp4offload._announce import announce
+from fp4offload._dtensor import settle_gloo_at_exit
 from fp4offload.errors import ConfigError
 
 from . import internals as dsi
@@ -150,6 +151,7 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
         with _without_config_path(args):
             result = _original_initialize()(config=prepared.ds_config, **kwargs)
     engine = result[0]
+    settle_gloo_at_exit()  # DeepSpeed's CPU ranks talk over gloo
     for s in SURGERIES:
         if s.after is not None and (s in surgeries or (s.on_engine is not None and s.on_engine(engine))):
             run.finished(s, s.after(run, engine))

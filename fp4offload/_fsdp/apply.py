@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._announce import announce
+from .._dtensor import settle_gloo_at_exit
 from ..errors import ConfigError
 from .convert import activation_policy, as_policy, packable, unwrap_value, wrap
 from .._optim.shards import offer_residual
@@ -279,6 +280,7 @@ def apply(model: nn.Module, policy: Policy | None = None, *, mesh=None, mp_polic
         raise ConfigError("model", type(model).__name__, "a torch.nn.Module")
     blocks = _blocks(model, policy.block_classes)
     world = _mesh_world(mesh)
+    settle_gloo_at_exit()
     decision = None
     if policy.automatic:  # the master form and the states' place, from the model and the readings (rank 0's)
         from .auto import decide

@@ -101,3 +101,16 @@ def test_all_reduce_keeps_its_tensor_alive_past_the_collective(one_rank):
     for _ in range(_dtensor._RECENT.maxlen):
         _dtensor.all_reduce(torch.zeros(1), dist.ReduceOp.MAX)
     assert alive() is None, "only the last few collectives' tensors are kept"
+
+
+def test_a_gloo_program_waits_for_the_worker_threads_once_at_exit(one_rank, monkeypatch):
+    import atexit
+
+    from fp4offload import _dtensor
+
+    registered = []
+    monkeypatch.setattr(atexit, "register", lambda f, *a: registered.append((f, a)))
+    monkeypatch.setattr(_dtensor, "_settling", [])
+    _dtensor.settle_gloo_at_exit()
+    _dtensor.all_reduce(torch.ones(1), dist.ReduceOp.SUM)  # every collective helper asks; registered once
+    assert len(registered) == 1 and registered[0][1] == (_dtensor.GLOO_EXIT_GRACE_S,)
