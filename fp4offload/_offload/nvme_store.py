@@ -122,7 +122,7 @@ class ActivationFileStore:
                 try:
                     n = self._engine.write(path, dict(meta, key=key), ts, False)
                 except OSError as e:
-                    if self.failed is not None:  # the folder went with another write's failure
+                    if self._has_failed():  # the folder went with another write's failure
                         raise self._failure() from None
                     if e.errno not in SPACE_ERRNOS:
                         raise
@@ -146,12 +146,22 @@ class ActivationFileStore:
                                    f"{why} ({need} bytes needed, {max(have, 0)} free); every activation file of "
                                    "this store was removed, with its folder; free space on that disk, point "
                                    "activations.nvme_path at a larger one, or use activations.device 'cpu'")
-                self.failed = CapacityError(*self._fail_args)
                 shutil.rmtree(self.folder, ignore_errors=True)
+                self.failed = CapacityError(*self._fail_args)  # set once the folder is gone: others raise after
         return self._failure()
 
+    def _has_failed(self) -> bool:
+        """Whether the store failed, waiting for a failure's removal of the folder that is under way."""
+        with self._fail_lock:
+            return self.failed is not None
+
     def _failure(self) -> CapacityError:
-        """A new CapacityError like the first failure (one per raise: each carries its own traceback)."""
+        """A new CapacityError like the first failure (one per raise: each carries its own traceback), returned once
+        the folder is gone: a write on another I/O thread may have made a file between the removal's listing and
+        its rmdir, and then the folder is removed again here (with it gone, no write can make another)."""
+        with self._fail_lock:
+            if self.folder.exists():
+                shutil.rmtree(self.folder, ignore_errors=True)
         return CapacityError(*self._fail_args)
 
     def read(self, key: int, after: Future | None = None) -> Future:
@@ -163,7 +173,12 @@ class ActivationFileStore:
                 after.result()
             if self.failed is not None:
                 raise self._failure()
-            meta, tensors = self._engine.read(path, copy=True)
+            try:
+                meta, tensors = self._engine.read(path, copy=True)
+            except OSError:
+                if self._has_failed():  # the folder went with a write's failure while this read ran
+                    raise self._failure() from None
+                raise
             if meta.get("key") != key:
                 raise CorruptionError(path, "file holds another activation", expected=key, found=meta.get("key"))
             tensors.pop("_pad", None)  # the aio layout's trailing zeros

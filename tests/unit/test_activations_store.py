@@ -173,6 +173,35 @@ def test_nvme_corrupted_file_raises_corruption_error_in_backward(tmp_path):
     assert not off.nvme_folder.exists()  # the graph went, and with it every file and the folder
 
 
+def test_nvme_failure_raises_only_once_its_folder_is_gone(tmp_path, monkeypatch):
+    """A write on another I/O thread can make a file between the failure's listing of the folder and its rmdir (the
+    removal then leaves the folder). Every CapacityError is handed out only once the folder is gone, so a caller that
+    catches it finds the disk as it was."""
+    import shutil
+
+    from fp4offload._offload import nvme_store
+
+    store = nvme_store.ActivationFileStore(tmp_path)
+    store.write(1, {}, lambda: {"x": torch.ones(64)}).result()
+    real = shutil.rmtree
+    raced = []
+
+    def rmtree_raced_by_a_write(path, ignore_errors=False):
+        real(path, ignore_errors=ignore_errors)
+        if not raced:  # the first removal: a concurrent write's temporary file lands before the rmdir
+            raced.append(path)
+            os.makedirs(path)
+            (path / "act-00000002.fp4c.tmp").write_bytes(b"half a file")
+
+    monkeypatch.setattr(nvme_store.shutil, "rmtree", rmtree_raced_by_a_write)
+    err = store._fail(1 << 30, 0, "the disk is full")
+    assert raced and "removed" in str(err)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(type(err)):
+        store.read(1).result()
+    store.close()
+
+
 def test_nvme_path_must_exist(tmp_path):
     with pytest.raises(ConfigError, match="nvme_path"):
         with offload_activations(ActivationPolicy(device="nvme", nvme_path=str(tmp_path / "missing"))):
