@@ -54,7 +54,9 @@ ACT_BYTES: dict[str, float] = {fmt: bytes_per_element(fmt) for fmt in ("nvfp4", 
 WEIGHT_PACKED_BYTES: float = bytes_per_element("nvfp4", "16x16")
 
 
-def step_bytes_per_param(state_format: str, *, bf16_copy: bool) -> float:
-    """Memory traffic per parameter of one Adam step with ``state_format`` states: read the fp32 gradient,
-    read and write the fp32 master and both states, and write a bf16 copy of the weight when ``bf16_copy``."""
-    return FP32_BYTES + 2 * FP32_BYTES + 2 * STATE_BYTES[state_format] + (BF16_BYTES if bf16_copy else 0)
+def step_bytes_per_param(state_format: str, *, bf16_copy: bool, v_format: str | None = None) -> float:
+    """Memory traffic per parameter of one Adam step with ``state_format`` states (FP4AdamW's v on ``v_format``,
+    default the block's): read the fp32 gradient, read and write the fp32 master and both states, and write a
+    bf16 copy of the weight when ``bf16_copy``."""
+    return (FP32_BYTES + 2 * FP32_BYTES + 2 * state_bytes(state_format, v_format)
+            + (BF16_BYTES if bf16_copy else 0))

@@ -118,9 +118,11 @@ def estimate_time(strategy: Strategy, model: ModelSpec, cluster: Cluster, setup:
 
     # Optimizer step.
     fmt = s.optimizer_states.format
+    # The host step runs at the 4-bit step's rate whatever v's grid: with v on two bits it moves 0.5 B/param less
+    # but decodes no faster (0.53x DeepSpeedCPUAdam against 0.54x, benchmarks/RESULTS.md, Two bits).
     cpu_opt = node_share / c.cpu_adam[fmt] if s.optimizer_on_host else 0.0
-    gpu_opt = 0.0 if s.optimizer_on_host else GPU_STEP_BYTES_PER_PARAM[fmt] * P / (N if stage >= 1 else 1) / (
-        c.gpu.hbm_gbps * 1e9)
+    gpu_step_bytes = step_bytes_per_param(fmt, bf16_copy=True, v_format=s.optimizer_states.v_format)
+    gpu_opt = 0.0 if s.optimizer_on_host else gpu_step_bytes * P / (N if stage >= 1 else 1) / (c.gpu.hbm_gbps * 1e9)
 
     terms = {"compute": compute, "collectives": collectives, "pcie": pcie, "nvme": nvme_opt + act_nvme,
              "cpu_optimizer": cpu_opt, "gpu_optimizer": gpu_opt}

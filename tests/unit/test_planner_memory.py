@@ -314,6 +314,7 @@ def test_byte_sizes_are_those_of_the_packed_formats():
 
     from fp4offload import quantize
     from fp4offload._optim import reference_step as R
+    from fp4offload._memory.sizes import step_bytes_per_param
     from fp4offload._planner import hardware, memory, timing
 
     m_or_v = 0.5 + 1 / 16 + 4 / 1024  # one state: 4-bit codes, an E4M3 scale per 16, an fp32 scale per 1024
@@ -330,6 +331,8 @@ def test_byte_sizes_are_those_of_the_packed_formats():
     # one Adam step's memory traffic: fp32 gradient, master and states read and written, bf16 copy on the GPU
     assert hardware.CPU_ADAM_BYTES_PER_PARAM == {"fp32": 28.0, "nvfp4": 12 + 2 * 2 * m_or_v}
     assert timing.GPU_STEP_BYTES_PER_PARAM == {"fp32": 30.0, "nvfp4": 14 + 2 * 2 * m_or_v}
+    v2 = 0.25 + 1 / 16 + 4 / 1024  # sqrt(v) on ue2m0: four codes a byte, an E4M3 scale per 16, fp32 per 1024
+    assert step_bytes_per_param("nvfp4", bf16_copy=True, v_format="ue2m0") == 14 + 2 * (m_or_v + v2)
 
 
 LLAMA_412M = "hidden=2048,layers=8,heads=16,kv_heads=16,ffn=5632,vocab=256"  # benchmarks/RESULTS.md's 412.1M
