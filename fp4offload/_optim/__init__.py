@@ -7,6 +7,7 @@
   with the GPU-to-CPU segment pipeline, NVMe);
 - nvme.py: the NVMe tier's file store; working_copy.py: working copies and weight regions;
 - state.py: per-parameter state and its state-dict form; convert.py: saved forms and torch AdamW states;
+  export.py: the way back, a torch AdamW over the same parameters with the states decoded;
 - reference_step.py: the normative step in torch ops (and its numerics); fused.py: the compiled steps;
   master.py: the compact master weights.
 """
