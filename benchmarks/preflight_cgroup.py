@@ -14,6 +14,7 @@ hierarchy at /sys/fs/cgroup/memory.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -104,7 +105,8 @@ def main() -> None:
     ap.add_argument("--limits", type=float, nargs="+", default=[2.0, 2.3], help="cgroup limits, GB (10^9 bytes)")
     ap.add_argument("--blocks", nargs="+", default=["fp32", "split", "bf16", "auto"])
     ap.add_argument("--dim", type=int, default=4096)
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, nargs="+", default=[8], help="one model per value (dim x dim layers)")
+    ap.add_argument("--stages", type=int, nargs="+", default=[2], choices=[1, 2, 3], help="ZeRO stages")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args()
@@ -112,24 +114,25 @@ def main() -> None:
         sys.exit("needs root and a writable cgroup v1 memory hierarchy at /sys/fs/cgroup/memory")
     prebuild()
     rows = []
-    print("| cgroup limit | block | outcome | cgroup peak | peak RSS | estimate | block run |")
-    print("|---|---|---|---|---|---|---|")
-    for gb in a.limits:
-        for block in a.blocks:
-            t0 = time.time()
-            r = run_in_cgroup(int(gb * 1e9), ["--dim", str(a.dim), "--layers", str(a.layers), "--block", block,
-                                              "--steps", str(a.steps)])
-            r["seconds"] = round(time.time() - t0, 1)
-            rows.append(dict(r, block_asked=block))
-            est = r.get("estimate_per_rank")
-            ran = r.get("block")
-            rss = r.get("peak_rss")
-            print(f"| {gb:.1f} GB | {block} | {r['outcome']} | {r['cgroup_peak'] / 1e9:.2f} GB | "
-                  f"{'-' if rss is None else f'{rss / 1e9:.2f} GB'} | "
-                  f"{'-' if est is None else f'{est / 1e9:.2f} GB'} | {json.dumps(ran) if ran else '-'} |",
-                  flush=True)
-            if r["outcome"].startswith("failed"):
-                print(r["stderr"][-1500:], file=sys.stderr)
+    print("| ZeRO | parameters | cgroup limit | block | outcome | cgroup peak | peak RSS | estimate | estimate / peak "
+          "RSS | block run |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for stage, layers, gb, block in itertools.product(a.stages, a.layers, a.limits, a.blocks):
+        t0 = time.time()
+        r = run_in_cgroup(int(gb * 1e9), ["--dim", str(a.dim), "--layers", str(layers), "--block", block,
+                                          "--steps", str(a.steps), "--stage", str(stage)])
+        r["seconds"] = round(time.time() - t0, 1)
+        rows.append(dict(r, block_asked=block, stage=stage))
+        est = r.get("estimate_per_rank")
+        ran = r.get("block")
+        rss = r.get("peak_rss")
+        ratio = f"{100 * (est / rss - 1):+.1f}%" if est and rss else "-"
+        print(f"| {stage} | {a.dim * a.dim * layers / 1e6:.1f}M | {gb:.1f} GB | {block} | {r['outcome']} | "
+              f"{r['cgroup_peak'] / 1e9:.2f} GB | {'-' if rss is None else f'{rss / 1e9:.3f} GB'} | "
+              f"{'-' if est is None else f'{est / 1e9:.3f} GB'} | {ratio} | {json.dumps(ran) if ran else '-'} |",
+              flush=True)
+        if r["outcome"].startswith("failed"):
+            print(r["stderr"][-1500:], file=sys.stderr)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
 

@@ -37,12 +37,14 @@ class Decision:
     free: int = 0
     source: str = ""
     tried: list[tuple[str, int | None, str]] = field(default_factory=list)
+    spare: int = 0  #: what the choice leaves unclaimed beyond its estimate, on this node
 
     def line(self) -> str:
         """The one line the log gets."""
         rest = [f"{n} ({why})" for n, _, why in self.tried if why]
         head = f"auto: chose {self.choice.name}" if self.choice is not None else "auto: nothing fits"
-        return (f"{head}: adds {gib(self.need)} on this node ({gib(self.estimate)} per rank), may use "
+        spare = f", keeping {self.spare / float(1 << 20):.0f} MiB spare" if self.spare else ""
+        return (f"{head}: adds {gib(self.need)} on this node ({gib(self.estimate)} per rank){spare}, may use "
                 f"{self.source}" + ("; not taken: " + "; ".join(rest) if rest else ""))
 
 

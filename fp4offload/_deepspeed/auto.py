@@ -12,10 +12,11 @@ and, within one master form, from the fastest to the slowest (host RAM before NV
 
 Each candidate is the block a user would write; it goes through the same ``prepare_config`` and the same
 host-memory model as the preflight (:mod:`fp4offload._deepspeed.preflight`), against the same limit
-(:func:`fp4offload._machine.limits`). The first that fits is the choice. One line names it, its estimate, the
-limit, and each candidate before it with why it did not fit; ``engine.fp4offload.auto`` keeps the
-:class:`Decision` and ``engine.fp4offload.block`` the block that ran. When none fits, CapacityError names the
-smallest estimate and the limit. Rank 0 decides and broadcasts its choice, so every rank builds the same block.
+(:func:`fp4offload._machine.limits`). The first that fits with :data:`SPARE_PER_RANK` to spare is the choice. One
+line names it, its estimate, the limit, and each candidate before it with why it did not fit;
+``engine.fp4offload.auto`` keeps the :class:`Decision` and ``engine.fp4offload.block`` the block that ran. When none
+fits, CapacityError names the smallest estimate with the spare, and the limit. Rank 0 decides and broadcasts its
+choice, so every rank builds the same block.
 
 The block is the object ``{"auto": true, "nvme_path": ..., "host": {...}, "monitor": {...}}``: ``nvme_path``
 lets the NVMe candidates run, ``host`` and ``monitor`` are kept in the chosen block as written. The string
@@ -35,10 +36,14 @@ from fp4offload.errors import CapacityError, ConfigError
 from .config import BLOCK_KEY, _zero, prepare_config
 
 __all__ = ["is_auto", "auto_options", "STRING_FORM_FIX", "Candidate", "Decision", "candidates", "choose", "decide",
-           "AUTO_KEYS"]
+           "AUTO_KEYS", "SPARE_PER_RANK"]
 
 #: keys the object form of an auto block takes
 AUTO_KEYS = ("auto", "nvme_path", "host", "monitor")
+#: What a choice must leave unclaimed beyond its estimate, per local rank. The process grows between the choice and
+#: initialize's preflight (prepare_config, DeepSpeed's modules: 6 to 7 MiB on one CPU rank, 2026-12-05), and that
+#: preflight reads the limit again: a choice that fitted by less would be refused by it a moment later.
+SPARE_PER_RANK = 32 << 20
 def is_auto(block: Any) -> bool:
     """Whether a config's ``"fp4offload"`` value asks for the automatic choice."""
     return block == "auto" or (isinstance(block, Mapping) and "auto" in block)
@@ -128,13 +133,15 @@ def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: in
         est = preflight.estimate(prepared.ds_config, (params, held), prepared.host, rss=rss, world=world,
                                  local_ranks=local_ranks, accelerator=accelerator, states=prepared.states)
         need = max(0, est.added - held) * est.local_ranks
-        if best is None or need < best[0]:
-            best = (need, cand.name)
-        if preflight.fits(est, lim, held):
-            decision.choice, decision.estimate, decision.need = cand, est.per_rank, need
+        spare = SPARE_PER_RANK * est.local_ranks
+        if best is None or need + spare < best[0]:
+            best = (need + spare, cand.name)
+        if need + spare <= lim.free:
+            decision.choice, decision.estimate, decision.need, decision.spare = cand, est.per_rank, need, spare
             decision.tried.append((cand.name, need, ""))
             return cfg, decision
-        decision.tried.append((cand.name, need, f"would add {_gib(need)} on this node"))
+        short = "" if need > lim.free else f", leaving under the {spare >> 20} MiB spare auto keeps"
+        decision.tried.append((cand.name, need, f"would add {_gib(need)} on this node{short}"))
     tried = "; ".join(f"{n}: {why}" for n, _, why in decision.tried)
     if best is None:
         raise ConfigError(BLOCK_KEY, "auto", "a DeepSpeed config one of the candidates can run with",
@@ -142,7 +149,8 @@ def choose(ds_config: Mapping[str, Any], model: Any, *, lim: Any = None, rss: in
     on_nvme = any("NVMe" in n for n, _, _ in decision.tried)
     raise CapacityError(f'host RAM for {params / 1e6:.1f}M parameters with "fp4offload": {{"auto": true}}', best[0],
                         lim.free,
-                        f"the smallest candidate is {best[1]}; tried: {tried}. The process may use "
+                        f"the smallest candidate is {best[1]} (its estimate and the {SPARE_PER_RANK >> 20} MiB per "
+                        f"rank auto keeps spare); tried: {tried}. The process may use "
                         f"{lim.describe()}: more nodes, a smaller model, more RAM"
                         + ("" if on_nvme else " or an NVMe folder (nvme_path)"))
 

@@ -138,8 +138,10 @@ def initialize(args: Any = None, model: Any = None, optimizer: Any = None, model
     for note in prepared.rewrites:
         announce(f"config: {note}")
     dsi.check(features(prepared))  # DeepSpeed's private names: fail before anything is built
-    estimate = preflight.check(prepared, model)  # host RAM: fail before DeepSpeed allocates
-    attached = Attached(prepared=prepared, preflight=estimate, auto=decision, block=copy.deepcopy(_block_of(source)))
+    room = preflight.limits()
+    estimate = preflight.check(prepared, model, lim=room)  # host RAM: fail before DeepSpeed allocates
+    attached = Attached(prepared=prepared, preflight=estimate, preflight_free=room.free, auto=decision,
+                        block=copy.deepcopy(_block_of(source)))
     run = Run(prepared=prepared, kwargs=kwargs, attached=attached)
     surgeries = [s for s in SURGERIES if s.applies(prepared)]
     with contextlib.ExitStack() as at_init:

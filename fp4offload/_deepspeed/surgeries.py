@@ -82,6 +82,7 @@ class Attached:
     bf16_grads_at_init: bool = False  # ... allocated in bf16 by DeepSpeed itself (zero12.bf16_grads_at_init)
     zero3_grads_at_init: bool = False  # ZeRO-3's master gradients allocated unfilled (zero3.zero3_grads_at_init)
     preflight: Any = None  # the host-memory estimate (fp4offload._memory.host_model.HostEstimate); None when off
+    preflight_free: int | None = None  # what the process could still take when the preflight read its limits
     auto: Any = None  # with "fp4offload": {"auto": true}, what it chose and why (_deepspeed.auto.Decision)
     block: Any = None  # the block that ran, as JSON (auto's choice in place of "auto")
     surgeries: tuple[str, ...] = ()  # the names of the SURGERIES that ran, in order

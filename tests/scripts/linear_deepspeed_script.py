@@ -7,8 +7,8 @@ trained with ZeRO-2, ``offload_optimizer`` on the CPU and bf16, on random inputs
 ``"fp4offload"`` block of its config: ``none`` (plain DeepSpeed), ``fp32``, ``split`` or ``bf16`` (NVFP4 states
 with that master form), or ``auto`` (``"fp4offload": {"auto": true}``). Whatever applies the block is the installed
 package's start-up hook. The last stdout line is ``RESULT {json}``: whether it trained, the error if initialize
-raised, the inner optimizer, the block the engine ran and the preflight's estimate (from ``engine.fp4offload``),
-and the RSS before initialize and its peak from initialize on.
+raised, the inner optimizer, the block the engine ran and the preflight's estimate, need and free bytes (from
+``engine.fp4offload``), and the RSS before initialize and its peak from initialize on.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
             stop.wait(0.005)
 
     threading.Thread(target=sample, daemon=True).start()
+    held = sum(p.numel() * p.element_size() for p in model.parameters())  # the model as built, in host RAM
     out: dict = {"params": sum(p.numel() for p in model.parameters()),
                  "rss_before": psutil.Process().memory_info().rss,
                  "fp4offload_imported_before": "fp4offload" in sys.modules}
@@ -83,6 +84,9 @@ def main() -> None:
         out["block"] = getattr(attached, "block", None)
         est = getattr(attached, "preflight", None)
         out["estimate_per_rank"] = getattr(est, "per_rank", None)
+        # what the preflight weighed: the bytes initialize adds beyond the model as built, against what was free
+        out["preflight_need"] = None if est is None else max(0, est.added - held)
+        out["preflight_free"] = getattr(attached, "preflight_free", None)
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(a.steps):

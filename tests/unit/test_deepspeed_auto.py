@@ -14,6 +14,7 @@ from fp4offload.errors import CapacityError, ConfigError, CorruptionError
 P = 200_000_000
 RSS = 600 << 20
 AUTO = {"auto": True}  # the documented form (the string "auto" is refused: the Trainer fills it)
+S = auto.SPARE_PER_RANK  # what a choice leaves unclaimed beyond its estimate (one local rank here)
 
 
 def _cfg(block=AUTO, offload="cpu", stage=2, **extra):
@@ -65,9 +66,10 @@ def test_the_least_lossy_candidate_that_fits_is_chosen():
                                             "split master, NVFP4 states in host RAM",
                                             "bf16 master, NVFP4 states in host RAM"))
     assert fp32 > split > bf16  # each step down the list saves host RAM
-    cfg, d = _choose(_cfg(), fp32 + (1 << 20))
+    cfg, d = _choose(_cfg(), fp32 + S + (1 << 20))
     assert d.choice.name.startswith("fp32 master") and cfg["fp4offload"] == {"optimizer_states": {
         "format": "nvfp4", "device": "cpu"}}
+    assert d.spare == S and f"keeping {S >> 20} MiB spare" in d.line()
     cfg, d = _choose(_cfg(), fp32 - (1 << 20))
     assert d.choice.name.startswith("split master") and cfg["fp4offload"]["optimizer_states"]["master"] == "split"
     assert [n for n, _, why in d.tried if why] == ["fp32 master, NVFP4 states in host RAM"]
@@ -75,6 +77,11 @@ def test_the_least_lossy_candidate_that_fits_is_chosen():
     assert line.startswith("auto: chose split master") and "not taken: fp32 master" in line and "may use" in line
     cfg, d = _choose(_cfg(), split - (1 << 20))
     assert d.choice.name.startswith("bf16 master")
+    # a candidate that fits by less than the spare is passed over: initialize's preflight, a moment later and a
+    # few MiB on, would refuse it
+    _, d = _choose(_cfg(), fp32 + S - (1 << 20))
+    assert d.choice.name.startswith("split master")
+    assert f"leaving under the {S >> 20} MiB spare auto keeps" in d.line()
     assert "bf16_master_weights_and_grads" not in cfg.get("bf16", {})  # the choice is the block, not its rewrite
 
 
@@ -83,7 +90,7 @@ def test_nvme_candidate_comes_between_split_and_bf16_when_a_folder_is_given(tmp_
     sizes = _sizes(_cfg(block))
     nvme = sizes["split master, NVFP4 states and the residual on NVMe"]
     assert nvme < sizes["split master, NVFP4 states in host RAM"]
-    cfg, d = _choose(_cfg(block), nvme + (1 << 20))
+    cfg, d = _choose(_cfg(block), nvme + S + (1 << 20))
     assert d.choice.name == "split master, NVFP4 states and the residual on NVMe"
     assert cfg["fp4offload"]["optimizer_states"]["master_device"] == "nvme"
 
@@ -93,7 +100,7 @@ def test_nothing_fits_names_the_smallest_estimate_and_the_limit():
     with pytest.raises(CapacityError) as e:
         _choose(_cfg(), 64 << 20)
     msg = str(e.value)
-    assert e.value.need == min(sizes.values()) and e.value.have == 64 << 20
+    assert e.value.need == min(sizes.values()) + S and e.value.have == 64 << 20
     assert "smallest candidate is bf16 master" in msg and "64 MiB" in msg
 
 
