@@ -100,7 +100,7 @@ def test_every_field_of_attached_but_the_config_s_is_filled_by_a_surgery():
     filled = {s.field for s in SURGERIES if s.field is not None}
     fields = {f.name for f in dataclasses.fields(Attached)}
     assert filled <= fields
-    assert fields - filled == {"prepared", "preflight", "auto", "block", "surgeries"}
+    assert fields - filled == {"prepared", "preflight", "preflight_free", "auto", "block", "surgeries"}
 
 
 def _steps_of(surgery: Surgery) -> set[str]:
