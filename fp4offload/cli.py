@@ -1,4 +1,4 @@
-"""The `fp4offload` command: plan | doctor | bench | inspect."""
+"""The `fp4offload` command: plan | doctor | bench | inspect | export-adamw."""
 
 from __future__ import annotations
 
@@ -39,6 +39,35 @@ def _inspect(args) -> int:
     return 0
 
 
+def _export_adamw(args) -> int:
+    import torch
+
+    from ._optim.export import adamw_state_dict
+
+    if os.path.abspath(args.input) == os.path.abspath(args.output):
+        raise ConfigError("export-adamw OUT", args.output, "a file other than IN", "IN is kept as it was")
+    try:
+        saved = torch.load(args.input, map_location="cpu", weights_only=True)
+    except OSError:
+        raise
+    except Exception as e:  # not a torch file, or damaged: torch's unpickler raises whatever the bytes lead it to
+        first = (str(e).splitlines() or [""])[0][:200]
+        raise ConfigError("export-adamw IN", args.input, "a file torch.save wrote (FP4AdamW's state_dict())",
+                          f"it does not load ({type(e).__name__}: {first})") from None
+    out = adamw_state_dict(saved, drop_masters=args.drop_masters)
+    tmp = f"{args.output}.tmp-{os.getpid()}"
+    try:
+        torch.save(out, tmp)
+        os.replace(tmp, args.output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    n = sum(1 for e in out["state"].values() if isinstance(e, dict))
+    print(f"fp4offload: {n} parameter states as torch AdamW's (fp32 exp_avg, exp_avg_sq): {args.output} "
+          f"({os.path.getsize(args.output) / 2**20:.1f} MiB, from {os.path.getsize(args.input) / 2**20:.1f} MiB)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp4offload", description="4-bit offload of optimizer states, activations and "
                                 "weight shards for DeepSpeed and FSDP2.")
@@ -53,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="print the header of a file fp4offload wrote (PackedTensor, state tier)")
     i.add_argument("path")
     i.set_defaults(func=_inspect)
+    e = sub.add_parser("export-adamw", help="convert a saved FP4AdamW state dict to torch AdamW's (fp32 states)")
+    e.add_argument("input", metavar="IN", help="what torch.save wrote of FP4AdamW.state_dict() (optimizer.pt)")
+    e.add_argument("output", metavar="OUT", help="where torch AdamW's state dict goes")
+    e.add_argument("--drop-masters", action="store_true",
+                   help="drop the fp32 or split masters kept beside bf16 parameters (torch AdamW keeps none)")
+    e.set_defaults(func=_export_adamw)
     try:
         from ._planner.cli_plan import add_bench_parser, add_plan_parser
     except ImportError:

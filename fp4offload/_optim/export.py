@@ -13,6 +13,11 @@ run), ``fp32_params=False`` keeps the bf16 parameter and lets the master's low b
 
 Over a sharded model (FSDP2's DTensors) torch's own API already gives torch AdamW's form
 (``get_optimizer_state_dict``); that case is refused here with that advice.
+
+:func:`adamw_state_dict` does the same to a saved state dict, without the model (a checkpoint's ``optimizer.pt``):
+each entry is verified (checksum, fingerprint) and decoded to fp32 ``exp_avg`` / ``exp_avg_sq`` of the shape its
+fingerprint records, and the groups get torch AdamW's keys, so ``torch.optim.AdamW.load_state_dict`` takes it.
+``fp4offload export-adamw IN OUT`` runs it on a file.
 """
 
 from __future__ import annotations
@@ -21,14 +26,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .._config.grids import LEGACY_V_FORMAT
 from ..errors import ConfigError
-from .convert import _saved_master, saved_entry
-from .shards import _fp32_moments
+from .convert import FINGERPRINT, _master_form, _saved_master, check_entry, saved_entry
+from .shards import _as_torch_adamw_group, _fp32_moments
+from .state import decode_state, packed_from_entry, step_of
 
 if TYPE_CHECKING:
     from .adamw import FP4AdamW
 
-__all__ = ["to_torch_adamw"]
+__all__ = ["to_torch_adamw", "adamw_state_dict"]
 
 #: The hyperparameters torch AdamW shares with FP4AdamW; the others (min_numel, v_format, ...) are FP4AdamW's own.
 SHARED = ("lr", "betas", "eps", "weight_decay", "maximize")
@@ -102,3 +109,44 @@ def to_torch_adamw(opt: FP4AdamW, *, fp32_params: bool | None = None, **torch_op
                             "exp_avg": m.view(p.shape).to(p.device, p.dtype),
                             "exp_avg_sq": v.view(p.shape).to(p.device, p.dtype)}
     return new
+
+
+def adamw_state_dict(state_dict: dict, *, drop_masters: bool = False) -> dict:
+    """torch AdamW's state dict from FP4AdamW's (``opt.state_dict()`` as saved, any tier and ``v_format``), without
+    the model: per parameter ``step`` and fp32 ``exp_avg`` / ``exp_avg_sq`` shaped as its fingerprint records, the
+    groups with torch AdamW's keys (FP4AdamW's own options dropped). Every entry is checked first (CorruptionError
+    for a changed byte). An entry holding a master weight (``master="fp32"`` or ``"split"`` beside bf16
+    parameters) is a ConfigError unless ``drop_masters=True``: the master lives outside torch AdamW's state, and
+    split's needs the model's bf16 weights; :func:`to_torch_adamw` over the live model keeps it."""
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+            or not isinstance(state_dict.get("param_groups"), list):
+        raise ConfigError("state_dict", type(state_dict).__name__, "an optimizer state dict (state, param_groups)",
+                          "pass what FP4AdamW.state_dict() returned (a Trainer checkpoint's optimizer.pt)")
+    state: dict = {}
+    for key, entry in state_dict["state"].items():
+        if not isinstance(entry, dict):  # optimizer.state's keys that are not parameters: carried as they are
+            state[key] = entry
+            continue
+        where = f"state_dict['state'][{key!r}]"
+        fp = entry.get(FINGERPRINT)
+        if "exp_avg" in entry:
+            shape = tuple(entry["exp_avg"].shape)
+        elif isinstance(fp, dict) and "shape" in fp:
+            shape = tuple(int(d) for d in fp["shape"])
+        else:
+            raise ConfigError(where, "packed states without a fingerprint (saved before fingerprints existed)",
+                              "an entry that records its parameter's shape",
+                              "load it into an FP4AdamW over the model and call fp4offload.to_torch_adamw(opt)")
+        check_entry(entry, key, torch.empty(shape, device="meta"))
+        if _master_form(entry) != "none" and not drop_masters:
+            raise ConfigError(f"{where} ({_master_form(entry)} master)", "a master weight beside the parameter",
+                              "drop_masters=True (torch AdamW keeps none: the bf16 parameters go on alone)",
+                              "or fp4offload.to_torch_adamw(opt, fp32_params=True) over the live model keeps it")
+        if "exp_avg" in entry:
+            m, v = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
+        else:
+            n = int(torch.Size(shape).numel())
+            m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", LEGACY_V_FORMAT))
+        state[key] = {"step": torch.tensor(float(step_of(entry["step"])), dtype=torch.float32),
+                      "exp_avg": m.reshape(shape).clone(), "exp_avg_sq": v.reshape(shape).clone()}
+    return {"state": state, "param_groups": [_as_torch_adamw_group(g) for g in state_dict["param_groups"]]}

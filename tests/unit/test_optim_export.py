@@ -128,3 +128,70 @@ def test_refusals_name_the_fix():
         to_torch_adamw(torch.optim.AdamW(params))
     fresh = to_torch_adamw(opt, foreach=False)  # never stepped: torch AdamW starts fresh too
     assert fresh.state == {} and fresh.param_groups[0]["foreach"] is False
+
+
+# -- a saved state dict, without the model (fp4offload.adamw_state_dict, fp4offload export-adamw) -------------
+
+def test_a_saved_state_dict_converts_without_the_model_as_the_live_optimizer_does():
+    from fp4offload._optim.export import adamw_state_dict
+
+    params = _params()
+    opt = FP4AdamW(params, **HYPER, state_format=StateFormat(v_format="ue2m0"))
+    _train(opt, params, 3)
+    saved = opt.state_dict()
+    out = adamw_state_dict(saved)
+    live = to_torch_adamw(opt)
+    for i, p in enumerate(params):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(out["state"][i][k], live.state[p][k]), (i, k)
+    # torch AdamW over a copy of the model loads it and steps exactly as the live export does
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    adamw = torch.optim.AdamW(twin)
+    adamw.load_state_dict(out)
+    assert adamw.param_groups[0]["lr"] == HYPER["lr"] and "v_format" not in adamw.param_groups[0]
+    for ps in (params, twin):
+        for p, gr in zip(ps, _grads(ps, 5)):
+            p.grad = gr
+    live.step()
+    adamw.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, twin))
+
+
+def test_a_saved_state_dict_is_checked_and_keeps_its_masters_unless_told():
+    from fp4offload._optim.export import adamw_state_dict
+
+    p16 = _params(torch.bfloat16)
+    run = FP4AdamW(p16, **HYPER, master="split", state_format=StateFormat(min_numel=R.CHUNK))
+    _train(run, p16, 2)
+    saved = run.state_dict()
+    with pytest.raises(ConfigError, match="drop_masters=True") as e:
+        adamw_state_dict(saved)
+    assert "split master" in str(e.value) and "to_torch_adamw" in str(e.value)
+    out = adamw_state_dict(saved, drop_masters=True)
+    assert out["state"][0]["exp_avg"].shape == p16[0].shape and "master_lo" not in out["state"][0]
+    saved["state"][0]["m_codes"][3] ^= 0x11  # one changed byte
+    from fp4offload import CorruptionError
+
+    with pytest.raises(CorruptionError, match="checksum"):
+        adamw_state_dict(saved, drop_masters=True)
+
+
+def test_the_command_writes_torch_adamws_file(tmp_path, capsys):
+    from fp4offload import cli
+    from fp4offload._optim.export import adamw_state_dict
+
+    params = _params()
+    opt = FP4AdamW(params, **HYPER)
+    _train(opt, params, 2)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+    assert cli.main(["export-adamw", str(tmp_path / "optimizer.pt"), str(tmp_path / "adamw.pt")]) == 0
+    assert "3 parameter states as torch AdamW's" in capsys.readouterr().out
+    got = torch.load(tmp_path / "adamw.pt", weights_only=True)
+    want = adamw_state_dict(opt.state_dict())
+    assert got["param_groups"] == want["param_groups"]
+    assert all(torch.equal(got["state"][i][k], want["state"][i][k]) for i in want["state"] for k in want["state"][i])
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["adamw.pt", "optimizer.pt"]  # no temporary left
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    assert cli.main(["export-adamw", str(tmp_path / "junk.pt"), str(tmp_path / "out.pt")]) == 2
+    err = capsys.readouterr().err
+    assert "export-adamw IN" in err and "junk.pt" in err and not (tmp_path / "out.pt").exists()
