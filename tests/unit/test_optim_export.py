@@ -65,7 +65,7 @@ def test_torch_adamw_holds_the_decoded_moments_and_steps_on_as_fp4adamw(v_format
     ref.step()
     for a, b, w in zip(params, twin, before):
         assert not torch.equal(a, w)
-        torch.testing.assert_close(a - w, b - w, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(a - w, b - w, rtol=1e-4, atol=1e-6)  # two roundings of w (|w| < 4.4: ulp 4.8e-7)
     opt.close()
 
 
