@@ -31,7 +31,7 @@ from ..errors import ConfigError, CorruptionError
 from . import master as MW
 from . import reference_step as R
 from .checks import UNSUPPORTED
-from .state import PACKED_KEYS, as_u8, decode_state, encode_state, packed_from_entry, step_of
+from .state import PACKED_KEYS, as_u8, decode_state, encode_state, entry_moments, packed_from_entry, step_of
 
 if TYPE_CHECKING:
     from .adamw import FP4AdamW
@@ -170,10 +170,8 @@ def load_entry(opt: FP4AdamW, group: dict, p, entry: Mapping) -> None:
                 _, v = encode_state(mf, vf, want)
         else:  # fp32 states (torch AdamW, or a smaller min_numel): quantize once
             m, v = encode_state(_flat_cpu(entry["exp_avg"]), _flat_cpu(entry["exp_avg_sq"]), want)
-    elif packed_saved:
-        m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", LEGACY_V_FORMAT))
     else:
-        m, v = entry["exp_avg"].detach().float(), entry["exp_avg_sq"].detach().float()
+        m, v = entry_moments(entry, n)
     # split's residual before the state is made: the NVMe tier writes it into the files with m and v
     res = _split_start(p, entry) if opt.master == "split" else None
     if packed:

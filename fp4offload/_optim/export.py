@@ -26,11 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._config.grids import LEGACY_V_FORMAT
 from ..errors import ConfigError
 from .convert import FINGERPRINT, _master_form, _saved_master, check_entry, saved_entry
-from .shards import _as_torch_adamw_group, _fp32_moments
-from .state import decode_state, packed_from_entry, step_of
+from .shards import _as_torch_adamw_group
+from .state import entry_moments, step_of
 
 if TYPE_CHECKING:
     from .adamw import FP4AdamW
@@ -91,20 +90,21 @@ def to_torch_adamw(opt: FP4AdamW, *, fp32_params: bool | None = None, **torch_op
                 if entry is None:  # never stepped: torch AdamW starts it fresh too
                     moments[id(p)] = None
                     continue
-                if fp32_params and p.dtype != torch.float32:
-                    master = _saved_master(p, entry)
-                    if master is not None:
-                        p.data = master.view(p.shape).to(p.device)
-                        p.grad = None
-                m, v = _fp32_moments(entry, p)
-                moments[id(p)] = (entry["step"], m, v)
+                master = _saved_master(p, entry) if fp32_params and p.dtype != torch.float32 else None
+                m, v = entry_moments(entry, p.numel())
+                moments[id(p)] = (step_of(entry["step"]), m, v, master)
+        for _, p, _ in opt.numbered_params():  # every state read: only now does a parameter become its master
+            got = moments.get(id(p))
+            if got is not None and got[3] is not None:
+                p.data = got[3].view(p.shape).to(p.device)
+                p.grad = None
     new = torch.optim.AdamW(groups, amsgrad=False, **torch_options)
     for g in new.param_groups:
         for p in g["params"]:
             got = moments.get(id(p))
             if got is None:
                 continue
-            step, m, v = got
+            step, m, v, _ = got
             new.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
                             "exp_avg": m.view(p.shape).to(p.device, p.dtype),
                             "exp_avg_sq": v.view(p.shape).to(p.device, p.dtype)}
@@ -142,11 +142,7 @@ def adamw_state_dict(state_dict: dict, *, drop_masters: bool = False) -> dict:
             raise ConfigError(f"{where} ({_master_form(entry)} master)", "a master weight beside the parameter",
                               "drop_masters=True (torch AdamW keeps none: the bf16 parameters go on alone)",
                               "or fp4offload.to_torch_adamw(opt, fp32_params=True) over the live model keeps it")
-        if "exp_avg" in entry:
-            m, v = entry["exp_avg"].float(), entry["exp_avg_sq"].float()
-        else:
-            n = int(torch.Size(shape).numel())
-            m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", LEGACY_V_FORMAT))
+        m, v = entry_moments(entry, int(torch.Size(shape).numel()))
         state[key] = {"step": torch.tensor(float(step_of(entry["step"])), dtype=torch.float32),
                       "exp_avg": m.reshape(shape).clone(), "exp_avg_sq": v.reshape(shape).clone()}
     return {"state": state, "param_groups": [_as_torch_adamw_group(g) for g in state_dict["param_groups"]]}

@@ -411,13 +411,9 @@ def _from_torch_adamw_group(saved: dict, mine: dict) -> dict:
 
 def _fp32_moments(entry: dict, proxy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(m, v) of one state-dict entry as flat fp32 tensors on the proxy's device (packed states decoded)."""
-    if "exp_avg" in entry:
-        return entry["exp_avg"].reshape(-1).float(), entry["exp_avg_sq"].reshape(-1).float()
-    from .._config.grids import LEGACY_V_FORMAT
-    from .state import decode_state, packed_from_entry
+    from .state import entry_moments
 
-    n = proxy.numel()
-    m, v = decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", LEGACY_V_FORMAT))
+    m, v = entry_moments(entry, proxy.numel())
     return m.to(proxy.device), v.to(proxy.device)
 
 

@@ -116,6 +116,14 @@ def encode_state(m: torch.Tensor, v: torch.Tensor, v_format: str, kern=reference
     return pm, pv
 
 
+def entry_moments(entry, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 m and v (flat) of a state-dict entry of n elements: its packed states decoded in their ``v_format``,
+    or its fp32 ``exp_avg`` and ``exp_avg_sq``."""
+    if "exp_avg" in entry:
+        return entry["exp_avg"].detach().reshape(-1).float(), entry["exp_avg_sq"].detach().reshape(-1).float()
+    return decode_state(*packed_from_entry(entry, n), n, entry.get("v_format", LEGACY_V_FORMAT))
+
+
 def decode_state(m: R.Packed, v: R.Packed, n: int, v_format: str, kern=reference) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 m and v (flat) of packed states."""
     md = R.decode(kern, m, n, False)
